@@ -1,0 +1,32 @@
+"""How a collective is cut into chunks and which reducer sums each chunk.
+
+The plan depends only on the element count, the item size, the number of reducers and the
+chunk size, so every rank computes the same one without talking (a rank configured with another
+chunk size is caught by the reducer as a mismatch). Chunk k of collective seq goes to reducer
+(seq + k) mod R: large buffers spread evenly, and small ones rotate over the reducers.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+#: below this, a chunk is not split further to use more reducers (per-message cost dominates)
+MIN_SPLIT_BYTES = 64 * 1024
+_ALIGN_ELEMENTS = 64
+
+
+def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """[(offset, count), ...] in elements, covering 0..total in order."""
+    if total <= 0:
+        return []
+    largest = max(1, chunk_bytes // itemsize)
+    # A buffer a little over one chunk would leave reducers idle: spread it over all of them,
+    # but not into pieces smaller than MIN_SPLIT_BYTES.
+    even = -(-total // num_reducers)
+    size = min(largest, max(even, MIN_SPLIT_BYTES // itemsize))
+    if size > _ALIGN_ELEMENTS:
+        size -= size % _ALIGN_ELEMENTS  # chunk starts stay cache-line aligned
+    return [(offset, min(size, total - offset)) for offset in range(0, total, size)]
+
+
+def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
+    return (seq + chunk) % num_reducers

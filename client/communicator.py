@@ -1,0 +1,148 @@
+"""The Communicator: NCCL's all-reduce model over R reducers.
+
+Every rank creates one with the same reducers and world size and issues the same collectives in
+the same order (as NCCL requires). A collective is cut into chunks (see chunking.py) that the
+progress engine (engine.py) streams to the reducers and whose results it receives straight
+into the output buffer.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from reduction_server.discovery import discover_worker, job_id_from, parse_address
+from reduction_server.errors import ConfigError
+from reduction_server.protocol import ReduceOp
+from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT,
+                                       DEFAULT_WINDOW, env_number)
+
+from .buffers import WireBuffer, empty_like, wire_view
+from .chunking import plan_chunks
+from .engine import Collective, Engine
+
+OpLike = Union[str, int, ReduceOp]
+
+
+class Handle:
+    """An all-reduce in progress: `wait()` returns its result, `done()` polls."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """The result; raises CollectiveError if the collective failed."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class Communicator:
+    def __init__(self, reducers: Sequence[str], rank: int, world_size: int, *,
+                 job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
+                 chunk_bytes: Optional[int] = None, window: Optional[int] = None,
+                 timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
+                 io_threads: Optional[int] = None) -> None:
+        if isinstance(reducers, str):
+            reducers = [a for a in reducers.split(",") if a.strip()]
+        if not reducers:
+            raise ConfigError("no reducers given (reducers=[...] or RS_REDUCERS)")
+        for address in reducers:
+            parse_address(address, "reducers")
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise ConfigError(f"rank {rank!r} is out of range for world size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.reducers = tuple(a.strip() for a in reducers)
+        job_token = os.environ.get("RS_JOB_TOKEN", "") if job_token is None else job_token
+        self.job_id = job_id_from(job_token) if job_id is None else job_id
+        self.generation = generation
+        self.chunk_bytes = chunk_bytes or int(env_number("RS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, minimum=64))
+        self._seq = itertools.count()
+        self._submit_lock = threading.Lock()  # seq order == submission order
+        self._engine = Engine(
+            self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
+            window=window or int(env_number("RS_WINDOW", DEFAULT_WINDOW, minimum=1)),
+            timeout=timeout or env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float),
+            connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
+                                                          minimum=0.01, kind=float),
+            io_threads=io_threads or int(env_number("RS_IO_THREADS", 1, minimum=1)),
+        )
+        self._engine.start()
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **options: Any) -> "Communicator":
+        """Rank, world size, reducers and job identity from the environment (discovery.py)."""
+        place = discover_worker(environ)
+        return cls(place.reducers, place.rank, place.world_size, job_token=place.job_token,
+                   job_id=place.job_id, generation=place.generation, **options)
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: OpLike = "sum", out: Any = None) -> Any:
+        """Reduce x over all ranks; a new array (or `out`, which may be x itself)."""
+        return self.all_reduce_async(x, op, out).wait()
+
+    def all_reduce_async(self, x: Any, op: OpLike = "sum", out: Any = None) -> Handle:
+        op = ReduceOp.parse(op)
+        if op is ReduceOp.BROADCAST:
+            raise ValueError("broadcast is not a reduction op; use broadcast()")
+        src = wire_view(x, what="all_reduce input")
+        result = empty_like(x) if out is None else out
+        dst = wire_view(result, writable=True, what="all_reduce out")
+        if (dst.dtype, dst.count) != (src.dtype, src.count):
+            raise ValueError(f"out holds {dst.describe()} but the input holds {src.describe()}")
+        return self._start(src, dst, op, 0, result)
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Overwrite x on every rank with root's x; returns x."""
+        return self.broadcast_async(x, root).wait()
+
+    def broadcast_async(self, x: Any, root: int = 0) -> Handle:
+        if not (isinstance(root, int) and 0 <= root < self.world_size):
+            raise ValueError(f"broadcast root {root!r} is out of range for world size {self.world_size}")
+        buf = wire_view(x, writable=True, what="broadcast buffer")
+        return self._start(buf if self.rank == root else None, buf, ReduceOp.BROADCAST, root, x)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self.all_reduce(np.zeros(1, np.int32))
+
+    def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any) -> Handle:
+        if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
+            future: Future = Future()
+            future.set_result(result)
+            return Handle(future)
+        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), self.chunk_bytes)
+        with self._submit_lock:
+            coll = Collective(next(self._seq), dst.dtype, op, root, src.data if src else None, dst.data,
+                              dst.count, chunks, result)
+            self._engine.submit(coll)
+        return Handle(coll.future)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Fail what is still pending, say goodbye to the reducers, release the sockets."""
+        if not self._closed:
+            self._closed = True
+            self._engine.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) is False:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, reducers={list(self.reducers)})"

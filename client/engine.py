@@ -1,0 +1,377 @@
+"""The progress engine: one background thread that owns a worker's sockets and moves chunks.
+
+ZeroMQ sockets are not thread-safe, so a single thread sends every chunk and receives every
+result; user threads hand it collectives through a queue and a wake-up pipe and wait on a
+Future. Each chunk is sent without a copy from the user's buffer, and each result is received
+with recv_into straight into the output buffer: nothing is allocated per message.
+
+Chunks are sent in one global order (collective by collective, chunk by chunk), never more than
+`window` unanswered per reducer. Every rank sends the same sequence, so every key a rank waits
+for is one that all ranks reach: the window cannot deadlock, and sending, summing and receiving
+overlap across reducers and across consecutive collectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket as pysocket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import zmq
+
+from reduction_server import __version__, auth, protocol
+from reduction_server.errors import CollectiveError, ProtocolError
+from reduction_server.log import get_logger
+from reduction_server.protocol import DType, MsgType, ReduceOp
+
+from .chunking import reducer_of
+
+log = get_logger("client")
+
+_UNSENT, _SENT, _ANSWERED = 0, 1, 2
+
+
+@dataclass
+class Collective:
+    seq: int
+    dtype: DType
+    op: ReduceOp
+    root: int
+    send: Optional[memoryview]  # None: this rank contributes no payload (broadcast, not root)
+    recv: memoryview
+    total: int
+    chunks: List[Tuple[int, int]]
+    result: Any
+    future: Future = field(default_factory=Future)
+    next: int = 0  # next chunk to send
+    answered: int = 0
+    state: bytearray = field(default=None)  # per chunk: unsent, sent, answered
+    errors: List[str] = field(default_factory=list)
+    last_progress: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.state = bytearray(len(self.chunks))
+
+    def describe(self) -> str:
+        what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
+        return f"collective seq={self.seq} ({what} of {self.total} x {self.dtype.name.lower()})"
+
+
+class Engine:
+    def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
+                 job_id: int, generation: int, window: int, timeout: float,
+                 connect_timeout: float, io_threads: int) -> None:
+        self.reducers = reducers
+        self.rank = rank
+        self.world = world_size
+        self.job_token = job_token
+        self.job = job_id
+        self.generation = generation
+        self.window = window
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._io_threads = io_threads
+        self._queue: Deque[Collective] = deque()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        self._ready = threading.Event()
+        self._startup_error: Optional[BaseException] = None
+        self._dead: Optional[str] = None  # why the engine stopped, once it has
+        self._active: Dict[int, Collective] = {}
+        self._sending: Deque[Collective] = deque()
+        self._inflight = [0] * len(reducers)
+        self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
+
+    # -- user side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            self._thread.join()
+            raise self._startup_error
+
+    def submit(self, coll: Collective) -> None:
+        with self._lock:
+            if self._closing or self._dead:
+                raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
+                                      + (self._dead or "the communicator is closed"))
+            self._queue.append(coll)
+        os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        os.write(self._wake_w, b"x")
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _main(self) -> None:
+        self._context = zmq.Context(self._io_threads)
+        self._sockets: List[zmq.Socket] = []
+        try:
+            for address in self.reducers:
+                sock = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
+                sock.connect(f"tcp://{address}")
+                self._sockets.append(sock)
+            self._handshake()
+        except BaseException as exc:  # reported to the constructor
+            self._startup_error = exc
+            self._shutdown_sockets(bye=False)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: every waiter hears of it, nobody hangs
+            log.exception("engine of rank %d crashed", self.rank)
+            self._die(f"the communication engine crashed: {exc!r}")
+        finally:
+            self._shutdown_sockets(bye=True)
+
+    def _name(self, r: int) -> str:
+        return f"reducer {r} ({self.reducers[r]})"
+
+    def _handshake(self) -> None:
+        info = json.dumps({"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}).encode()
+        for sock in self._sockets:
+            sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=self.rank, world=self.world,
+                                                      job=self.job, generation=self.generation), info])
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        index = {sock: r for r, sock in enumerate(self._sockets)}
+        waiting = set(range(len(self._sockets)))
+        deadline = time.monotonic() + self.connect_timeout
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                names = ", ".join(self._name(r) for r in sorted(waiting))
+                raise CollectiveError(
+                    f"rank {self.rank}: {names} did not admit this worker within {self.connect_timeout:g} s "
+                    "(is `reduction-server serve` running there, and RS_REDUCERS right?)")
+            for sock, _ in poller.poll(min(remaining, 0.5) * 1000):
+                r = index[sock]
+                frames = sock.recv_multipart()
+                try:
+                    h = protocol.unpack(frames[0])
+                except ProtocolError as exc:
+                    raise CollectiveError(f"rank {self.rank}: {self._name(r)} answered the handshake with a malformed frame: {exc}") from None
+                text = frames[1] if len(frames) > 1 else b""
+                if h.type is MsgType.CHALLENGE:
+                    proof = auth.proof(self.job_token, text, job=self.job, generation=self.generation,
+                                       rank=self.rank, world=self.world)
+                    sock.send_multipart([protocol.text_header(MsgType.AUTH, proof, rank=self.rank, world=self.world,
+                                                              job=self.job, generation=self.generation), proof])
+                elif h.type is MsgType.WELCOME:
+                    waiting.discard(r)
+                elif h.type in (MsgType.REJECT, MsgType.ERROR):
+                    raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
+                                          f"{text.decode(errors='replace')}")
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        index = {sock: r for r, sock in enumerate(self._sockets)}
+        while True:
+            self._take_submissions()
+            if self._closing:
+                self._die("the communicator was closed")
+                return
+            self._pump()
+            for item, _ in poller.poll(200 if self._active else 1000):
+                if item == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                else:
+                    self._drain(index[item])
+            if self._active:
+                self._expire(time.monotonic())
+
+    def _take_submissions(self) -> None:
+        with self._lock:
+            while self._queue:
+                coll = self._queue.popleft()
+                coll.last_progress = time.monotonic()
+                self._active[coll.seq] = coll
+                self._sending.append(coll)
+
+    def _pump(self) -> None:
+        """Send chunks in global order until one's reducer has a full window."""
+        num = len(self._sockets)
+        while self._sending:
+            coll = self._sending[0]
+            while coll.next < len(coll.chunks):
+                k = coll.next
+                r = reducer_of(coll.seq, k, num)
+                if self._inflight[r] >= self.window:
+                    return
+                self._send_chunk(coll, k, r)
+                coll.next += 1
+            self._sending.popleft()
+
+    def _send_chunk(self, coll: Collective, k: int, r: int) -> None:
+        offset, count = coll.chunks[k]
+        size = coll.dtype.itemsize
+        payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
+        header = protocol.data_header(
+            MsgType.DATA, dtype=coll.dtype, op=coll.op, rank=self.rank, world=self.world, job=self.job,
+            generation=self.generation, seq=coll.seq, chunk=k, nchunks=len(coll.chunks), offset=offset,
+            count=count, total=coll.total, nbytes=len(payload) if payload is not None else 0, aux=coll.root)
+        sock = self._sockets[r]
+        if payload is None:
+            sock.send(header)
+        else:
+            sock.send(header, zmq.SNDMORE)
+            sock.send(payload, copy=False)
+        coll.state[k] = _SENT
+        self._inflight[r] += 1
+
+    def _drain(self, r: int) -> None:
+        sock = self._sockets[r]
+        while True:
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            more = sock.getsockopt(zmq.RCVMORE)
+            try:
+                h = protocol.unpack(raw)
+            except ProtocolError as exc:
+                self._skip(sock, more)
+                self._fail_reducer(r, f"{self._name(r)} sent a malformed frame: {exc}")
+                continue
+            if h.type is MsgType.RESULT:
+                self._on_result(r, sock, h, more)
+            elif h.type is MsgType.ERROR:
+                text = sock.recv().decode(errors="replace") if more else "(no message)"
+                self._on_error(r, h, text)
+            else:
+                log.warning("rank %d: unexpected %s from %s", self.rank, h.type.name, self._name(r))
+                self._skip(sock, more)
+
+    @staticmethod
+    def _skip(sock: zmq.Socket, more: int) -> None:
+        while more:
+            sock.recv(copy=False)
+            more = sock.getsockopt(zmq.RCVMORE)
+
+    def _pending_chunk(self, h: protocol.Header) -> Optional[Collective]:
+        coll = self._active.get(h.seq)
+        if (coll is None or (h.job, h.generation) != (self.job, self.generation)
+                or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != _SENT):
+            return None  # late answer to a collective that already failed or timed out
+        return coll
+
+    def _on_result(self, r: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
+        coll = self._pending_chunk(h)
+        if coll is None:
+            return self._skip(sock, more)
+        offset, count = coll.chunks[h.chunk]
+        size = coll.dtype.itemsize
+        if (h.offset, h.count, h.dtype) != (offset, count, int(coll.dtype)) or not more:
+            self._skip(sock, more)
+            return self._chunk_done(coll, h.chunk, r, (
+                f"{self._name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+                f"(dtype code {h.dtype}), expected {count} at {offset}"))
+        view = coll.recv[offset * size:(offset + count) * size]
+        received = sock.recv_into(view)
+        error = None
+        if received != len(view):
+            error = f"{self._name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
+        self._skip(sock, sock.getsockopt(zmq.RCVMORE))
+        self._chunk_done(coll, h.chunk, r, error)
+
+    def _on_error(self, r: int, h: protocol.Header, text: str) -> None:
+        coll = self._pending_chunk(h)
+        if coll is None:
+            # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
+            log.warning("rank %d: %s reported: %s", self.rank, self._name(r), text)
+            return
+        self._chunk_done(coll, h.chunk, r, text)
+
+    def _chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str]) -> None:
+        coll.state[k] = _ANSWERED
+        self._inflight[r] -= 1
+        coll.answered += 1
+        coll.last_progress = time.monotonic()
+        if error is not None:
+            coll.errors.append(f"chunk {k} on {self._name(r)}: {error}")
+        if coll.answered == len(coll.chunks):
+            del self._active[coll.seq]
+            if coll.errors:
+                more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
+                self._fail(coll, f"{coll.errors[0]}{more}")
+            else:
+                coll.future.set_result(coll.result)
+
+    def _fail(self, coll: Collective, reason: str) -> None:
+        if not coll.future.done():
+            coll.future.set_exception(CollectiveError(f"rank {self.rank}: {coll.describe()} failed: {reason}"))
+
+    def _expire(self, now: float) -> None:
+        for coll in list(self._active.values()):
+            if now - coll.last_progress < self.timeout:
+                continue
+            waiting = sorted({reducer_of(coll.seq, k, len(self._sockets))
+                              for k, s in enumerate(coll.state) if s == _SENT})
+            self._abandon(coll)
+            self._fail(coll, (
+                f"no answer for {self.timeout:g} s (RS_TIMEOUT) from "
+                + ", ".join(self._name(r) for r in waiting)
+                + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"))
+
+    def _fail_reducer(self, r: int, reason: str) -> None:
+        """Fail every collective with a chunk waiting on reducer r: its answers are unreadable."""
+        num = len(self._sockets)
+        for coll in list(self._active.values()):
+            if any(s == _SENT and reducer_of(coll.seq, k, num) == r for k, s in enumerate(coll.state)):
+                self._abandon(coll)
+                self._fail(coll, reason)
+
+    def _abandon(self, coll: Collective) -> None:
+        """Stop tracking a collective: its window slots free up, late answers are dropped."""
+        num = len(self._sockets)
+        for k, s in enumerate(coll.state):
+            if s == _SENT:
+                self._inflight[reducer_of(coll.seq, k, num)] -= 1
+            coll.state[k] = _ANSWERED
+        self._active.pop(coll.seq, None)
+        if coll in self._sending:
+            self._sending.remove(coll)
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+            queued = list(self._queue)
+            self._queue.clear()
+        for coll in [*self._active.values(), *queued]:
+            self._abandon(coll)
+            self._fail(coll, reason)
+
+    def _shutdown_sockets(self, bye: bool) -> None:
+        for sock in self._sockets:
+            if bye:
+                try:
+                    sock.send(protocol.text_header(MsgType.BYE, b"", rank=self.rank, world=self.world,
+                                                   job=self.job, generation=self.generation), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # nobody to say goodbye to
+            sock.close()
+        self._context.term()

@@ -1,0 +1,103 @@
+"""NCCL's API for host memory, in the shape CuPy exposes it (cupy.cuda.nccl).
+
+Rank 0 calls get_unique_id() and passes the bytes to every rank out of band (as with NCCL);
+they carry the reducers' addresses, the job token and a fresh job id. Buffers are raw host
+addresses (integers), counts are elements, datatypes and ops are NCCL's constants. Streams mean
+nothing for host memory: the call returns when the collective is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Mapping, Optional
+
+from reduction_server.discovery import discover_reducers
+from reduction_server.errors import ConfigError
+from reduction_server.protocol import DType, ReduceOp
+
+from .buffers import raw_view
+from .communicator import Communicator
+
+# ncclDataType_t
+ncclInt8 = ncclChar = int(DType.INT8)
+ncclUint8 = int(DType.UINT8)
+ncclInt32 = ncclInt = int(DType.INT32)
+ncclUint32 = int(DType.UINT32)
+ncclInt64 = int(DType.INT64)
+ncclUint64 = int(DType.UINT64)
+ncclFloat16 = ncclHalf = int(DType.FLOAT16)
+ncclFloat32 = ncclFloat = int(DType.FLOAT32)
+ncclFloat64 = ncclDouble = int(DType.FLOAT64)
+ncclBfloat16 = int(DType.BFLOAT16)
+# ncclRedOp_t
+ncclSum = int(ReduceOp.SUM)
+ncclProd = int(ReduceOp.PROD)
+ncclMax = int(ReduceOp.MAX)
+ncclMin = int(ReduceOp.MIN)
+ncclAvg = int(ReduceOp.AVG)
+
+_PREFIX = b"RSUID1:"
+
+
+def get_unique_id(environ: Optional[Mapping[str, str]] = None) -> bytes:
+    """An id for a new job: the reducers (from the environment), the job token, a fresh job id."""
+    environ = os.environ if environ is None else environ
+    body = {"reducers": list(discover_reducers(environ)), "token": environ.get("RS_JOB_TOKEN", ""),
+            "job": secrets.randbits(64)}
+    return _PREFIX + json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_unique_id(unique_id: bytes) -> dict:
+    if isinstance(unique_id, str):
+        unique_id = unique_id.encode()
+    if not isinstance(unique_id, (bytes, bytearray)) or not unique_id.startswith(_PREFIX):
+        raise ConfigError("not a reduction-server unique id (make one with get_unique_id() on one rank)")
+    try:
+        body = json.loads(unique_id[len(_PREFIX):])
+        return {"reducers": [str(a) for a in body["reducers"]], "token": str(body["token"]), "job": int(body["job"])}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"corrupt reduction-server unique id: {exc}") from None
+
+
+def communicator_from_unique_id(unique_id: bytes, rank: int, world_size: int, **options) -> Communicator:
+    uid = parse_unique_id(unique_id)
+    return Communicator(uid["reducers"], rank, world_size, job_token=uid["token"], job_id=uid["job"], **options)
+
+
+class NcclCommunicator:
+    """cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank) for host buffers."""
+
+    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:
+        self._comm = communicator_from_unique_id(commId, rank, ndev)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int = 0) -> None:
+        dtype = DType(datatype)
+        src, dst = raw_view(sendbuf, count, dtype), raw_view(recvbuf, count, dtype)
+        if count:
+            self._comm._start(src, dst, ReduceOp.parse(op), 0, None).wait()
+
+    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int = 0) -> None:
+        dtype = DType(datatype)
+        if self._comm.rank == root and sendbuf != recvbuf and count:
+            raw_view(recvbuf, count, dtype).data[:] = raw_view(sendbuf, count, dtype).data
+        self.bcast(recvbuf, count, datatype, root, stream)
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int = 0) -> None:
+        if not 0 <= root < self._comm.world_size:
+            raise ValueError(f"broadcast root {root} is out of range for {self._comm.world_size} ranks")
+        buf = raw_view(buff, count, DType(datatype))
+        if count:
+            src = buf if self._comm.rank == root else None
+            self._comm._start(src, buf, ReduceOp.BROADCAST, root, None).wait()
+
+    def rank_id(self) -> int:
+        return self._comm.rank
+
+    def size(self) -> int:
+        return self._comm.world_size
+
+    def destroy(self) -> None:
+        self._comm.close()
+
+    abort = destroy

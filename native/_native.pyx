@@ -1,0 +1,249 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Native reduction kernels of the reducer's hot path (built as reduction_server._native).
+
+    load(acc, src, dtype)                    acc[:] = widen(src)
+    accumulate(acc, src, dtype, op)          acc[:] = op(acc, widen(src)); AVG accumulates like SUM
+    store(acc, dst, dtype, op, world)        dst[:] = narrow(acc), divided by world first for AVG
+
+`dtype` is the wire dtype of src/dst (reduction_server.protocol.DType, NCCL numbering) and `op`
+a reduction op (ReduceOp, NCCL numbering). The accumulator is float32 for FLOAT16 and BFLOAT16
+and the dtype itself otherwise. acc, src and dst are any C-contiguous objects that export the
+buffer protocol; their bytes are read as `dtype` (or the accumulator type) whatever their own
+format says (bfloat16 travels as uint16 bits). acc/dst and src must be the very same memory or
+not overlap at all. The GIL is released while a kernel runs. The C kernels are in kernels.h.
+"""
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FULL_RO, PyBUF_WRITABLE,
+                             PyBuffer_IsContiguous, PyBuffer_Release, PyObject_CheckBuffer,
+                             PyObject_GetBuffer)
+from libc.stdint cimport int64_t, uintptr_t
+
+import operator
+
+
+cdef extern from "kernels.h" nogil:
+    enum:
+        RS_NDTYPES
+        RS_NOPS
+        RS_NISAS
+        RS_AVG
+        RS_FLOAT16
+        RS_BFLOAT16
+    const char *rs_dtype_names[]
+    const char *rs_op_names[]
+    const char *rs_isa_names[]
+    const size_t rs_itemsizes[]
+    const size_t rs_acc_itemsizes[]
+    int rs_isa_ok[]
+    int rs_best_isa
+    int rs_active_isa
+    void rs_init()
+    int rs_select_isa(int isa)
+    int rs_load(int dtype, void *acc, const void *src, size_t n)
+    int rs_accumulate(int dtype, int op, void *acc, const void *src, size_t n)
+    int rs_store(int dtype, int op, const void *acc, void *dst, size_t n, int64_t world)
+
+rs_init()
+
+DTYPE_NAMES = tuple(rs_dtype_names[i].decode() for i in range(RS_NDTYPES))
+OP_NAMES = tuple(rs_op_names[i].decode() for i in range(RS_NOPS))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checking. Only the error paths build strings; the happy path is a few C compares.
+
+cdef int _dtype_code(object dtype) except -1:
+    cdef object code
+    try:
+        code = operator.index(dtype)
+    except TypeError:
+        raise ValueError(f"dtype code must be an integer, not {dtype!r}") from None
+    if not 0 <= code < RS_NDTYPES:
+        raise ValueError(f"unknown dtype code {code}; expected 0..{RS_NDTYPES - 1} "
+                         f"({', '.join(f'{i}={n}' for i, n in enumerate(DTYPE_NAMES))})")
+    return code
+
+
+cdef int _op_code(object op) except -1:
+    cdef object code
+    try:
+        code = operator.index(op)
+    except TypeError:
+        raise ValueError(f"reduction op code must be an integer, not {op!r}") from None
+    if not 0 <= code < RS_NOPS:
+        raise ValueError(f"unknown reduction op code {code}; expected 0..{RS_NOPS - 1} "
+                         f"({', '.join(f'{i}={n}' for i, n in enumerate(OP_NAMES))})")
+    return code
+
+
+cdef int _get(object obj, Py_buffer *view, bint writable, str role) except -1:
+    """PyObject_GetBuffer with clear errors; on success the caller must release `view`."""
+    cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+    cdef Py_buffer probe
+    try:
+        PyObject_GetBuffer(obj, view, flags)
+        return 0
+    except (BufferError, ValueError, TypeError) as exc:
+        error = exc
+    # Exporters disagree on the exception (numpy: ValueError, memoryview: BufferError); find
+    # out what was wrong with a permissive request and say it plainly.
+    if not PyObject_CheckBuffer(obj):
+        raise TypeError(f"the {role} must support the buffer protocol "
+                        f"(bytearray, memoryview, numpy array, ...), not {type(obj).__name__}")
+    try:
+        PyObject_GetBuffer(obj, &probe, PyBUF_FULL_RO)
+    except Exception:
+        raise error  # the exporter's own complaint: nothing clearer to say
+    try:
+        if not PyBuffer_IsContiguous(&probe, b'C'):
+            raise ValueError(f"the {role} must be C-contiguous (got a strided "
+                             f"{type(obj).__name__}; pass a contiguous copy)") from error
+        if writable and probe.readonly:
+            raise ValueError(f"the {role} must be writable (got a read-only "
+                             f"{type(obj).__name__})") from error
+    finally:
+        PyBuffer_Release(&probe)
+    raise error  # refused for another reason: pass the exporter's error on
+
+
+cdef str _count(Py_ssize_t nbytes, size_t itemsize, const char *name):
+    if nbytes % <Py_ssize_t>itemsize:
+        return f"not a whole number of {name.decode()} elements"
+    return f"{nbytes // <Py_ssize_t>itemsize} x {name.decode()}"
+
+
+cdef inline const char *_acc_name(int dtype):
+    return rs_dtype_names[7] if dtype == RS_FLOAT16 or dtype == RS_BFLOAT16 else rs_dtype_names[dtype]
+
+
+cdef int _check_overlap(Py_buffer *a, Py_buffer *b, str what) except -1:
+    cdef uintptr_t a0 = <uintptr_t>a.buf, b0 = <uintptr_t>b.buf
+    cdef uintptr_t a1 = a0 + <uintptr_t>a.len, b1 = b0 + <uintptr_t>b.len
+    if a.len == 0 or b.len == 0 or a1 <= b0 or b1 <= a0:
+        return 0
+    if a0 == b0 and a.len == b.len:
+        return 0
+    raise ValueError(f"{what} overlap without being the same memory; pass separate buffers")
+
+
+# --------------------------------------------------------------------------------------------
+# The API
+
+cdef int _fold(object acc, object src, object dtype, object op, bint first) except -1:
+    cdef int d = _dtype_code(dtype)
+    cdef int o = 0 if first else _op_code(op)
+    cdef size_t isz = rs_itemsizes[d], asz = rs_acc_itemsizes[d]
+    cdef Py_buffer a, s
+    cdef size_t n
+    cdef int rc
+    _get(src, &s, False, "contribution")
+    try:
+        if s.len % <Py_ssize_t>isz:
+            raise ValueError(f"the contribution holds {s.len} bytes, not a whole number of "
+                             f"{rs_dtype_names[d].decode()} elements ({isz} bytes each)")
+        n = <size_t>s.len // isz
+        _get(acc, &a, True, "accumulator")
+        try:
+            if <size_t>a.len != n * asz:
+                raise ValueError(
+                    f"accumulator holds {a.len} bytes ({_count(a.len, asz, _acc_name(d))}) "
+                    f"but the contribution holds {s.len} bytes ({n} x "
+                    f"{rs_dtype_names[d].decode()}); the accumulator must hold {n * asz} bytes")
+            _check_overlap(&a, &s, "the accumulator and the contribution")
+            with nogil:
+                if first:
+                    rc = rs_load(d, a.buf, s.buf, n)
+                else:
+                    rc = rs_accumulate(d, o, a.buf, s.buf, n)
+            if rc:
+                raise SystemError("reduction kernel rejected its arguments")
+        finally:
+            PyBuffer_Release(&a)
+    finally:
+        PyBuffer_Release(&s)
+    return 0
+
+
+def load(acc, src, dtype):
+    """acc[:] = widen(src): start an accumulator from a first contribution of `dtype`."""
+    _fold(acc, src, dtype, None, True)
+
+
+def accumulate(acc, src, dtype, op):
+    """acc[:] = op(acc, widen(src)) elementwise; AVG accumulates like SUM."""
+    _fold(acc, src, dtype, op, False)
+
+
+def store(acc, dst, dtype, op, world):
+    """dst[:] = narrow(acc), divided by `world` first (in the accumulator type) when op is AVG.
+
+    For dtypes that need no narrowing (all but FLOAT16 and BFLOAT16) dst may be acc itself:
+    then only the AVG division happens, in place.
+    """
+    cdef int d = _dtype_code(dtype)
+    cdef int o = _op_code(op)
+    cdef int64_t w = 1
+    cdef size_t isz = rs_itemsizes[d], asz = rs_acc_itemsizes[d]
+    cdef Py_buffer a, t
+    cdef size_t n
+    cdef int rc
+    if o == RS_AVG:
+        try:
+            w_obj = operator.index(world)
+        except TypeError:
+            raise ValueError(f"world must be a positive integer, not {world!r}") from None
+        if not 1 <= w_obj <= 0x7fffffffffffffff:
+            raise ValueError(f"world must be a positive integer to average over, not {world!r}")
+        w = w_obj
+    _get(acc, &a, False, "accumulator")
+    try:
+        if a.len % <Py_ssize_t>asz:
+            raise ValueError(f"the accumulator holds {a.len} bytes, not a whole number of "
+                             f"{_acc_name(d).decode()} elements ({asz} bytes each)")
+        n = <size_t>a.len // asz
+        _get(dst, &t, True, "destination")
+        try:
+            if <size_t>t.len != n * isz:
+                raise ValueError(
+                    f"destination holds {t.len} bytes ({_count(t.len, isz, rs_dtype_names[d])}) "
+                    f"but the accumulator holds {a.len} bytes ({n} x "
+                    f"{_acc_name(d).decode()}); the destination must hold {n * isz} bytes")
+            _check_overlap(&a, &t, "the accumulator and the destination")
+            with nogil:
+                rc = rs_store(d, o, a.buf, t.buf, n, w)
+            if rc:
+                raise SystemError("reduction kernel rejected its arguments")
+        finally:
+            PyBuffer_Release(&t)
+    finally:
+        PyBuffer_Release(&a)
+
+
+# --------------------------------------------------------------------------------------------
+# Introspection, for tests and benchmarks
+
+def isa():
+    """The instruction-set level the kernels run with now: 'baseline', 'avx2' or 'avx512'."""
+    return rs_isa_names[rs_active_isa].decode()
+
+
+def available_isas():
+    """The levels this CPU and build can run, lowest first."""
+    return tuple(rs_isa_names[i].decode() for i in range(RS_NISAS) if rs_isa_ok[i])
+
+
+def _select_isa(name=None):
+    """Force a level by name (None: the best one). For tests and benchmarks only: not safe
+    while kernels run on other threads. Returns the previous level's name."""
+    cdef int i
+    previous = isa()
+    if name is None:
+        i = rs_best_isa
+    else:
+        names = [rs_isa_names[k].decode() for k in range(RS_NISAS)]
+        if name not in names:
+            raise ValueError(f"unknown ISA level {name!r}; expected one of {names}")
+        i = names.index(name)
+    if rs_select_isa(i):
+        raise ValueError(f"ISA level {name!r} is not available here; "
+                         f"available: {', '.join(available_isas())}")
+    return previous

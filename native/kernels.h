@@ -1,0 +1,534 @@
+/*
+ * kernels.h - the element-wise reduction kernels of the reducer's hot path.
+ *
+ * Three entry points, used by native/_native.pyx (which validates every argument first):
+ *
+ *   rs_load(dtype, acc, src, n)              acc[i] = widen(src[i])
+ *   rs_accumulate(dtype, op, acc, src, n)    acc[i] = op(acc[i], widen(src[i]))
+ *   rs_store(dtype, op, acc, dst, n, world)  dst[i] = narrow(acc[i])   (acc[i] / world for AVG)
+ *
+ * dtype and op use NCCL's numbering (reduction_server/protocol.py). The accumulator is float32
+ * for FLOAT16 and BFLOAT16 and the wire type itself for every other dtype.
+ *
+ * Semantics (these match NumPy; tests/test_kernels.py checks them bit for bit):
+ *   - integers wrap on overflow (the arithmetic is done in the unsigned type of the same width);
+ *     AVG of integers is the wrapped sum divided by world, truncating toward zero (C division);
+ *   - float MAX/MIN propagate NaN like np.maximum/np.minimum;
+ *   - float AVG divides by world once, in the accumulator type, at store;
+ *   - float16 <-> float32 as IEEE conversions, round to nearest even (like F16C and numpy);
+ *   - bfloat16 widens as bits << 16 and narrows rounding to nearest even; a NaN stays a (quiet)
+ *     NaN.
+ *
+ * Portability: the extension is built without -march=native. Every kernel is instantiated for
+ * a portable "baseline" (plain C loops, vectorised by gcc -O3 for the compile target, e.g.
+ * SSE2 on x86-64) and, on x86-64, for AVX2+F16C and for AVX-512 (F/BW/VL) through
+ * __attribute__((target(...))). The 16-bit conversions use intrinsics in those two levels and
+ * portable scalar code in the baseline. rs_init() picks the best level the CPU (and OS)
+ * supports with __builtin_cpu_supports; rs_select_isa() can force a lower one (for tests).
+ *
+ * Buffers: acc and src (or acc and dst) are either the very same memory or do not overlap at
+ * all; the caller checks this.
+ */
+#ifndef REDUCTION_SERVER_KERNELS_H
+#define REDUCTION_SERVER_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RS_X86 1
+#include <immintrin.h>
+#else
+#define RS_X86 0
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* Codes (NCCL numbering, see reduction_server/protocol.py)                                    */
+
+enum {
+    RS_INT8 = 0, RS_UINT8 = 1, RS_INT32 = 2, RS_UINT32 = 3, RS_INT64 = 4, RS_UINT64 = 5,
+    RS_FLOAT16 = 6, RS_FLOAT32 = 7, RS_FLOAT64 = 8, RS_BFLOAT16 = 9, RS_NDTYPES = 10
+};
+enum { RS_SUM = 0, RS_PROD = 1, RS_MAX = 2, RS_MIN = 3, RS_AVG = 4, RS_NOPS = 5 };
+#define RS_OPCODE_sum RS_SUM
+#define RS_OPCODE_prod RS_PROD
+#define RS_OPCODE_max RS_MAX
+#define RS_OPCODE_min RS_MIN
+enum { RS_ISA_BASELINE = 0, RS_ISA_AVX2 = 1, RS_ISA_AVX512 = 2, RS_NISAS = 3 };
+
+static const char *const rs_dtype_names[RS_NDTYPES] = {
+    "int8", "uint8", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "bfloat16"};
+static const char *const rs_op_names[RS_NOPS] = {"sum", "prod", "max", "min", "avg"};
+static const char *const rs_isa_names[RS_NISAS] = {"baseline", "avx2", "avx512"};
+static const size_t rs_itemsizes[RS_NDTYPES] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+/* Bytes per element of the accumulator: float32 for the 16-bit floats. */
+static const size_t rs_acc_itemsizes[RS_NDTYPES] = {1, 1, 4, 4, 8, 8, 4, 4, 8, 4};
+
+/* ---------------------------------------------------------------------------------------- */
+/* Scalar 16-bit conversions (portable; the SIMD paths use them for loop tails, and they are  */
+/* written to give the very same bits as the F16C instructions).                              */
+
+static inline float rs_bits_f32(uint32_t x) { float f; memcpy(&f, &x, 4); return f; }
+static inline uint32_t rs_f32_bits(float f) { uint32_t x; memcpy(&x, &f, 4); return x; }
+
+/* float16 -> float32: exact. NaNs are quieted (as VCVTPH2PS does), payload kept. */
+static inline float rs_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) /* inf, NaN */
+        return rs_bits_f32(sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0));
+    if (exp == 0) /* zero, subnormal: man * 2^-24, exact in float32 */
+        return rs_bits_f32(sign | rs_f32_bits((float)man * 0x1p-24f));
+    return rs_bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* float32 -> float16, round to nearest even; overflow -> inf; NaN -> quiet NaN (top payload
+ * bits kept, as VCVTPS2PH does). */
+static inline uint16_t rs_f32_to_f16(float f)
+{
+    uint32_t x = rs_f32_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) /* NaN */
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u) /* >= 65520 (halfway from the largest half to 2^16) and inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax >= 0x38800000u) { /* normal half: rebias, round the 13 dropped bits to even */
+        uint32_t r = ax + 0x0fffu + ((ax >> 13) & 1u);
+        return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+    }
+    if (ax < 0x33000000u) /* below 2^-25 (2^-25 itself ties to zero): signed zero */
+        return (uint16_t)sign;
+    { /* subnormal half: round (1.m * 2^(e-127)) / 2^-24 to an integer, ties to even */
+        uint32_t shift = 126u - (ax >> 23); /* 14..24 */
+        uint32_t man = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        q += (rem > half) | ((rem == half) & q);
+        return (uint16_t)(sign | q); /* q == 0x400 is the smallest normal, as it should be */
+    }
+}
+
+/* bfloat16 -> float32: the top half of the float32's bits. */
+static inline float rs_bf16_to_f32(uint16_t b) { return rs_bits_f32((uint32_t)b << 16); }
+
+/* float32 -> bfloat16, round to nearest even; NaN -> the same NaN with its quiet bit set. */
+static inline uint16_t rs_f32_to_bf16(float f)
+{
+    uint32_t x = rs_f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x | 0x00400000u) >> 16);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Element operations. T: element type; U: unsigned type of the same width (integers wrap   */
+/* by computing in U; uint8 * uint8 promotes to int and cannot overflow).                     */
+
+#define RS_OP_sum_INT(T, U, a, b) ((T)((U)(a) + (U)(b)))
+#define RS_OP_prod_INT(T, U, a, b) ((T)((U)(a) * (U)(b)))
+#define RS_OP_max_INT(T, U, a, b) ((a) > (b) ? (a) : (b))
+#define RS_OP_min_INT(T, U, a, b) ((a) < (b) ? (a) : (b))
+#define RS_OP_sum_FLT(T, U, a, b) ((a) + (b))
+#define RS_OP_prod_FLT(T, U, a, b) ((a) * (b))
+/* NaN-propagating: a NaN in a is kept; a NaN in b fails the comparison and b is taken. */
+#define RS_OP_max_FLT(T, U, a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+#define RS_OP_min_FLT(T, U, a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+
+/* The dtypes whose accumulator is the dtype itself:
+ *   X(..., CODE, name, T, U, KIND, DIVT)  where DIVT is the type AVG divides in. */
+#define RS_SAME_TYPES(X, ...)                                                  \
+    X(__VA_ARGS__, RS_INT8, i8, int8_t, uint8_t, INT, int64_t)                 \
+    X(__VA_ARGS__, RS_UINT8, u8, uint8_t, uint8_t, INT, uint64_t)              \
+    X(__VA_ARGS__, RS_INT32, i32, int32_t, uint32_t, INT, int64_t)             \
+    X(__VA_ARGS__, RS_UINT32, u32, uint32_t, uint32_t, INT, uint64_t)          \
+    X(__VA_ARGS__, RS_INT64, i64, int64_t, uint64_t, INT, int64_t)             \
+    X(__VA_ARGS__, RS_UINT64, u64, uint64_t, uint64_t, INT, uint64_t)          \
+    X(__VA_ARGS__, RS_FLOAT32, f32, float, float, FLT, float)                  \
+    X(__VA_ARGS__, RS_FLOAT64, f64, double, double, FLT, double)
+
+/* The 16-bit floats, accumulated in float32: X(..., CODE, name) */
+#define RS_HALF_TYPES(X, ...) X(__VA_ARGS__, RS_FLOAT16, f16) X(__VA_ARGS__, RS_BFLOAT16, bf16)
+
+/* The accumulating ops (AVG accumulates like SUM). */
+#define RS_ACC_OPS(X, ...) X(__VA_ARGS__, sum) X(__VA_ARGS__, prod) X(__VA_ARGS__, max) X(__VA_ARGS__, min)
+
+/* ---------------------------------------------------------------------------------------- */
+/* Per-ISA function attributes                                                               */
+
+#define RS_ATTR_baseline
+#if RS_X86
+#define RS_ATTR_avx2 __attribute__((target("avx2,f16c")))
+#define RS_ATTR_avx512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c")))
+#endif
+
+typedef void (*rs_acc_fn)(void *acc, const void *src, size_t n);
+typedef void (*rs_store_fn)(const void *acc, void *dst, size_t n, int64_t world);
+
+typedef struct {
+    rs_acc_fn load[RS_NDTYPES];           /* NULL: a plain copy */
+    rs_acc_fn acc[RS_NDTYPES][RS_NOPS];
+    rs_store_fn store[RS_NDTYPES];        /* NULL: a plain copy */
+    rs_store_fn store_avg[RS_NDTYPES];
+} rs_table;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Same-type kernels: plain loops that gcc vectorises for each ISA's target.                  */
+
+#define RS_DEF_SAME_ACC(ISA, CODE, name, T, U, KIND, DIVT, op)                                  \
+    static RS_ATTR_##ISA void rs_acc_##name##_##op##_##ISA(void *acc_, const void *src_, size_t n) \
+    {                                                                                           \
+        T *acc = (T *)acc_;                                                                     \
+        const T *src = (const T *)src_;                                                         \
+        for (size_t i = 0; i < n; i++) {                                                        \
+            T a = acc[i], b = src[i];                                                           \
+            acc[i] = RS_OP_##op##_##KIND(T, U, a, b);                                           \
+        }                                                                                       \
+    }
+
+#define RS_DEF_SAME(ISA, CODE, name, T, U, KIND, DIVT)                                           \
+    RS_ACC_OPS(RS_DEF_SAME_ACC, ISA, CODE, name, T, U, KIND, DIVT)                               \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const T *acc = (const T *)acc_;                                                          \
+        T *dst = (T *)dst_;                                                                      \
+        const DIVT w = (DIVT)world;                                                              \
+        for (size_t i = 0; i < n; i++)                                                           \
+            dst[i] = (T)((DIVT)acc[i] / w);                                                      \
+    }
+
+#define RS_SET_SAME_ACC(ISA, CODE, name, T, U, KIND, DIVT, op)                                  \
+    t->acc[CODE][RS_OPCODE_##op] = rs_acc_##name##_##op##_##ISA;
+#define RS_SET_SAME(ISA, CODE, name, T, U, KIND, DIVT)                                           \
+    RS_ACC_OPS(RS_SET_SAME_ACC, ISA, CODE, name, T, U, KIND, DIVT)                               \
+    t->acc[CODE][RS_AVG] = rs_acc_##name##_sum_##ISA;                                            \
+    t->store_avg[CODE] = rs_avg_##name##_##ISA;
+
+/* ---------------------------------------------------------------------------------------- */
+/* 16-bit kernels, scalar form (the baseline).                                               */
+
+#define RS_DEF_HALF_ACC_SCALAR(ISA, CODE, name, op)                                             \
+    static RS_ATTR_##ISA void rs_acc_##name##_##op##_##ISA(void *acc_, const void *src_, size_t n) \
+    {                                                                                           \
+        float *acc = (float *)acc_;                                                             \
+        const uint16_t *src = (const uint16_t *)src_;                                           \
+        for (size_t i = 0; i < n; i++) {                                                        \
+            float a = acc[i], b = rs_##name##_to_f32(src[i]);                                   \
+            acc[i] = RS_OP_##op##_FLT(float, float, a, b);                                      \
+        }                                                                                       \
+    }
+
+#define RS_DEF_HALF_SCALAR(ISA, CODE, name)                                                      \
+    RS_ACC_OPS(RS_DEF_HALF_ACC_SCALAR, ISA, CODE, name)                                          \
+    static RS_ATTR_##ISA void rs_load_##name##_##ISA(void *acc_, const void *src_, size_t n)     \
+    {                                                                                            \
+        float *acc = (float *)acc_;                                                              \
+        const uint16_t *src = (const uint16_t *)src_;                                            \
+        for (size_t i = 0; i < n; i++)                                                           \
+            acc[i] = rs_##name##_to_f32(src[i]);                                                 \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_store_##name##_##ISA(const void *acc_, void *dst_, size_t n,    \
+                                                      int64_t world)                             \
+    {                                                                                            \
+        const float *acc = (const float *)acc_;                                                  \
+        uint16_t *dst = (uint16_t *)dst_;                                                        \
+        (void)world;                                                                             \
+        for (size_t i = 0; i < n; i++)                                                           \
+            dst[i] = rs_f32_to_##name(acc[i]);                                                   \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const float *acc = (const float *)acc_;                                                  \
+        uint16_t *dst = (uint16_t *)dst_;                                                        \
+        const float w = (float)world;                                                            \
+        for (size_t i = 0; i < n; i++)                                                           \
+            dst[i] = rs_f32_to_##name(acc[i] / w);                                               \
+    }
+
+#define RS_SET_HALF_ACC(ISA, CODE, name, op) t->acc[CODE][RS_OPCODE_##op] = rs_acc_##name##_##op##_##ISA;
+#define RS_SET_HALF(ISA, CODE, name)                                                             \
+    RS_ACC_OPS(RS_SET_HALF_ACC, ISA, CODE, name)                                                 \
+    t->acc[CODE][RS_AVG] = rs_acc_##name##_sum_##ISA;                                            \
+    t->load[CODE] = rs_load_##name##_##ISA;                                                      \
+    t->store[CODE] = rs_store_##name##_##ISA;                                                    \
+    t->store_avg[CODE] = rs_avg_##name##_##ISA;
+
+/* ---------------------------------------------------------------------------------------- */
+/* 16-bit kernels, SIMD form. Each ISA provides, for its float vector type RS_V_<isa> of       */
+/* RS_VW_<isa> lanes: rs_v_<op>_<isa>(a, b) for op in sum/prod/max/min (with the scalar ops'  */
+/* exact semantics), rs_v_div_<isa>, rs_v_load/store_<isa> (float32), and                     */
+/* rs_v_widen_<f16|bf16>_<isa>(const uint16_t *) / rs_v_narrow_<f16|bf16>_<isa>(uint16_t *, v). */
+/* Loop tails use the scalar conversions, which give the same bits.                           */
+
+#define RS_DEF_HALF_ACC_SIMD(ISA, CODE, name, op)                                               \
+    static RS_ATTR_##ISA void rs_acc_##name##_##op##_##ISA(void *acc_, const void *src_, size_t n) \
+    {                                                                                           \
+        float *acc = (float *)acc_;                                                             \
+        const uint16_t *src = (const uint16_t *)src_;                                           \
+        size_t i = 0;                                                                           \
+        for (; i + 2 * RS_VW_##ISA <= n; i += 2 * RS_VW_##ISA) {                                \
+            RS_V_##ISA a0 = rs_v_load_##ISA(acc + i);                                           \
+            RS_V_##ISA a1 = rs_v_load_##ISA(acc + i + RS_VW_##ISA);                             \
+            RS_V_##ISA b0 = rs_v_widen_##name##_##ISA(src + i);                                 \
+            RS_V_##ISA b1 = rs_v_widen_##name##_##ISA(src + i + RS_VW_##ISA);                   \
+            rs_v_store_##ISA(acc + i, rs_v_##op##_##ISA(a0, b0));                               \
+            rs_v_store_##ISA(acc + i + RS_VW_##ISA, rs_v_##op##_##ISA(a1, b1));                 \
+        }                                                                                       \
+        for (; i < n; i++) {                                                                    \
+            float a = acc[i], b = rs_##name##_to_f32(src[i]);                                   \
+            acc[i] = RS_OP_##op##_FLT(float, float, a, b);                                      \
+        }                                                                                       \
+    }
+
+#define RS_DEF_HALF_SIMD(ISA, CODE, name)                                                        \
+    RS_ACC_OPS(RS_DEF_HALF_ACC_SIMD, ISA, CODE, name)                                            \
+    static RS_ATTR_##ISA void rs_load_##name##_##ISA(void *acc_, const void *src_, size_t n)     \
+    {                                                                                            \
+        float *acc = (float *)acc_;                                                              \
+        const uint16_t *src = (const uint16_t *)src_;                                            \
+        size_t i = 0;                                                                            \
+        for (; i + RS_VW_##ISA <= n; i += RS_VW_##ISA)                                           \
+            rs_v_store_##ISA(acc + i, rs_v_widen_##name##_##ISA(src + i));                       \
+        for (; i < n; i++)                                                                       \
+            acc[i] = rs_##name##_to_f32(src[i]);                                                 \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_store_##name##_##ISA(const void *acc_, void *dst_, size_t n,    \
+                                                      int64_t world)                             \
+    {                                                                                            \
+        const float *acc = (const float *)acc_;                                                  \
+        uint16_t *dst = (uint16_t *)dst_;                                                        \
+        size_t i = 0;                                                                            \
+        (void)world;                                                                             \
+        for (; i + RS_VW_##ISA <= n; i += RS_VW_##ISA)                                           \
+            rs_v_narrow_##name##_##ISA(dst + i, rs_v_load_##ISA(acc + i));                       \
+        for (; i < n; i++)                                                                       \
+            dst[i] = rs_f32_to_##name(acc[i]);                                                   \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const float *acc = (const float *)acc_;                                                  \
+        uint16_t *dst = (uint16_t *)dst_;                                                        \
+        const float w = (float)world;                                                            \
+        size_t i = 0;                                                                            \
+        for (; i + RS_VW_##ISA <= n; i += RS_VW_##ISA)                                           \
+            rs_v_narrow_##name##_##ISA(dst + i, rs_v_div_##ISA(rs_v_load_##ISA(acc + i), w));    \
+        for (; i < n; i++)                                                                       \
+            dst[i] = rs_f32_to_##name(acc[i] / w);                                               \
+    }
+
+/* ---------------------------------------------------------------------------------------- */
+/* Instantiation                                                                             */
+
+RS_SAME_TYPES(RS_DEF_SAME, baseline)
+RS_HALF_TYPES(RS_DEF_HALF_SCALAR, baseline)
+
+static void rs_fill_baseline(rs_table *t)
+{
+    RS_SAME_TYPES(RS_SET_SAME, baseline)
+    RS_HALF_TYPES(RS_SET_HALF, baseline)
+}
+
+#if RS_X86
+
+/* --- AVX2 + F16C: 8 float lanes ---------------------------------------------------------- */
+#define RS_V_avx2 __m256
+#define RS_VW_avx2 8
+
+static inline RS_ATTR_avx2 __m256 rs_v_load_avx2(const float *p) { return _mm256_loadu_ps(p); }
+static inline RS_ATTR_avx2 void rs_v_store_avx2(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline RS_ATTR_avx2 __m256 rs_v_sum_avx2(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+static inline RS_ATTR_avx2 __m256 rs_v_prod_avx2(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+static inline RS_ATTR_avx2 __m256 rs_v_div_avx2(__m256 a, float w)
+{
+    return _mm256_div_ps(a, _mm256_set1_ps(w));
+}
+/* vmaxps/vminps return the second operand when either is NaN (or on equality): that handles a
+ * NaN in b; a NaN in a is blended back in. Same results as RS_OP_max_FLT / RS_OP_min_FLT. */
+static inline RS_ATTR_avx2 __m256 rs_v_max_avx2(__m256 a, __m256 b)
+{
+    return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+static inline RS_ATTR_avx2 __m256 rs_v_min_avx2(__m256 a, __m256 b)
+{
+    return _mm256_blendv_ps(_mm256_min_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+static inline RS_ATTR_avx2 __m256 rs_v_widen_f16_avx2(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline RS_ATTR_avx2 void rs_v_narrow_f16_avx2(uint16_t *p, __m256 v)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline RS_ATTR_avx2 __m256 rs_v_widen_bf16_avx2(const uint16_t *p)
+{
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline RS_ATTR_avx2 void rs_v_narrow_bf16_avx2(uint16_t *p, __m256 v)
+{
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+    /* eight 32-bit values < 0x10000 -> eight uint16 */
+    _mm_storeu_si128((__m128i *)p,
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* --- AVX-512 F/BW/VL: 16 float lanes --------------------------------------------------- */
+#define RS_V_avx512 __m512
+#define RS_VW_avx512 16
+
+static inline RS_ATTR_avx512 __m512 rs_v_load_avx512(const float *p) { return _mm512_loadu_ps(p); }
+static inline RS_ATTR_avx512 void rs_v_store_avx512(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline RS_ATTR_avx512 __m512 rs_v_sum_avx512(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+static inline RS_ATTR_avx512 __m512 rs_v_prod_avx512(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+static inline RS_ATTR_avx512 __m512 rs_v_div_avx512(__m512 a, float w)
+{
+    return _mm512_div_ps(a, _mm512_set1_ps(w));
+}
+static inline RS_ATTR_avx512 __m512 rs_v_max_avx512(__m512 a, __m512 b)
+{
+    return _mm512_mask_mov_ps(_mm512_max_ps(a, b), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
+}
+static inline RS_ATTR_avx512 __m512 rs_v_min_avx512(__m512 a, __m512 b)
+{
+    return _mm512_mask_mov_ps(_mm512_min_ps(a, b), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
+}
+static inline RS_ATTR_avx512 __m512 rs_v_widen_f16_avx512(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline RS_ATTR_avx512 void rs_v_narrow_f16_avx512(uint16_t *p, __m512 v)
+{
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline RS_ATTR_avx512 __m512 rs_v_widen_bf16_avx512(const uint16_t *p)
+{
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline RS_ATTR_avx512 void rs_v_narrow_bf16_avx512(uint16_t *p, __m512 v)
+{
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m512i quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x00400000));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i r = _mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
+RS_SAME_TYPES(RS_DEF_SAME, avx2)
+RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx2)
+RS_SAME_TYPES(RS_DEF_SAME, avx512)
+RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx512)
+
+static void rs_fill_avx2(rs_table *t)
+{
+    RS_SAME_TYPES(RS_SET_SAME, avx2)
+    RS_HALF_TYPES(RS_SET_HALF, avx2)
+}
+static void rs_fill_avx512(rs_table *t)
+{
+    RS_SAME_TYPES(RS_SET_SAME, avx512)
+    RS_HALF_TYPES(RS_SET_HALF, avx512)
+}
+#endif /* RS_X86 */
+
+/* ---------------------------------------------------------------------------------------- */
+/* Dispatch                                                                                  */
+
+static rs_table rs_tables[RS_NISAS];
+static int rs_isa_ok[RS_NISAS];
+static int rs_best_isa = RS_ISA_BASELINE;
+static const rs_table *rs_active = &rs_tables[RS_ISA_BASELINE];
+static int rs_active_isa = RS_ISA_BASELINE;
+
+/* Fill the tables and select the best level this CPU supports. Call once, with the GIL. */
+static void rs_init(void)
+{
+    rs_fill_baseline(&rs_tables[RS_ISA_BASELINE]);
+    rs_isa_ok[RS_ISA_BASELINE] = 1;
+#if RS_X86
+    __builtin_cpu_init();
+    /* __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 state. */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        rs_fill_avx2(&rs_tables[RS_ISA_AVX2]);
+        rs_isa_ok[RS_ISA_AVX2] = 1;
+        rs_best_isa = RS_ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl")) {
+            rs_fill_avx512(&rs_tables[RS_ISA_AVX512]);
+            rs_isa_ok[RS_ISA_AVX512] = 1;
+            rs_best_isa = RS_ISA_AVX512;
+        }
+    }
+#endif
+    rs_active_isa = rs_best_isa;
+    rs_active = &rs_tables[rs_best_isa];
+}
+
+/* Force a level (tests, benchmarks). Returns -1 if this CPU or build cannot run it. Not
+ * thread-safe against kernels running at the same time on other threads. */
+static int rs_select_isa(int isa)
+{
+    if (isa < 0 || isa >= RS_NISAS || !rs_isa_ok[isa])
+        return -1;
+    rs_active_isa = isa;
+    rs_active = &rs_tables[isa];
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Entry points. Arguments are validated by the caller; these return -1 on a bad code only.   */
+
+static int rs_load(int dtype, void *acc, const void *src, size_t n)
+{
+    if (dtype < 0 || dtype >= RS_NDTYPES)
+        return -1;
+    if (n == 0)
+        return 0;
+    if (rs_active->load[dtype])
+        rs_active->load[dtype](acc, src, n);
+    else if (acc != src)
+        memcpy(acc, src, n * rs_itemsizes[dtype]);
+    return 0;
+}
+
+static int rs_accumulate(int dtype, int op, void *acc, const void *src, size_t n)
+{
+    if (dtype < 0 || dtype >= RS_NDTYPES || op < 0 || op >= RS_NOPS)
+        return -1;
+    if (n)
+        rs_active->acc[dtype][op](acc, src, n);
+    return 0;
+}
+
+static int rs_store(int dtype, int op, const void *acc, void *dst, size_t n, int64_t world)
+{
+    if (dtype < 0 || dtype >= RS_NDTYPES || op < 0 || op >= RS_NOPS)
+        return -1;
+    if (n == 0)
+        return 0;
+    if (op == RS_AVG) {
+        if (world < 1)
+            return -1;
+        rs_active->store_avg[dtype](acc, dst, n, world);
+    } else if (rs_active->store[dtype]) {
+        rs_active->store[dtype](acc, dst, n, world);
+    } else if (acc != dst) {
+        memcpy(dst, acc, n * rs_itemsizes[dtype]);
+    }
+    return 0;
+}
+
+#endif /* REDUCTION_SERVER_KERNELS_H */

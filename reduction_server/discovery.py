@@ -1,0 +1,446 @@
+"""Where this process sits in the job, read from its environment (DESIGN.md section 3).
+
+A worker learns its rank, the world size and the reducers' addresses; a reducer learns its
+index and the port it listens on. Sources, first match wins:
+
+1. explicit variables: RS_RANK and RS_WORLD_SIZE, RS_REDUCER_INDEX, RS_REDUCERS;
+2. CLUSTER_SPEC: Vertex AI's pools workerpool0..workerpool3, or AI Platform's custom-container
+   form with master/worker/ps/evaluator;
+3. TF_CONFIG: chief (or master), worker, ps, evaluator;
+4. the launcher's variables: RANK/WORLD_SIZE (torchrun, PyTorchJob), HOROVOD_RANK/HOROVOD_SIZE,
+   OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
+
+In a cluster spec the primary replica (workerpool0, chief or master) is host 0 and the workers
+follow it; the reducer pool (workerpool2 or ps) holds the reducers; evaluators take no part.
+Anything missing, malformed or contradictory is a ConfigError naming the variable: a wrong guess
+here would hang or silently corrupt a whole job.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping, Optional, Sequence
+
+from .errors import ConfigError
+
+__all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
+           "job_id_from", "parse_address"]
+
+_VERTEX_POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
+_TF_POOLS = ("chief", "master", "worker", "ps", "evaluator")
+
+# (rank, size) pairs, highest priority first.
+_LOCAL_VARIABLES = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"))
+_LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"),
+                       ("HOROVOD_RANK", "HOROVOD_SIZE"),
+                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]+")  # DNS name or IPv4 address
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?")  # with optional zone
+_JOB_ID_NUMBER = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]+")
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """A worker process's place in the job."""
+
+    rank: int
+    world_size: int
+    reducers: tuple[str, ...]  # "host:port" ("[v6]:port"), in reducer-index order
+    local_rank: int  # which of this host's processes this is: picks the device
+    local_world_size: int
+    job_token: str  # RS_JOB_TOKEN, or "" for no authentication
+    job_id: int  # unsigned 64-bit, the same in every process of the job
+    generation: int  # RS_GENERATION: bumped when a job restarts, so stale peers are refused
+    source: str  # the variable that decided rank and world size
+
+
+@dataclass(frozen=True)
+class ReducerPlace:
+    """A reducer process's place in the job."""
+
+    index: int
+    num_reducers: int
+    host: str  # address to bind
+    port: int  # from this reducer's own "host:port" entry
+    world_size: Optional[int]  # worker ranks, None when nothing in the environment says
+    job_token: str
+    job_id: int
+    generation: int
+    source: str  # the variable that decided the index
+
+
+def parse_address(text: str, variable: str) -> tuple[str, int]:
+    """Split "host:port" or "[ipv6]:port" into (host, port); the host loses its brackets.
+
+    Raises ConfigError naming `variable` when the text is not such an address or the port is
+    not in 1..65535.
+    """
+    entry = text.strip()
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{variable}: {text!r} is not a host:port address: {why}")
+
+    if entry.startswith("["):
+        host, bracket, rest = entry[1:].partition("]")
+        if not bracket:
+            raise bad("'[' without a closing ']'")
+        if not _IPV6.fullmatch(host):
+            raise bad(f"{host!r} inside [...] is not an IPv6 address")
+        if not rest.startswith(":"):
+            raise bad("expected [ipv6]:port")
+        port_text = rest[1:]
+    else:
+        host, colon, port_text = entry.rpartition(":")
+        if not colon:
+            raise bad("no :port")
+        if ":" in host:
+            # "::1:5555" could split several ways; brackets make it unambiguous.
+            raise bad("write IPv6 addresses in brackets, like [::1]:5555")
+        if not _HOSTNAME.fullmatch(host):
+            raise bad("the host is empty or has characters a host name cannot have")
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise bad(f"the port {port_text!r} is not a number")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise bad(f"the port {port} is not in 1..65535")
+    return host, port
+
+
+def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
+    """This worker's rank, world size and reducers, from `environ` (default os.environ)."""
+    env = _Environment(environ)
+    if env.text("RS_REDUCER_INDEX") is not None:
+        raise ConfigError("RS_REDUCER_INDEX is set: this process is a reducer, not a worker")
+    local_rank, local_world_size = _local_placement(env)
+    rank, world_size, source = _worker_rank(env, local_rank, local_world_size)
+    _, reducers = _reducer_addresses(env)
+    token, job_id, generation = _identity(env)
+    return WorkerPlace(rank=rank, world_size=world_size, reducers=tuple(_join(h, p) for h, p in reducers),
+                       local_rank=local_rank, local_world_size=local_world_size, job_token=token,
+                       job_id=job_id, generation=generation, source=source)
+
+
+def discover_reducers(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+    """The reducers' addresses alone: what a job's unique id carries before ranks are known."""
+    _, reducers = _reducer_addresses(_Environment(environ))
+    return tuple(_join(h, p) for h, p in reducers)
+
+
+def job_id_from(token: str) -> int:
+    """The id of a job known only by its token (0 without one), as discover_worker derives it."""
+    return _hash64(token) if token else 0
+
+
+def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[ReducerPlace]:
+    """This reducer's index and port, or None when the environment names no reducer role."""
+    env = _Environment(environ)
+    index = env.integer("RS_REDUCER_INDEX", minimum=0)
+    if index is not None:
+        source = index_name = "RS_REDUCER_INDEX"
+    else:
+        spec = env.spec
+        if spec is None:
+            return None
+        task = spec.require_task()
+        if task.role != "reducer":
+            return None
+        index, source, index_name = task.position, spec.variable, f"{spec.variable} task.index"
+    where, reducers = _reducer_addresses(env)
+    if index >= len(reducers):
+        raise ConfigError(f"{index_name}={index} is out of range: {where} lists {len(reducers)} reducer(s)")
+    token, job_id, generation = _identity(env)
+    return ReducerPlace(index=index, num_reducers=len(reducers), host=env.text("RS_BIND_HOST") or "0.0.0.0",
+                        port=reducers[index][1], world_size=_reducer_world_size(env), job_token=token,
+                        job_id=job_id, generation=generation, source=source)
+
+
+@dataclass(frozen=True)
+class _Task:
+    type: str
+    index: int
+    role: str  # "worker", "reducer" or "evaluator"
+    position: int  # host index for a worker, reducer index for a reducer
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    """A parsed CLUSTER_SPEC or TF_CONFIG, reduced to what discovery needs."""
+
+    variable: str
+    hosts: int  # worker hosts: the primary plus the workers
+    reducer_pool: str  # "workerpool2" or "ps"
+    reducers: tuple[str, ...]
+    task: Optional[_Task]  # None when the document has no "task"
+    job: Any  # CLUSTER_SPEC's "job" field, None when absent (or for TF_CONFIG)
+
+    def require_task(self) -> _Task:
+        if self.task is None:
+            raise ConfigError(f'{self.variable} has no "task" key, so this process cannot tell its role')
+        return self.task
+
+
+class _Environment:
+    """The variables discovery reads, validated one way, with the cluster spec parsed once."""
+
+    def __init__(self, environ: Optional[Mapping[str, str]]) -> None:
+        self.environ = os.environ if environ is None else environ
+
+    def text(self, name: str) -> Optional[str]:
+        value = self.environ.get(name)
+        if value is None:
+            return None
+        if not value.strip():
+            # Usually a template that did not expand; treating it as unset would fall through
+            # to a lower-priority source and guess.
+            raise ConfigError(f"{name} is set but empty; give it a value or unset it")
+        return value.strip()
+
+    def integer(self, name: str, minimum: int) -> Optional[int]:
+        value = self.text(name)
+        if value is None:
+            return None
+        if not (value.isascii() and value.isdigit()) or int(value) < minimum:
+            wanted = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+            raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+        return int(value)
+
+    @cached_property
+    def spec(self) -> Optional[_Cluster]:
+        """CLUSTER_SPEC if set, else TF_CONFIG if set: Vertex AI sets both, and they agree."""
+        for variable in ("CLUSTER_SPEC", "TF_CONFIG"):
+            text = self.text(variable)
+            if text is not None:
+                return _parse_cluster(variable, text)
+        return None
+
+
+def _parse_cluster(variable: str, text: str) -> _Cluster:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{variable} is not valid JSON: {error.msg} at line {error.lineno} "
+                          f"column {error.colno}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f'{variable} must be a JSON object with "cluster" and "task" keys')
+    cluster = document.get("cluster")
+    if not isinstance(cluster, dict):
+        raise ConfigError(f'{variable} has no "cluster" object')
+    pools: dict[str, tuple[str, ...]] = {}
+    for name, entries in cluster.items():
+        if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
+            raise ConfigError(f'{variable}: cluster.{name} must be a list of "host:port" strings')
+        pools[name] = tuple(entries)
+    raw_task = document.get("task")
+    if raw_task is not None and not isinstance(raw_task, dict):
+        raise ConfigError(f'{variable}: "task" must be an object with "type" and "index"')
+    task_type = raw_task.get("type") if raw_task is not None else None
+    if raw_task is not None and (not isinstance(task_type, str) or not task_type):
+        raise ConfigError(f'{variable}: task.type must be a non-empty string, got {task_type!r}')
+
+    # AI Platform's CLUSTER_SPEC for custom containers uses TF_CONFIG's names; Vertex AI's
+    # uses workerpoolN. Which one this is shows in any pool or task name.
+    names = set(pools) | ({task_type} if task_type else set())
+    vertex = variable == "CLUSTER_SPEC" and any(name in _VERTEX_POOLS for name in names)
+    known = _VERTEX_POOLS if vertex else _TF_POOLS
+    for name in pools:
+        if name not in known:
+            raise ConfigError(f"{variable}: unknown pool {name!r} in cluster (expected {', '.join(known)})")
+    if vertex:
+        if len(pools.get("workerpool0", ())) != 1:
+            raise ConfigError(f"{variable}: cluster.workerpool0 must hold exactly one primary replica, "
+                              f"found {len(pools.get('workerpool0', ()))}")
+        worker_pools, reducer_pool, evaluator_pool = ("workerpool0", "workerpool1"), "workerpool2", "workerpool3"
+    else:
+        heads = [name for name in ("chief", "master") if pools.get(name)]
+        if len(heads) == 2:
+            raise ConfigError(f"{variable}: cluster has both chief and master; the primary replica is one or the other")
+        if heads and len(pools[heads[0]]) > 1:
+            raise ConfigError(f"{variable}: cluster.{heads[0]} lists {len(pools[heads[0]])} entries; "
+                              f"a job has one {heads[0]}")
+        worker_pools, reducer_pool, evaluator_pool = (*heads, "worker"), "ps", "evaluator"
+    offsets: dict[str, int] = {}
+    hosts = 0
+    for name in worker_pools:
+        offsets[name] = hosts
+        hosts += len(pools.get(name, ()))
+    if hosts == 0:
+        raise ConfigError(f"{variable}: cluster has no chief, master or worker entries, so no worker hosts")
+
+    task = None
+    if raw_task is not None:
+        if task_type not in known:
+            raise ConfigError(f"{variable}: task type {task_type!r} is not one of {', '.join(known)}")
+        index = _task_index(variable, raw_task.get("index"))
+        listed = pools.get(task_type, ())
+        # TF_CONFIG never lists evaluators in "cluster", so an evaluator's index has nothing to check.
+        if index >= len(listed) and not (task_type == evaluator_pool and task_type not in pools):
+            raise ConfigError(f"{variable}: task {task_type}[{index}] is beyond cluster.{task_type}, "
+                              f"which lists {len(listed)} entries")
+        if task_type == reducer_pool:
+            task = _Task(task_type, index, "reducer", index)
+        elif task_type == evaluator_pool:
+            task = _Task(task_type, index, "evaluator", index)
+        else:
+            task = _Task(task_type, index, "worker", offsets[task_type] + index)
+    return _Cluster(variable=variable, hosts=hosts, reducer_pool=reducer_pool,
+                    reducers=pools.get(reducer_pool, ()), task=task,
+                    job=document.get("job") if variable == "CLUSTER_SPEC" else None)
+
+
+def _task_index(variable: str, index: Any) -> int:
+    if isinstance(index, str) and index.isascii() and index.isdigit():
+        return int(index)
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ConfigError(f"{variable}: task.index must be a non-negative integer, got {index!r}")
+    return index
+
+
+def _rank_pair(env: _Environment, rank_name: str, size_name: str) -> Optional[tuple[int, int]]:
+    """(rank, size) from two variables; None if neither is set."""
+    rank = env.integer(rank_name, minimum=0)
+    size = env.integer(size_name, minimum=1)
+    if rank is None and size is None:
+        return None
+    if rank is None or size is None:
+        present, missing = (rank_name, size_name) if size is None else (size_name, rank_name)
+        raise ConfigError(f"{present} is set but {missing} is not set; set both")
+    if rank >= size:
+        raise ConfigError(f"{rank_name}={rank} must be less than {size_name}={size}")
+    return rank, size
+
+
+def _local_placement(env: _Environment) -> tuple[int, int]:
+    """(local rank, processes on this host), from the launcher or RS_PROCS_PER_HOST."""
+    per_host = env.integer("RS_PROCS_PER_HOST", minimum=1)
+    for rank_name, size_name in _LOCAL_VARIABLES:
+        rank = env.integer(rank_name, minimum=0)
+        size = env.integer(size_name, minimum=1)
+        if rank is None and size is None:
+            continue
+        if rank is None:
+            raise ConfigError(f"{size_name} is set but {rank_name} is not set; set both")
+        if size is None:
+            if per_host is None:
+                raise ConfigError(f"{rank_name} is set but {size_name} is not set; set {size_name} "
+                                  f"or RS_PROCS_PER_HOST to the number of processes on this host")
+            size, size_name = per_host, "RS_PROCS_PER_HOST"
+        elif per_host is not None and per_host != size:
+            raise ConfigError(f"RS_PROCS_PER_HOST={per_host} contradicts {size_name}={size}")
+        if rank >= size:
+            raise ConfigError(f"{rank_name}={rank} must be less than {size_name}={size}")
+        return rank, size
+    if per_host is None or per_host == 1:
+        return 0, 1
+    raise ConfigError(f"RS_PROCS_PER_HOST={per_host} puts several processes on this host, but none of "
+                      f"LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or HOROVOD_LOCAL_RANK says which one this is")
+
+
+def _worker_rank(env: _Environment, local_rank: int, local_world_size: int) -> tuple[int, int, str]:
+    """(rank, world size, deciding variable), first match wins."""
+    explicit = _rank_pair(env, "RS_RANK", "RS_WORLD_SIZE")
+    if explicit is not None:
+        return explicit[0], explicit[1], "RS_RANK"
+    spec = env.spec
+    if spec is not None:
+        task = spec.require_task()
+        if task.role == "reducer":
+            raise ConfigError(f"{spec.variable}: task type {task.type!r} is a reducer (the {spec.reducer_pool} "
+                              f"pool), not a worker; run `reduction-server serve` there")
+        if task.role == "evaluator":
+            raise ConfigError(f"{spec.variable}: task type {task.type!r} is an evaluator, not a worker; "
+                              f"evaluators take no part in the all-reduce")
+        # Specs list hosts; each process on a host is its own rank, numbered host by host.
+        return (task.position * local_world_size + local_rank, spec.hosts * local_world_size, spec.variable)
+    for rank_name, size_name in _LAUNCHER_VARIABLES:
+        pair = _rank_pair(env, rank_name, size_name)
+        if pair is not None:
+            return pair[0], pair[1], rank_name
+    raise ConfigError("no rank for this worker: set RS_RANK and RS_WORLD_SIZE, or run it where CLUSTER_SPEC, "
+                      "TF_CONFIG, RANK/WORLD_SIZE, HOROVOD_RANK/HOROVOD_SIZE or "
+                      "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE is set")
+
+
+def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """(where the list came from, [(host, port)] in reducer-index order)."""
+    text = env.text("RS_REDUCERS")
+    if text is not None:
+        return "RS_REDUCERS", _address_list("RS_REDUCERS", text.split(","))
+    spec = env.spec
+    if spec is None:
+        raise ConfigError("RS_REDUCERS is not set and neither CLUSTER_SPEC nor TF_CONFIG is, so there are "
+                          "no reducer addresses; set RS_REDUCERS to host:port,host:port,...")
+    if not spec.reducers:
+        raise ConfigError(f"RS_REDUCERS is not set and {spec.variable} has no {spec.reducer_pool} pool "
+                          f"(the reducers); add that pool to the job or set RS_REDUCERS")
+    where = f"{spec.variable} cluster.{spec.reducer_pool}"
+    return where, _address_list(where, spec.reducers)
+
+
+def _address_list(where: str, entries: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    seen: dict[tuple[str, int], int] = {}
+    addresses = []
+    for position, entry in enumerate(entries):
+        if not entry.strip():
+            raise ConfigError(f"{where} has an empty entry at position {position}")
+        host, port = parse_address(entry, where)
+        key = (host.lower(), port)  # host names are case-insensitive
+        if key in seen:
+            # Two indices for one reducer would send it two shares of the buffer.
+            raise ConfigError(f"{where} lists {_join(host, port)} twice (positions {seen[key]} and {position})")
+        seen[key] = position
+        addresses.append((host, port))
+    return tuple(addresses)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _reducer_world_size(env: _Environment) -> Optional[int]:
+    world_size = env.integer("RS_WORLD_SIZE", minimum=1)
+    if world_size is not None:
+        return world_size
+    spec = env.spec
+    if spec is None:
+        return None
+    # A reducer host has no LOCAL_WORLD_SIZE of its own: the workers' count comes from the job.
+    return spec.hosts * (env.integer("RS_PROCS_PER_HOST", minimum=1) or 1)
+
+
+def _identity(env: _Environment) -> tuple[str, int, int]:
+    """(job token, job id, generation): what every process of one job shares."""
+    token = env.environ.get("RS_JOB_TOKEN", "")
+    generation = env.integer("RS_GENERATION", minimum=0)
+    return token, _job_id(env, token), generation or 0
+
+
+def _job_id(env: _Environment, token: str) -> int:
+    text = env.text("RS_JOB_ID")
+    if text is not None:
+        if _JOB_ID_NUMBER.fullmatch(text):
+            value = int(text, 16) if text[:2].lower() == "0x" else int(text)
+            if value >= 1 << 64:
+                raise ConfigError(f"RS_JOB_ID={text} does not fit in 64 bits")
+            return value
+        return _hash64(text)
+    cloud_job = env.text("CLOUD_ML_JOB_ID")
+    if cloud_job is not None:
+        return _hash64(cloud_job)
+    spec = env.spec if env.text("CLUSTER_SPEC") is not None else None
+    if spec is not None and spec.job is not None:
+        # Canonical JSON, so key order in the variable cannot change the id.
+        return _hash64(json.dumps(spec.job, sort_keys=True, separators=(",", ":")))
+    return job_id_from(token)
+
+
+def _hash64(text: str) -> int:
+    """blake2b-64 of the UTF-8 text, read big-endian (so it equals int(hexdigest, 16))."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

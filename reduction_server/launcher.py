@@ -1,0 +1,350 @@
+"""`reduction-server run`: a local job of R reducer processes and W worker processes.
+
+The launcher gives every worker the variables the client (RS_*) and torch.distributed-style
+code (RANK, WORLD_SIZE, MASTER_ADDR, ...) expect, prefixes each output line with its rank, and
+makes sure the job ends as a whole: the first failing worker, a reducer that dies early, or a
+signal to the launcher stops every process, grandchildren included.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable, Collection, Dict, Iterator, List, Optional, Sequence
+
+_PREFIX = "reduction-server run:"
+_GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
+_POLL_S = 0.05  # how often the launcher looks for exited children
+_READER_JOIN_S = 2.0  # how long to wait for the last output after the children are gone
+_MAX_LINE = 64 * 1024  # longer lines are printed in pieces rather than buffered without bound
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the job's processes listen."""
+
+    bind_host: str  # what the reducers bind
+    connect_host: str  # what the workers connect to
+    reducer_ports: List[int]
+    master_port: int
+
+    def reducer_addresses(self) -> List[str]:
+        host = f"[{self.connect_host}]" if ":" in self.connect_host else self.connect_host
+        return [f"{host}:{port}" for port in self.reducer_ports]
+
+
+@dataclass
+class _Child:
+    label: str  # the output prefix: "rank 3" or "reducer 1"
+    proc: subprocess.Popen[bytes]
+
+
+@dataclass
+class _Job:
+    layout: _Layout
+    np: int
+    command: List[str]
+    workers: List[_Child] = field(default_factory=list)
+    reducers: List[_Child] = field(default_factory=list)
+    readers: List[threading.Thread] = field(default_factory=list)
+    output_lock: threading.Lock = field(default_factory=threading.Lock)
+    signum: Optional[int] = None  # the first stop signal the launcher received
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        # Only record it: the watch loop acts on it, so a signal never interrupts a half-done step.
+        if self.signum is None:
+            self.signum = signum
+
+    def run(self) -> int:
+        """Start every process and wait until the job's exit code is decided."""
+        try:
+            failure = self._spawn_all()
+        finally:
+            # After the last fork, not before: preexec_fn is only safe while no other thread runs.
+            self._start_readers()
+        if failure is not None:
+            return failure
+        _say(f"started {self.np} worker(s) and {len(self.reducers)} reducer(s) at "
+             f"{','.join(self.layout.reducer_addresses())}; "
+             f"MASTER_ADDR={self.layout.connect_host} MASTER_PORT={self.layout.master_port}")
+        while (code := self._outcome()) is None:
+            time.sleep(_POLL_S)
+        return code
+
+    def stop(self) -> None:
+        """Stop and reap every child, then let the readers copy the rest of their output."""
+        _stop(self.workers + self.reducers, _GRACE_S)
+        deadline = time.monotonic() + _READER_JOIN_S
+        for reader in self.readers:
+            # Bounded: a process that escaped its group could hold a pipe open forever.
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+    def _spawn_all(self) -> Optional[int]:
+        env = _job_environment(self.layout, self.np)
+        die_with_parent = _die_with_parent_hook()
+        # Reducers first so they are usually listening by the time the workers connect.
+        for index, port in enumerate(self.layout.reducer_ports):
+            argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
+                    "--port", str(port), "--workers", str(self.np), "--index", str(index)]
+            child_env = dict(env, RS_REDUCER_INDEX=str(index))
+            failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent)
+            if failure is not None:
+                return failure
+        for rank in range(self.np):
+            failure = self._spawn(self.workers, f"rank {rank}", self.command,
+                                  _worker_environment(env, self.layout, rank, self.np), die_with_parent)
+            if failure is not None:
+                return failure
+        return None
+
+    @staticmethod
+    def _spawn(children: List[_Child], label: str, argv: List[str], env: Dict[str, str],
+               die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+        try:
+            proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: one killpg reaches its descendants
+                preexec_fn=die_with_parent)
+        except OSError as exc:
+            _say(f"cannot start {label} ({' '.join(argv)}): {exc}")
+            return 127 if isinstance(exc, FileNotFoundError) else 126  # the shell's codes
+        children.append(_Child(label, proc))
+        return None
+
+    def _start_readers(self) -> None:
+        for child in self.workers + self.reducers:
+            reader = threading.Thread(target=_pump, args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
+                                      name=f"output of {child.label}", daemon=True)
+            reader.start()
+            self.readers.append(reader)
+
+    def _outcome(self) -> Optional[int]:
+        """The job's exit code once it is decided, else None; says why when it is a failure."""
+        if self.signum is not None:
+            _say(f"received {_signal_name(self.signum)}; stopping the job")
+            return 128 + self.signum
+        running = 0
+        for child in self.workers:  # in rank order, so simultaneous failures report the lowest rank
+            status = _peek_exit(child.proc)
+            if status is None:
+                running += 1
+            elif status != 0:
+                _say(f"{child.label} {_describe(status)}; stopping the job")
+                return _exit_code(status)
+        if running == 0:
+            return 0
+        for child, address in zip(self.reducers, self.layout.reducer_addresses()):
+            status = _peek_exit(child.proc)
+            if status is not None:  # even a clean exit: the workers still need it
+                _say(f"{child.label} ({address}) {_describe(status)} while workers were running; stopping the job")
+                return _exit_code(status) or 1
+        return None
+
+
+def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[int] = None,
+            host: str = "127.0.0.1") -> int:
+    """Run `reducers` reducer processes and `np` copies of `command` on this machine.
+
+    Returns 0 when every worker exits 0; the first failing worker's exit code (128+signal when
+    it was killed); 128+signal when the launcher is stopped by SIGINT/SIGTERM/SIGHUP; 1 or the
+    reducer's code when a reducer exits while workers run; 2 for bad arguments.
+    """
+    problem = _check_arguments(np, reducers, command, port_base)
+    if problem is not None:
+        return _usage_error(problem)
+    try:
+        layout = _plan_layout(host, reducers, port_base)
+    except OSError as exc:
+        return _usage_error(f"cannot use --host {host!r}: {exc}")
+    job = _Job(layout, np, list(command))
+    with _signals_recorded_by(job):
+        try:
+            return job.run()
+        finally:
+            job.stop()
+
+
+def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int]) -> Optional[str]:
+    if np < 1:
+        return f"-np must be at least 1 (got {np})"
+    if reducers < 1:
+        return f"--reducers must be at least 1 (got {reducers})"
+    if port_base is not None and not (1 <= port_base and port_base + reducers - 1 <= 65535):
+        return (f"--port-base {port_base} with {reducers} reducer(s) needs ports "
+                f"{port_base}-{port_base + reducers - 1}, outside 1-65535")
+    if not command:
+        return "no command given (usage: reduction-server run -np W --reducers R -- CMD ...)"
+    return None
+
+
+def _plan_layout(host: str, reducers: int, port_base: Optional[int]) -> _Layout:
+    if port_base is None:
+        *reducer_ports, master_port = _free_ports(host, reducers + 1, avoid=())
+    else:
+        reducer_ports = list(range(port_base, port_base + reducers))
+        (master_port,) = _free_ports(host, 1, avoid=reducer_ports)
+    # A wildcard bind address is not something to connect to; the loopback reaches it.
+    connect_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return _Layout(host, connect_host, reducer_ports, master_port)
+
+
+def _free_ports(host: str, count: int, avoid: Collection[int]) -> List[int]:
+    """`count` distinct ports free on `host` right now (bound to port 0 and read back).
+
+    Every socket stays open until all ports are picked, so the kernel never hands one out twice.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sockets: List[socket.socket] = []
+    ports: List[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.bind(address)
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
+    """What every child sees: the launcher's environment plus the job's shared facts."""
+    env = dict(os.environ)
+    for name in _FOREIGN_JOB_VARS:
+        env.pop(name, None)
+    env.update(
+        # A caller-provided token lets processes outside this launcher join the same job.
+        RS_JOB_TOKEN=os.environ.get("RS_JOB_TOKEN") or secrets.token_hex(16),
+        RS_REDUCERS=",".join(layout.reducer_addresses()),
+        RS_WORLD_SIZE=str(np),
+        PYTHONUNBUFFERED="1",  # so Python children's lines show up as they happen
+    )
+    return env
+
+
+def _worker_environment(env: Dict[str, str], layout: _Layout, rank: int, np: int) -> Dict[str, str]:
+    # One machine: the local rank is the rank.
+    ranks = dict(RS_RANK=rank, RANK=rank, WORLD_SIZE=np, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=np,
+                 MASTER_ADDR=layout.connect_host, MASTER_PORT=layout.master_port)
+    return dict(env, **{name: str(value) for name, value in ranks.items()})
+
+
+def _die_with_parent_hook() -> Optional[Callable[[], None]]:
+    """A preexec_fn that makes the child get SIGKILL when the launcher dies, even by SIGKILL.
+
+    Linux only (prctl); elsewhere children rely on the launcher's own cleanup. Strictly, the
+    signal comes when the forking *thread* exits: run_job forks and waits in the same thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: no dlopen in the child
+    launcher = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return die_with_parent
+
+
+def _pump(stream: IO[bytes], prefix: str, lock: threading.Lock) -> None:
+    """Copy a child's output to our stdout, one prefixed whole line at a time."""
+    with stream:
+        for raw in iter(lambda: stream.readline(_MAX_LINE), b""):
+            # A partial last line has no newline; junk bytes must not stop the copying.
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            with lock:
+                try:
+                    sys.stdout.write(f"{prefix}{line}\n")
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass  # our stdout is gone (closed pipe): keep draining so the child never blocks
+
+
+def _peek_exit(proc: subprocess.Popen[bytes]) -> Optional[int]:
+    """The child's status, Popen-style (negative: killed by that signal), None while it runs.
+
+    It does not reap the child: while a zombie holds its PID, that number (also its process
+    group's id) cannot be reused, so a later killpg cannot hit an unrelated process.
+    """
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _stop(children: Sequence[_Child], grace: float) -> None:
+    """SIGTERM every child's process group, SIGKILL whatever is left after `grace`, reap all."""
+    _signal_groups(children, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_peek_exit(child.proc) is None for child in children):
+        time.sleep(_POLL_S)
+    # Also the groups whose leader has exited: grandchildren may still be in them.
+    _signal_groups(children, signal.SIGKILL)
+    for child in children:
+        child.proc.wait()
+
+
+def _signal_groups(children: Sequence[_Child], signum: int) -> None:
+    for child in children:
+        if child.proc.returncode is None:  # not reaped yet, so its group id is still ours
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signum)
+
+
+@contextlib.contextmanager
+def _signals_recorded_by(job: _Job) -> Iterator[None]:
+    """Route the stop signals to `job` for the duration; only the main thread may do that."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, job.on_signal) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _describe(status: int) -> str:
+    if status < 0:
+        return f"was killed by signal {-status} ({_signal_name(-status)})"
+    return f"exited with code {status}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # e.g. a real-time signal without a name of its own
+        return f"signal {signum}"
+
+
+def _exit_code(status: int) -> int:
+    return 128 - status if status < 0 else status
+
+
+def _usage_error(message: str) -> int:
+    _say(message)
+    return 2
+
+
+def _say(message: str) -> None:
+    print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,42 @@
+"""Structured logging: one line per event, `event key=value ...`, quiet by default.
+
+RS_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR; default WARNING) sets the level of every logger
+under `reduction_server`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+_configured = False
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    if not text or any(c in text for c in ' ="\n'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return text
+
+
+def get_logger(name: str) -> logging.Logger:
+    """A logger under `reduction_server`, configured from RS_LOG_LEVEL on first use."""
+    global _configured
+    if not _configured:
+        _configured = True
+        root = logging.getLogger("reduction_server")
+        level = os.environ.get("RS_LOG_LEVEL", "WARNING").upper()
+        root.setLevel(getattr(logging, level, logging.WARNING))
+        if not root.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+            root.addHandler(handler)
+        root.propagate = False
+    return logging.getLogger(f"reduction_server.{name}")
+
+
+def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
+    """Log `name k=v k=v`; the fields are only formatted when the level is enabled."""
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s %s", name, " ".join(f"{k}={_quote(v)}" for k, v in fields.items()))

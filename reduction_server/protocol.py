@@ -1,0 +1,248 @@
+"""The wire protocol between workers and reducers (documented in docs/protocol.md).
+
+Every message is a ZeroMQ multipart message: one fixed-size binary header frame, then at most
+one payload frame. The header is little-endian, versioned and starts with a magic number;
+payloads (gradient chunks, JSON for the handshake, UTF-8 text for errors) travel as their own
+frame so that they are sent and received without copies.
+
+Codes for dtypes and reduction ops follow NCCL's numbering (ncclDataType_t, ncclRedOp_t), so
+the NCCL-style client passes them straight through.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from .errors import ProtocolError
+
+MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
+VERSION = 1
+
+# magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
+# job, seq, offset, count, total, nbytes
+HEADER = struct.Struct("<IBBBBIIIIIIQQQQQQ")
+HEADER_SIZE = HEADER.size  # 80 bytes
+
+MAX_WORLD_SIZE = 1 << 20
+MAX_TEXT_PAYLOAD = 64 * 1024  # handshake JSON and error text
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1  # worker -> reducer: who I am (JSON payload)
+    CHALLENGE = 2  # reducer -> worker: a nonce to prove the job token against
+    AUTH = 3  # worker -> reducer: HMAC(token, nonce | identity) as payload
+    WELCOME = 4  # reducer -> worker: admitted (JSON payload: reducer facts)
+    REJECT = 5  # reducer -> worker: refused (text payload: the reason)
+    DATA = 6  # worker -> reducer: one chunk contribution
+    RESULT = 7  # reducer -> worker: one reduced chunk
+    ERROR = 8  # either way: a collective or frame failed (aux: ErrorCode, text payload)
+    BYE = 9  # worker -> reducer: leaving cleanly
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1  # a frame the reducer could not parse
+    NOT_ADMITTED = 2  # DATA from a peer that did not complete the handshake
+    MISMATCH = 3  # contributions to one key disagree (dtype, op, size, ...)
+    BAD_PAYLOAD = 4  # payload size disagrees with the header
+    UNSUPPORTED = 5  # dtype or op the reducer does not implement
+    DUPLICATE = 6  # a rank contributed twice to one key
+    STALE = 7  # a key from an older generation or another job
+    TOO_LARGE = 8  # a size over the reducer's caps
+    INTERNAL = 9  # a bug on the reducer side; reported, never swallowed
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction ops; values are NCCL's ncclRedOp_t."""
+
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+    AVG = 4
+    # Not an NCCL op: the root's contribution is the result (broadcast). aux = root rank.
+    BROADCAST = 64
+
+    @classmethod
+    def parse(cls, op: Union[str, int, "ReduceOp"]) -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            name = op.strip().upper()
+            aliases = {"AVERAGE": "AVG", "MEAN": "AVG", "PRODUCT": "PROD"}
+            name = aliases.get(name, name)
+            if name in cls.__members__ and name != "BROADCAST":
+                return cls[name]
+            raise ValueError(f"unknown reduction op {op!r}; expected one of sum, avg, min, max, prod")
+        # Framework enums (torch ReduceOp, NCCL constants) that carry an integer value.
+        try:
+            return cls(int(op))
+        except (TypeError, ValueError):
+            raise ValueError(f"unknown reduction op {op!r}; expected one of sum, avg, min, max, prod") from None
+
+
+class DType(enum.IntEnum):
+    """Element types; values are NCCL's ncclDataType_t."""
+
+    INT8 = 0
+    UINT8 = 1
+    INT32 = 2
+    UINT32 = 3
+    INT64 = 4
+    UINT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BFLOAT16 = 9
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def accumulator(self) -> "DType":
+        """Type the reducer accumulates in: 16-bit floats widen to float32, the rest stay."""
+        return DType.FLOAT32 if self in (DType.FLOAT16, DType.BFLOAT16) else self
+
+    @property
+    def storage(self) -> np.dtype:
+        """A NumPy dtype with this type's bytes; bfloat16 is carried as uint16 bits."""
+        return np.dtype(np.uint16) if self is DType.BFLOAT16 else np.dtype(self.name.lower())
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.FLOAT16, DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16)
+
+    @classmethod
+    def from_numpy(cls, dtype: np.dtype) -> "DType":
+        dtype = np.dtype(dtype)
+        if dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (used by JAX and TensorFlow)
+            return cls.BFLOAT16
+        name = dtype.name.upper()
+        if dtype.byteorder == ">" or name not in cls.__members__:
+            raise TypeError(
+                f"dtype {dtype} is not supported; supported: "
+                + ", ".join(d.name.lower() for d in cls)
+            )
+        return cls[name]
+
+
+_ITEMSIZE = {
+    DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
+    DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
+}
+
+
+@dataclass
+class Header:
+    """One message header. Fields that a message type does not use are zero."""
+
+    type: MsgType
+    dtype: int = 0
+    op: int = 0
+    rank: int = 0
+    world: int = 0
+    generation: int = 0
+    chunk: int = 0
+    nchunks: int = 0
+    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode
+    job: int = 0
+    seq: int = 0
+    offset: int = 0  # element offset of this chunk in the collective's buffer
+    count: int = 0  # elements in this chunk
+    total: int = 0  # elements in the whole collective
+    nbytes: int = 0  # bytes in the payload frame (0: no payload frame)
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC, VERSION, int(self.type), self.dtype, self.op, self.rank, self.world,
+            self.generation, self.chunk, self.nchunks, self.aux, self.job, self.seq,
+            self.offset, self.count, self.total, self.nbytes,
+        )
+
+    @property
+    def key(self) -> tuple:
+        """What identifies one chunk of one collective on a reducer."""
+        return (self.job, self.generation, self.seq, self.chunk)
+
+    def describe(self) -> str:
+        """The collective and chunk in words, for error messages."""
+        return f"collective seq={self.seq} chunk={self.chunk}/{self.nchunks} (job={self.job:#x}, generation={self.generation})"
+
+
+def unpack(frame: Union[bytes, memoryview]) -> Header:
+    """Parse and validate a header frame; raise ProtocolError naming what is wrong."""
+    size = len(frame)
+    if size != HEADER_SIZE:
+        raise ProtocolError(f"header frame is {size} bytes, expected {HEADER_SIZE}")
+    (magic, version, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
+     offset, count, total, nbytes) = HEADER.unpack(frame)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic number {magic:#010x}, expected {MAGIC:#010x}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    try:
+        mtype = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
+                    offset, count, total, nbytes)
+    if mtype in (MsgType.DATA, MsgType.RESULT):
+        validate_data(header)
+    elif nbytes > MAX_TEXT_PAYLOAD:
+        raise ProtocolError(f"{mtype.name} payload of {nbytes} bytes exceeds {MAX_TEXT_PAYLOAD}")
+    return header
+
+
+def validate_data(h: Header) -> None:
+    """Field checks for DATA/RESULT headers that need no state."""
+    try:
+        dtype = DType(h.dtype)
+    except ValueError:
+        raise ProtocolError(f"unknown dtype code {h.dtype}") from None
+    try:
+        op = ReduceOp(h.op)
+    except ValueError:
+        raise ProtocolError(f"unknown op code {h.op}") from None
+    if not 0 < h.world <= MAX_WORLD_SIZE:
+        raise ProtocolError(f"world size {h.world} out of range 1..{MAX_WORLD_SIZE}")
+    if h.type is MsgType.DATA and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
+        raise ProtocolError(f"rank {h.rank} out of range for world size {h.world}")
+    if op is ReduceOp.BROADCAST and h.aux >= h.world:
+        raise ProtocolError(f"broadcast root {h.aux} out of range for world size {h.world}")
+    if h.nchunks == 0 or h.chunk >= h.nchunks:
+        raise ProtocolError(f"chunk index {h.chunk} out of range for {h.nchunks} chunks")
+    if h.count == 0 or h.offset + h.count > h.total:
+        raise ProtocolError(
+            f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
+    expected = h.count * dtype.itemsize
+    # A broadcast's non-root contributions carry no payload.
+    if h.nbytes != expected and not (op is ReduceOp.BROADCAST and h.nbytes == 0 and h.type is MsgType.DATA):
+        raise ProtocolError(
+            f"header says {h.nbytes} payload bytes but {h.count} x {dtype.name.lower()} is {expected}")
+
+
+def data_header(
+    mtype: MsgType, *, dtype: DType, op: ReduceOp, rank: int, world: int, job: int,
+    generation: int, seq: int, chunk: int, nchunks: int, offset: int, count: int, total: int,
+    nbytes: int, aux: int = 0,
+) -> bytes:
+    return Header(mtype, int(dtype), int(op), rank, world, generation, chunk, nchunks, aux, job,
+                  seq, offset, count, total, nbytes).pack()
+
+
+def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:
+    """An ERROR header; it repeats the key of the message it answers, when there is one."""
+    h = Header(MsgType.ERROR) if about is None else Header(**{**about.__dict__, "type": MsgType.ERROR})
+    h.aux = int(code)
+    h.nbytes = len(text)
+    return h.pack()
+
+
+def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0, job: int = 0,
+                generation: int = 0) -> bytes:
+    return Header(mtype, rank=rank, world=world, job=job, generation=generation,
+                  nbytes=len(payload)).pack()

@@ -1,0 +1,421 @@
+"""The reducer process: receive chunk contributions from W workers, sum them, send the sum back.
+
+One ROUTER socket; every worker connects a DEALER to it. A worker is admitted by the handshake
+(HELLO, CHALLENGE, AUTH, WELCOME); then each DATA message is one rank's contribution to one key
+(job, generation, seq, chunk). The first contribution to a key is loaded into an accumulator
+from a reusable pool, the others are folded in by the native kernel (GIL released); when all W
+ranks have contributed, the result goes back to every rank zero-copy and the accumulator returns
+to the pool once libzmq has released it. Every message gets an answer: a RESULT, or an ERROR that
+names the ranks involved; nothing a client sends can take the reducer down.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import zmq
+
+from . import _native, auth, protocol
+from .accumulator import AccumulatorPool, PoolExhausted
+from .errors import ProtocolError
+from .log import event, get_logger
+from .protocol import DType, ErrorCode, Header, MsgType, ReduceOp
+from .round import Round
+from .settings import (DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_TIMEOUT,
+                       env_number)
+
+log = get_logger("reducer")
+
+# Frames from one peer that could not be parsed before it is ignored for good.
+MAX_STRIKES = 16
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    rank: int
+    world: int
+    job: int
+    generation: int
+    admitted: bool = False
+    nonce: bytes = b""
+    info: Optional[dict] = None  # the HELLO's JSON: host, pid, client version
+
+
+class Reducer:
+    def __init__(self, socket: zmq.Socket, *, index: int = 0, address: str = "",
+                 world_size: Optional[int] = None, job_token: str = "",
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
+                 round_timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.socket = socket
+        self.index = index
+        self.name = f"reducer {index}" + (f" ({address})" if address else "")
+        self.fixed_world = world_size  # from --workers / the cluster spec; None: learn it
+        self.world: Optional[int] = world_size
+        self.job_token = job_token
+        self.max_chunk_bytes = max_chunk_bytes
+        self.round_timeout = round_timeout
+        self.pool = AccumulatorPool(max_accumulator_bytes)
+        self.job: Optional[tuple] = None  # (job id, generation) now served
+        self.peers: Dict[bytes, Peer] = {}
+        self.rank_identity: Dict[int, bytes] = {}
+        self.rounds: Dict[tuple, Round] = {}
+        self.round_started: Dict[tuple, float] = {}
+        self.strikes: Dict[bytes, int] = {}
+        self.completed = 0
+        self.failed = 0
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        next_expiry = time.monotonic() + 1.0
+        while not should_stop():
+            if poller.poll(100):
+                # Drain a batch before housekeeping: under load, messages come in bursts.
+                for _ in range(256):
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+            self.pool.reap()
+            now = time.monotonic()
+            if now >= next_expiry:
+                self.expire_rounds(now)
+                next_expiry = now + 1.0
+
+    def handle(self, frames: List[zmq.Frame]) -> None:
+        """Dispatch one message; never raises."""
+        identity = frames[0].bytes
+        if self.strikes.get(identity, 0) >= MAX_STRIKES:
+            return  # a peer that keeps sending garbage is dropped
+        try:
+            self._dispatch(identity, frames)
+        except Exception:  # a bug must not take the reducer down; report it to the sender
+            text = traceback.format_exc()
+            log.error("internal error handling a message from %s:\n%s", identity.hex(), text)
+            self._send_error(identity, ErrorCode.INTERNAL, f"{self.name}: internal error: {text.splitlines()[-1]}")
+
+    def _dispatch(self, identity: bytes, frames: List[zmq.Frame]) -> None:
+        if len(frames) not in (2, 3):
+            return self._malformed(identity, f"expected a header and at most one payload frame, got {len(frames) - 1} frames")
+        try:
+            h = protocol.unpack(frames[1].buffer)
+        except ProtocolError as exc:
+            return self._malformed(identity, str(exc))
+        payload = frames[2] if len(frames) == 3 else None
+        size = len(payload) if payload is not None else 0
+        if size != h.nbytes:
+            reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
+            peer = self.peers.get(identity)
+            if h.type is MsgType.DATA and peer is not None and peer.admitted:
+                return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, reason)
+            return self._malformed(identity, reason)
+        if h.type is MsgType.HELLO:
+            self._hello(identity, h, payload)
+        elif h.type is MsgType.AUTH:
+            self._auth(identity, h, payload)
+        elif h.type is MsgType.DATA:
+            self._data(identity, h, payload)
+        elif h.type is MsgType.BYE:
+            self._bye(identity)
+        else:
+            self._malformed(identity, f"a worker does not send {h.type.name} messages")
+
+    # -- handshake -----------------------------------------------------------------------
+    def _hello(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        if not 0 < h.world <= protocol.MAX_WORLD_SIZE or h.rank >= h.world:
+            return self._reject(identity, f"rank {h.rank} / world size {h.world} is out of range")
+        if self.fixed_world is not None and h.world != self.fixed_world:
+            return self._reject(identity, (
+                f"{self.name} serves {self.fixed_world} workers (--workers / RS_WORLD_SIZE) "
+                f"but rank {h.rank} says the world size is {h.world}"))
+        if self.job is not None and h.job == self.job[0] and h.generation < self.job[1]:
+            return self._reject(identity, (
+                f"rank {h.rank} belongs to generation {h.generation} of job {h.job:#x}, "
+                f"but {self.name} already serves generation {self.job[1]}"))
+        try:
+            info = json.loads(payload.bytes) if payload is not None else {}
+        except ValueError as exc:
+            return self._reject(identity, f"HELLO payload is not valid JSON: {exc}")
+        nonce = auth.new_nonce()
+        self.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info)
+        self._send(identity, [protocol.text_header(MsgType.CHALLENGE, nonce), nonce])
+
+    def _auth(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        peer = self.peers.get(identity)
+        if peer is None or peer.admitted:
+            return self._malformed(identity, "AUTH without a HELLO before it")
+        claimed = payload.bytes if payload is not None else b""
+        if self.job_token and not auth.verify(self.job_token, peer.nonce, claimed, job=peer.job,
+                                               generation=peer.generation, rank=peer.rank, world=peer.world):
+            del self.peers[identity]
+            event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
+                  reason="proof does not match RS_JOB_TOKEN")
+            return self._reject(identity, f"rank {peer.rank}: authentication failed: wrong or missing job token (RS_JOB_TOKEN)")
+        if self.job != (peer.job, peer.generation):
+            self._start_job(peer)
+        elif self.world != peer.world:
+            del self.peers[identity]
+            return self._reject(identity, (
+                f"rank {peer.rank} says the world size is {peer.world} but the other ranks of job "
+                f"{peer.job:#x} said {self.world}"))
+        old = self.rank_identity.get(peer.rank)
+        if old is not None and old != identity:
+            event(log, logging.INFO, "rank_reconnected", reducer=self.index, rank=peer.rank)
+            self.peers.pop(old, None)
+        peer.admitted = True
+        self.rank_identity[peer.rank] = identity
+        welcome = json.dumps({"index": self.index, "world_size": self.world,
+                              "max_chunk_bytes": self.max_chunk_bytes}).encode()
+        self._send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=self.world or 0,
+                                                   job=peer.job, generation=peer.generation), welcome])
+        event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
+              job=hex(peer.job), generation=peer.generation)
+
+    def _start_job(self, peer: Peer) -> None:
+        """A new job or generation replaces the old one: its rounds and peers are dropped."""
+        if self.job is not None:
+            event(log, logging.WARNING, "job_replaced", reducer=self.index, old_job=hex(self.job[0]),
+                  old_generation=self.job[1], job=hex(peer.job), generation=peer.generation,
+                  dropped_rounds=len(self.rounds))
+        for rnd in self.rounds.values():
+            self._free(rnd)
+        self.rounds.clear()
+        self.round_started.clear()
+        self.rank_identity.clear()
+        self.peers = {i: p for i, p in self.peers.items()
+                      if (p.job, p.generation) == (peer.job, peer.generation)}
+        self.job = (peer.job, peer.generation)
+        self.world = self.fixed_world or peer.world
+
+    def _bye(self, identity: bytes) -> None:
+        peer = self.peers.pop(identity, None)
+        if peer is not None and self.rank_identity.get(peer.rank) == identity:
+            del self.rank_identity[peer.rank]
+            event(log, logging.INFO, "bye", reducer=self.index, rank=peer.rank)
+
+    # -- data ----------------------------------------------------------------------------
+    def _data(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        peer = self.peers.get(identity)
+        if peer is None or not peer.admitted:
+            return self._send_error(identity, ErrorCode.NOT_ADMITTED,
+                                    f"{self.name}: DATA for {h.describe()} from a peer that has not completed the handshake",
+                                    about=h)
+        if (h.rank, h.job, h.generation) != (peer.rank, peer.job, peer.generation):
+            return self._send_error(identity, ErrorCode.STALE, (
+                f"{self.name}: rank {peer.rank} of job {peer.job:#x} generation {peer.generation} sent "
+                f"{h.describe()} claiming rank {h.rank}"), about=h)
+        dtype = DType(h.dtype)
+        if h.count * dtype.accumulator.itemsize > self.max_chunk_bytes:
+            return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+                f"rank {h.rank} sent a chunk of {h.count} x {dtype.name.lower()}, over this reducer's "
+                f"limit of {self.max_chunk_bytes} bytes per chunk"))
+        rnd = self.rounds.get(h.key)
+        if rnd is None:
+            rnd = self.rounds[h.key] = Round(first=h, world=self.world)
+            self.round_started[h.key] = time.monotonic()
+        elif rnd.error is not None:
+            return self._answer_failed(rnd, h.rank, h)
+        reason = rnd.disagreement(h)
+        if reason is not None:
+            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
+            return self._fail_round(rnd, code, reason, extra=h)
+        try:
+            self._fold(rnd, h, payload)
+        except PoolExhausted as exc:
+            return self._fail_round(rnd, ErrorCode.TOO_LARGE, str(exc), extra=h)
+        except ValueError as exc:
+            return self._fail_round(rnd, ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}", extra=h)
+        rnd.contributed[h.rank] = h
+        if rnd.complete:
+            self._finish(rnd)
+
+    def _fold(self, rnd: Round, h: Header, payload: Optional[zmq.Frame]) -> None:
+        if rnd.op is ReduceOp.BROADCAST:
+            if h.rank == h.aux:
+                if payload is None:
+                    raise ValueError(f"broadcast root {h.rank} sent no payload")
+                rnd.adopted = payload  # the root's frame goes back out as it came: no copy
+            return
+        if payload is None:
+            raise ValueError("a contribution without a payload")
+        if not rnd.loaded:
+            rnd.accumulator = self.pool.acquire(h.count * rnd.dtype.accumulator.itemsize)
+            _native.load(rnd.accumulator, payload.buffer, h.dtype)
+            rnd.loaded = True
+        else:
+            _native.accumulate(rnd.accumulator, payload.buffer, h.dtype, h.op)
+
+    def _finish(self, rnd: Round) -> None:
+        h = rnd.first
+        buffers = []
+        if rnd.op is ReduceOp.BROADCAST:
+            out = rnd.adopted
+        else:
+            acc = rnd.accumulator
+            buffers.append(acc)
+            if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
+                out = self.pool.acquire(h.count * rnd.dtype.itemsize)
+                buffers.append(out)
+                _native.store(acc, out, h.dtype, h.op, rnd.world)
+            else:
+                out = acc
+                if rnd.op is ReduceOp.AVG:
+                    _native.store(acc, acc, h.dtype, h.op, rnd.world)
+        frame = out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=False, track=True)
+        header = Header(**{**h.__dict__, "type": MsgType.RESULT, "rank": self.index,
+                           "nbytes": h.count * rnd.dtype.itemsize}).pack()
+        for rank in range(rnd.world):
+            identity = self.rank_identity.get(rank)
+            if identity is None:
+                event(log, logging.ERROR, "result_undeliverable", reducer=self.index, rank=rank,
+                      key=h.describe(), reason="rank is no longer connected")
+                continue
+            self._send(identity, [header, frame])
+        self._forget(h.key)
+        rnd.accumulator = None
+        if buffers:
+            self.pool.release(buffers, frame.tracker)
+        self.completed += 1
+
+    # -- failures ------------------------------------------------------------------------
+    def _fail_contribution(self, peer: Peer, h: Header, code: ErrorCode, reason: str) -> None:
+        """A contribution that cannot be used fails its whole round, so no rank waits for it."""
+        rnd = self.rounds.get(h.key)
+        if rnd is None:
+            rnd = self.rounds[h.key] = Round(first=h, world=self.world)
+            self.round_started[h.key] = time.monotonic()
+        if rnd.error is not None:
+            return self._answer_failed(rnd, peer.rank, h)
+        self._fail_round(rnd, code, reason, extra=h)
+
+    def _fail_round(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
+        rnd.error = f"{self.name}: {reason}"
+        rnd.code = code
+        self.failed += 1
+        event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
+              code=code.name, reason=reason)
+        self._free(rnd)
+        for rank, h in list(rnd.contributed.items()):
+            self._answer_failed(rnd, rank, h)
+        if extra is not None:
+            self._answer_failed(rnd, extra.rank, extra)
+
+    def _answer_failed(self, rnd: Round, rank: int, about: Header) -> None:
+        identity = self.rank_identity.get(rank)
+        if identity is not None:
+            self._send_error(identity, rnd.code, rnd.error, about=about)
+        if rank not in rnd.answered:
+            rnd.answered.append(rank)
+        if len(rnd.answered) >= rnd.world:
+            self._forget(rnd.first.key)
+
+    def expire_rounds(self, now: float) -> None:
+        """Fail rounds that waited longer than the timeout for their last contributions."""
+        for key, started in list(self.round_started.items()):
+            rnd = self.rounds.get(key)
+            if rnd is None or now - started < self.round_timeout:
+                continue
+            if rnd.error is None:
+                self._fail_round(rnd, ErrorCode.STALE, (
+                    f"{rnd.first.describe()} timed out after {self.round_timeout:.0f} s: ranks "
+                    f"{sorted(rnd.contributed)} contributed, ranks {rnd.missing} did not"))
+            self._forget(key)  # ranks that never came will time out on their own side
+
+    def _free(self, rnd: Round) -> None:
+        if rnd.accumulator is not None:
+            self.pool.release([rnd.accumulator])
+            rnd.accumulator = None
+        rnd.adopted = None
+
+    def _forget(self, key: tuple) -> None:
+        self.rounds.pop(key, None)
+        self.round_started.pop(key, None)
+
+    # -- sending -------------------------------------------------------------------------
+    def _malformed(self, identity: bytes, reason: str) -> None:
+        strikes = self.strikes[identity] = self.strikes.get(identity, 0) + 1
+        event(log, logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
+              reason=reason, strikes=strikes)
+        if strikes >= MAX_STRIKES:
+            event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
+                  reason=f"{MAX_STRIKES} malformed messages")
+            self.peers.pop(identity, None)
+        self._send_error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
+        text = f"{self.name}: {reason}".encode()
+        self._send(identity, [protocol.text_header(MsgType.REJECT, text), text])
+
+    def _send_error(self, identity: bytes, code: ErrorCode, text: str, about: Optional[Header] = None) -> None:
+        payload = text.encode()
+        self._send(identity, [protocol.error_header(code, payload, about), payload])
+
+    def _send(self, identity: bytes, frames: list) -> None:
+        try:
+            self.socket.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
+            event(log, logging.WARNING, "send_failed", reducer=self.index, peer=identity.hex(), reason=exc)
+
+
+def _bind(socket: zmq.Socket, host: str, port: int) -> int:
+    if ":" in host:
+        socket.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    if port == 0:
+        return socket.bind_to_random_port(f"tcp://{host}")
+    socket.bind(f"tcp://{host}:{port}")
+    return port
+
+
+def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
+          index: Optional[int] = None) -> int:
+    """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place."""
+    from .discovery import discover_reducer
+
+    place = discover_reducer() if None in (host, port, index) else None
+    host = host or (place.host if place else "0.0.0.0")
+    port = port if port is not None else (place.port if place else 0)
+    index = index if index is not None else (place.index if place else 0)
+    if workers is None:
+        workers = place.world_size if place else None
+        if workers is None and os.environ.get("RS_WORLD_SIZE"):
+            workers = int(env_number("RS_WORLD_SIZE", 0, minimum=1))
+    token = os.environ.get("RS_JOB_TOKEN", place.job_token if place else "")
+
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
+    socket.setsockopt(zmq.LINGER, 0)
+    max_chunk = int(env_number("RS_MAX_CHUNK_BYTES", DEFAULT_MAX_CHUNK_BYTES, minimum=1024))
+    # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
+    socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
+    bound = _bind(socket, host, port)
+    reducer = Reducer(
+        socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
+        max_chunk_bytes=max_chunk,
+        max_accumulator_bytes=int(env_number("RS_MAX_ACCUMULATOR_BYTES", DEFAULT_MAX_ACCUMULATOR_BYTES, minimum=1024)),
+        round_timeout=env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.1, kind=float),
+    )
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
+          f"auth={'token' if token else 'none'}", flush=True)
+    try:
+        reducer.run(lambda: bool(stopping))
+    finally:
+        socket.close(linger=0)
+        context.term()
+    event(log, logging.INFO, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed)
+    return 0

@@ -1,0 +1,75 @@
+"""The reducer's state for one key (one chunk of one collective): who has contributed, what
+they agreed on, the accumulator, and whether the round has failed.
+
+A round is created by the first contribution to its key. Every later contribution must agree
+with the first on dtype, op, element count, offset, collective size, chunk count and root;
+a disagreement fails the round for every rank. A failed round still answers each rank once
+(with an ERROR), so that no rank waits forever and the key is forgotten when all have been
+answered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .protocol import DType, ErrorCode, Header, ReduceOp
+
+# Header fields that every contribution to one key must agree on.
+AGREED_FIELDS = ("dtype", "op", "count", "offset", "total", "nchunks", "aux", "world")
+
+
+def describe_fields(h: Header) -> str:
+    parts = []
+    for name in AGREED_FIELDS:
+        value = getattr(h, name)
+        if name == "dtype":
+            value = DType(value).name.lower() if value in DType._value2member_map_ else value
+        elif name == "op":
+            value = ReduceOp(value).name.lower() if value in ReduceOp._value2member_map_ else value
+        elif name == "aux" and h.op != ReduceOp.BROADCAST:
+            continue
+        parts.append(f"{'root' if name == 'aux' else name}={value}")
+    return " ".join(parts)
+
+
+@dataclass
+class Round:
+    first: Header  # the first contribution's header: what the others must agree with
+    world: int
+    accumulator: Optional[np.ndarray] = None
+    contributed: Dict[int, Header] = field(default_factory=dict)  # rank -> header
+    error: Optional[str] = None  # set once the round has failed
+    answered: List[int] = field(default_factory=list)  # ranks sent an ERROR already
+    loaded: bool = False  # the accumulator holds the first payload
+    adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
+    code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
+
+    @property
+    def dtype(self) -> DType:
+        return DType(self.first.dtype)
+
+    @property
+    def op(self) -> ReduceOp:
+        return ReduceOp(self.first.op)
+
+    def disagreement(self, h: Header) -> Optional[str]:
+        """Why h cannot join this round, or None."""
+        if h.rank in self.contributed:
+            return f"rank {h.rank} contributed twice to {self.first.describe()}"
+        if any(getattr(h, f) != getattr(self.first, f) for f in AGREED_FIELDS):
+            groups: Dict[str, List[int]] = {}
+            for other in [*self.contributed.values(), h]:
+                groups.setdefault(describe_fields(other), []).append(other.rank)
+            detail = "; ".join(f"ranks {ranks} sent {desc}" for desc, ranks in groups.items())
+            return f"contributions to {self.first.describe()} disagree: {detail}"
+        return None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.contributed) == self.world
+
+    @property
+    def missing(self) -> List[int]:
+        return [r for r in range(self.world) if r not in self.contributed]

@@ -1,0 +1,42 @@
+"""Tunables read from the environment, with their defaults, in one place.
+
+Every variable is validated: a value that is not a number, or out of range, is a ConfigError
+naming the variable.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from .errors import ConfigError
+
+MiB = 1 << 20
+
+#: bytes per chunk a collective is cut into (each chunk goes to one reducer)
+DEFAULT_CHUNK_BYTES = 4 * MiB
+#: chunks a worker keeps in flight per reducer: overlap of send, reduce and receive
+DEFAULT_WINDOW = 4
+#: seconds a collective may wait for its results before it fails on this rank
+DEFAULT_TIMEOUT = 300.0
+#: seconds a worker waits for every reducer to admit it
+DEFAULT_CONNECT_TIMEOUT = 120.0
+#: largest chunk a reducer accepts (a client claiming more is refused, not allocated)
+DEFAULT_MAX_CHUNK_BYTES = 64 * MiB
+#: accumulator memory a reducer may hold at once
+DEFAULT_MAX_ACCUMULATOR_BYTES = 4096 * MiB
+
+
+def env_number(name: str, default: float, *, minimum: float, kind: type = int,
+               environ: Optional[Mapping[str, str]] = None) -> float:
+    """Read a number from the environment, naming the variable when it is malformed."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    return value

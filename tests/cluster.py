@@ -1,0 +1,99 @@
+"""Test harness: real reducer processes and real worker processes on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+_LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG") and not k.startswith("RS_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Reducers:
+    """R reducer processes on free loopback ports; stopped (and reaped) on exit."""
+
+    def __init__(self, count: int, workers: Optional[int], env: Dict[str, str]) -> None:
+        self.procs: List[subprocess.Popen] = []
+        self.addresses: List[str] = []
+        for index in range(count):
+            cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--index", str(index)]
+            if workers is not None:
+                cmd += ["--workers", str(workers)]
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.procs.append(proc)
+            line = proc.stdout.readline()
+            match = _LISTENING.search(line)
+            if not match:
+                self.stop()
+                raise RuntimeError(f"reducer {index} did not start: {line!r} {proc.stderr.read()}")
+            self.addresses.append(f"{match.group(1)}:{match.group(2)}")
+
+    @property
+    def spec(self) -> str:
+        return ",".join(self.addresses)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def stop(self) -> List[str]:
+        """Stop every reducer; returns their stderr (their logs)."""
+        logs = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                _, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            logs.append(err)
+        return logs
+
+
+@contextmanager
+def reducers(count: int, workers: Optional[int] = None, token: str = "test-token",
+             extra_env: Optional[Dict[str, str]] = None) -> Iterator[Reducers]:
+    group = Reducers(count, workers, child_env({"RS_JOB_TOKEN": token, **(extra_env or {})}))
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+def run_workers(world: int, group: Reducers, script: str, args: List[str], token: str = "test-token",
+                extra_env: Optional[Dict[str, str]] = None, timeout: float = 240) -> List[dict]:
+    """Run `script` as W rank processes; each prints one JSON line last. Returns them by rank."""
+    procs = []
+    for rank in range(world):
+        env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(world),
+                         "RS_JOB_TOKEN": token, "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": "60", **(extra_env or {})})
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise AssertionError(f"rank {rank} exited {proc.returncode}:\n{err}\n{out}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
