@@ -32,6 +32,7 @@ setup(
     python_requires=">=3.9",
     packages=["reduction_server", "reduction_server.client"],
     package_dir={"reduction_server": "reduction_server", "reduction_server.client": "client"},
+    package_data={"reduction_server": ["_native.pyi", "py.typed"]},
     ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["numpy>=1.24", "pyzmq>=26"],
     extras_require={

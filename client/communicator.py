@@ -8,6 +8,7 @@ into the output buffer.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import threading
 from concurrent.futures import Future
@@ -19,13 +20,29 @@ from reduction_server.discovery import discover_worker, job_id_from, parse_addre
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
 from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT,
-                                       DEFAULT_WINDOW, env_number)
+                                       DEFAULT_WINDOW, MAX_WINDOW, env_number)
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan_chunks
 from .engine import Collective, Engine
 
 OpLike = Union[str, int, ReduceOp]
+
+
+def _integer(value: Any) -> Any:
+    """value as an int if it is an integer of any kind (operator.index), else unchanged."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _window(window: Optional[int]) -> int:
+    if window is None:
+        return int(env_number("RS_WINDOW", DEFAULT_WINDOW, minimum=1, maximum=MAX_WINDOW))
+    if not 1 <= window <= MAX_WINDOW:
+        raise ConfigError(f"window must be in 1..{MAX_WINDOW}, got {window}")
+    return window
 
 
 class Handle:
@@ -52,8 +69,14 @@ class Communicator:
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
             raise ConfigError("no reducers given (reducers=[...] or RS_REDUCERS)")
-        for address in reducers:
-            parse_address(address, "reducers")
+        seen = {}
+        for position, address in enumerate(reducers):
+            host, port = parse_address(address, "reducers")
+            if (host.lower(), port) in seen:  # two indices for one reducer: two shares of each buffer
+                raise ConfigError(f"reducers lists {address.strip()} twice (positions "
+                                  f"{seen[host.lower(), port]} and {position})")
+            seen[host.lower(), port] = position
+        world_size, rank = _integer(world_size), _integer(rank)  # numpy and torch integers too
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
         if not (isinstance(rank, int) and 0 <= rank < world_size):
@@ -69,7 +92,7 @@ class Communicator:
         self._submit_lock = threading.Lock()  # seq order == submission order
         self._engine = Engine(
             self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
-            window=window or int(env_number("RS_WINDOW", DEFAULT_WINDOW, minimum=1)),
+            window=_window(window),
             timeout=timeout or env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float),
             connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
                                                           minimum=0.01, kind=float),

@@ -95,6 +95,8 @@ class Engine:
         self._ready.wait()
         if self._startup_error is not None:
             self._thread.join()
+            os.close(self._wake_r)  # close() is never called on an engine that did not start
+            os.close(self._wake_w)
             raise self._startup_error
 
     def submit(self, coll: Collective) -> None:
@@ -242,6 +244,7 @@ class Engine:
             sock.send(payload, copy=False)
         coll.state[k] = _SENT
         self._inflight[r] += 1
+        coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
 
     def _drain(self, r: int) -> None:
         sock = self._sockets[r]
@@ -327,8 +330,8 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         for coll in list(self._active.values()):
-            if now - coll.last_progress < self.timeout:
-                continue
+            if now - coll.last_progress < self.timeout or _SENT not in coll.state:
+                continue  # nothing in flight: it waits for window slots held by earlier collectives
             waiting = sorted({reducer_of(coll.seq, k, len(self._sockets))
                               for k, s in enumerate(coll.state) if s == _SENT})
             self._abandon(coll)
@@ -373,5 +376,5 @@ class Engine:
                                                    job=self.job, generation=self.generation), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # nobody to say goodbye to
-            sock.close()
+            sock.close(linger=None if bye else 0)  # a failed handshake has nothing worth lingering for
         self._context.term()

@@ -55,9 +55,15 @@ def parse_unique_id(unique_id: bytes) -> dict:
         raise ConfigError("not a reduction-server unique id (make one with get_unique_id() on one rank)")
     try:
         body = json.loads(unique_id[len(_PREFIX):])
-        return {"reducers": [str(a) for a in body["reducers"]], "token": str(body["token"]), "job": int(body["job"])}
+        reducers, token, job = body["reducers"], body["token"], body["job"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"corrupt reduction-server unique id: {exc}") from None
+    # A job id that does not fit the header's 64 bits would only fail later, inside the handshake.
+    if not (isinstance(reducers, list) and reducers and all(isinstance(a, str) for a in reducers)
+            and isinstance(token, str) and type(job) is int and 0 <= job < 1 << 64):
+        raise ConfigError("corrupt reduction-server unique id: expected a non-empty list of reducer "
+                          "addresses, a token string and a 64-bit unsigned job id")
+    return {"reducers": reducers, "token": token, "job": job}
 
 
 def communicator_from_unique_id(unique_id: bytes, rank: int, world_size: int, **options) -> Communicator:
@@ -72,10 +78,12 @@ class NcclCommunicator:
         self._comm = communicator_from_unique_id(commId, rank, ndev)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int = 0) -> None:
-        dtype = DType(datatype)
+        dtype, op = DType(datatype), ReduceOp.parse(op)
+        if op is ReduceOp.BROADCAST:  # the wire's code for broadcast, not an NCCL op
+            raise ValueError(f"op {int(op)} is not an NCCL reduction op; use bcast() or broadcast()")
         src, dst = raw_view(sendbuf, count, dtype), raw_view(recvbuf, count, dtype)
         if count:
-            self._comm._start(src, dst, ReduceOp.parse(op), 0, None).wait()
+            self._comm._start(src, dst, op, 0, None).wait()
 
     def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int = 0) -> None:
         dtype = DType(datatype)

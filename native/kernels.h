@@ -36,7 +36,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* RS_NO_X86_SIMD: build only the portable kernels (what non-x86 targets get). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(RS_NO_X86_SIMD)
 #define RS_X86 1
 #include <immintrin.h>
 #else

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
 
@@ -16,10 +15,6 @@ def _run(args: argparse.Namespace) -> int:
     from .launcher import run_job
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        print("reduction-server run: no command given (usage: reduction-server run -np W --reducers R -- CMD ...)",
-              file=sys.stderr)
-        return 2
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
                    host=args.host)
 

@@ -119,14 +119,15 @@ class DType(enum.IntEnum):
     @classmethod
     def from_numpy(cls, dtype: np.dtype) -> "DType":
         dtype = np.dtype(dtype)
+        name = dtype.name.upper()
+        # Checked before the bfloat16 shortcut: a big-endian bfloat16 is not ours either.
+        if dtype.byteorder == ">" or (name not in cls.__members__ and dtype.name != "bfloat16"):
+            raise TypeError(
+                f"dtype {dtype}{' (big-endian)' if dtype.byteorder == '>' else ''} is not supported; "
+                "supported: " + ", ".join(d.name.lower() for d in cls)
+            )
         if dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (used by JAX and TensorFlow)
             return cls.BFLOAT16
-        name = dtype.name.upper()
-        if dtype.byteorder == ">" or name not in cls.__members__:
-            raise TypeError(
-                f"dtype {dtype} is not supported; supported: "
-                + ", ".join(d.name.lower() for d in cls)
-            )
         return cls[name]
 
 

@@ -26,7 +26,7 @@ from .accumulator import AccumulatorPool, PoolExhausted
 from .errors import ProtocolError
 from .log import event, get_logger
 from .protocol import DType, ErrorCode, Header, MsgType, ReduceOp
-from .round import Round
+from .round import Round, format_ranks
 from .settings import (DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_TIMEOUT,
                        env_number)
 
@@ -34,6 +34,17 @@ log = get_logger("reducer")
 
 # Frames from one peer that could not be parsed before it is ignored for good.
 MAX_STRIKES = 16
+# Longest error or reject text: well inside protocol.MAX_TEXT_PAYLOAD (a longer one would be a
+# frame the client must refuse as malformed), and a log line that stays readable.
+MAX_ERROR_TEXT = 16 * 1024
+
+
+def _clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """text, cut to at most `limit` UTF-8 bytes with a marker saying so."""
+    if len(text.encode()) <= limit:
+        return text
+    marker = " ... [truncated]"
+    return text.encode()[:limit - len(marker)].decode(errors="ignore") + marker
 
 
 @dataclass
@@ -69,6 +80,7 @@ class Reducer:
         self.rounds: Dict[tuple, Round] = {}
         self.round_started: Dict[tuple, float] = {}
         self.strikes: Dict[bytes, int] = {}
+        self.unsent: Dict[bytes, int] = {}  # messages that could not be sent, per peer
         self.completed = 0
         self.failed = 0
 
@@ -117,7 +129,9 @@ class Reducer:
             reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
             peer = self.peers.get(identity)
             if h.type is MsgType.DATA and peer is not None and peer.admitted:
-                return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, reason)
+                # Through _data: a claim of another rank or job, or of a chunk over the size cap,
+                # is answered as such (to the sender) before the payload is looked at.
+                return self._data(identity, h, payload, bad_payload=reason)
             return self._malformed(identity, reason)
         if h.type is MsgType.HELLO:
             self._hello(identity, h, payload)
@@ -204,7 +218,8 @@ class Reducer:
             event(log, logging.INFO, "bye", reducer=self.index, rank=peer.rank)
 
     # -- data ----------------------------------------------------------------------------
-    def _data(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+    def _data(self, identity: bytes, h: Header, payload: Optional[zmq.Frame],
+              bad_payload: Optional[str] = None) -> None:
         peer = self.peers.get(identity)
         if peer is None or not peer.admitted:
             return self._send_error(identity, ErrorCode.NOT_ADMITTED,
@@ -219,6 +234,8 @@ class Reducer:
             return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
                 f"rank {h.rank} sent a chunk of {h.count} x {dtype.name.lower()}, over this reducer's "
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
+        if bad_payload is not None:
+            return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
         rnd = self.rounds.get(h.key)
         if rnd is None:
             rnd = self.rounds[h.key] = Round(first=h, world=self.world)
@@ -299,6 +316,7 @@ class Reducer:
         self._fail_round(rnd, code, reason, extra=h)
 
     def _fail_round(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
+        reason = _clip(reason)
         rnd.error = f"{self.name}: {reason}"
         rnd.code = code
         self.failed += 1
@@ -327,8 +345,8 @@ class Reducer:
                 continue
             if rnd.error is None:
                 self._fail_round(rnd, ErrorCode.STALE, (
-                    f"{rnd.first.describe()} timed out after {self.round_timeout:.0f} s: ranks "
-                    f"{sorted(rnd.contributed)} contributed, ranks {rnd.missing} did not"))
+                    f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
+                    f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
             self._forget(key)  # ranks that never came will time out on their own side
 
     def _free(self, rnd: Round) -> None:
@@ -353,19 +371,30 @@ class Reducer:
         self._send_error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
 
     def _reject(self, identity: bytes, reason: str) -> None:
+        reason = _clip(reason)
         event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
-        text = f"{self.name}: {reason}".encode()
+        text = _clip(f"{self.name}: {reason}").encode()
         self._send(identity, [protocol.text_header(MsgType.REJECT, text), text])
 
     def _send_error(self, identity: bytes, code: ErrorCode, text: str, about: Optional[Header] = None) -> None:
-        payload = text.encode()
+        payload = _clip(text).encode()
         self._send(identity, [protocol.error_header(code, payload, about), payload])
 
     def _send(self, identity: bytes, frames: list) -> None:
+        # Never blocking: with ROUTER_MANDATORY a blocking send waits as long as one peer's queue
+        # is full, i.e. a peer that sends but does not read would stop the reducer for everyone.
+        # A worker never has more than its window of answers outstanding, so only such a peer
+        # (or one that is gone) loses messages here.
         try:
-            self.socket.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
-            event(log, logging.WARNING, "send_failed", reducer=self.index, peer=identity.hex(), reason=exc)
+            self.socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it does not read
+            if len(self.unsent) > 4096:
+                self.unsent.clear()  # bounded: identities of peers long gone
+            unsent = self.unsent[identity] = self.unsent.get(identity, 0) + 1
+            if unsent == 1 or unsent % 1000 == 0:  # a log line per peer, not per message
+                reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else exc
+                event(log, logging.WARNING, "send_failed", reducer=self.index, peer=identity.hex(),
+                      reason=reason, unsent=unsent)
 
 
 def _bind(socket: zmq.Socket, host: str, port: int) -> int:

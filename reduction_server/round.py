@@ -20,6 +20,23 @@ from .protocol import DType, ErrorCode, Header, ReduceOp
 AGREED_FIELDS = ("dtype", "op", "count", "offset", "total", "nchunks", "aux", "world")
 
 
+def format_ranks(ranks, limit: int = 24) -> str:
+    """Sorted ranks as a list; a long one with runs collapsed and its middle elided, so that a
+    message about thousands of ranks stays short: "[0-511, 513, 515, ..., 1023] (1000 ranks)"."""
+    ranks = sorted(ranks)
+    if len(ranks) <= 16:
+        return str(ranks)
+    parts, start = [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            first, last = ranks[start], ranks[i - 1]
+            parts.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    if len(parts) > limit:
+        parts = parts[:limit - 4] + ["..."] + parts[-3:]
+    return "[" + ", ".join(parts) + f"] ({len(ranks)} ranks)"
+
+
 def describe_fields(h: Header) -> str:
     parts = []
     for name in AGREED_FIELDS:
@@ -62,7 +79,7 @@ class Round:
             groups: Dict[str, List[int]] = {}
             for other in [*self.contributed.values(), h]:
                 groups.setdefault(describe_fields(other), []).append(other.rank)
-            detail = "; ".join(f"ranks {ranks} sent {desc}" for desc, ranks in groups.items())
+            detail = "; ".join(f"ranks {format_ranks(ranks)} sent {desc}" for desc, ranks in groups.items())
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
 

@@ -16,6 +16,9 @@ MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 4 * MiB
 #: chunks a worker keeps in flight per reducer: overlap of send, reduce and receive
 DEFAULT_WINDOW = 4
+#: the reducer never blocks on one peer (its sends are non-blocking), so a worker's unanswered
+#: chunks must stay well under libzmq's per-peer queue of 1000 messages
+MAX_WINDOW = 256
 #: seconds a collective may wait for its results before it fails on this rank
 DEFAULT_TIMEOUT = 300.0
 #: seconds a worker waits for every reducer to admit it
@@ -26,8 +29,8 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * MiB
 DEFAULT_MAX_ACCUMULATOR_BYTES = 4096 * MiB
 
 
-def env_number(name: str, default: float, *, minimum: float, kind: type = int,
-               environ: Optional[Mapping[str, str]] = None) -> float:
+def env_number(name: str, default: float, *, minimum: float, maximum: Optional[float] = None,
+               kind: type = int, environ: Optional[Mapping[str, str]] = None) -> float:
     """Read a number from the environment, naming the variable when it is malformed."""
     environ = os.environ if environ is None else environ
     raw = environ.get(name, "").strip()
@@ -39,4 +42,6 @@ def env_number(name: str, default: float, *, minimum: float, kind: type = int,
         raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
     if value < minimum:
         raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={raw!r} must be at most {maximum}")
     return value

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -27,19 +28,23 @@ class Reducers:
 
     def __init__(self, count: int, workers: Optional[int], env: Dict[str, str]) -> None:
         self.procs: List[subprocess.Popen] = []
+        self.logs: list = []
+        self.stopped: Optional[List[str]] = None
         self.addresses: List[str] = []
         for index in range(count):
             cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
                    "--index", str(index)]
             if workers is not None:
                 cmd += ["--workers", str(workers)]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
+            log = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
             self.procs.append(proc)
+            self.logs.append(log)
             line = proc.stdout.readline()
             match = _LISTENING.search(line)
             if not match:
-                self.stop()
-                raise RuntimeError(f"reducer {index} did not start: {line!r} {proc.stderr.read()}")
+                raise RuntimeError(f"reducer {index} did not start: {line!r} {self.stop()[-1]}")
             self.addresses.append(f"{match.group(1)}:{match.group(2)}")
 
     @property
@@ -50,18 +55,23 @@ class Reducers:
         return all(p.poll() is None for p in self.procs)
 
     def stop(self) -> List[str]:
-        """Stop every reducer; returns their stderr (their logs)."""
-        logs = []
+        """Stop every reducer; returns their stderr (their logs). Safe to call again."""
+        if self.stopped is not None:
+            return self.stopped
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.procs:
+        logs = []
+        for proc, log in zip(self.procs, self.logs):
             try:
-                _, err = proc.communicate(timeout=10)
+                proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                _, err = proc.communicate()
-            logs.append(err)
+                proc.communicate()
+            log.seek(0)
+            logs.append(log.read())
+            log.close()
+        self.stopped = logs
         return logs
 
 

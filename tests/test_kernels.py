@@ -118,14 +118,16 @@ def reference(inputs, dtype: DType, op: ReduceOp, world: int):
     return acc, narrow(stored, dtype)
 
 
-def assert_same(got: np.ndarray, want: np.ndarray, *, signed_zero_ties: bool = False):
-    """Bitwise equality, except that any NaN matches any NaN. With signed_zero_ties, +0 and -0
-    compare equal (MAX/MIN of +0 and -0 may return either)."""
+def assert_same(got: np.ndarray, want: np.ndarray, *, bf16: bool = False,
+                signed_zero_ties: bool = False):
+    """Bitwise equality, except that any NaN matches any NaN. bf16: the uint16 arrays hold
+    bfloat16 bits. With signed_zero_ties, +0 and -0 compare equal (MAX/MIN of +0 and -0 may
+    return either)."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    if got.dtype.kind in "iu":
+    if got.dtype.kind in "iu" and not bf16:
         np.testing.assert_array_equal(got, want)
         return
-    if got.dtype == np.uint16:  # bfloat16 bits
+    if bf16:
         got_f, want_f = bf16_to_f32(got), bf16_to_f32(want)
     else:
         got_f, want_f = got, want
@@ -183,7 +185,7 @@ def test_matrix(isa, dtype, op, n):
 
     out = np.full(n, 77, dtype.storage)
     _native.store(acc, out, int(dtype), int(op), WORLD)
-    assert_same(out, want_out, signed_zero_ties=ties)
+    assert_same(out, want_out, bf16=dtype is DType.BFLOAT16, signed_zero_ties=ties)
     assert_same(acc, want_acc, signed_zero_ties=ties)  # store leaves a separate acc alone
 
 
@@ -277,7 +279,7 @@ def test_nan_and_inf(isa, dtype, op):
     a = [nan, 1.0, nan, inf, -inf, inf, -inf, 2.0, -2.0, inf, nan, 0.0, -0.0, 5.0]
     b = [1.0, nan, nan, -inf, inf, inf, -inf, inf, -inf, 0.0, -inf, -0.0, 0.0, 3.0]
     a, b = np.array(a * 3, np.float32), np.array(b * 3, np.float32)  # 42: vectors and tails
-    xa, xb = narrow(a, dtype), narrow(b, dtype)
+    xa, xb = (narrow(v, dtype) if dtype in HALF else v.astype(dtype.storage) for v in (a, b))
     acc = np.empty(a.size, acc_dtype(dtype))
     _native.load(acc, xa, int(dtype))
     _native.accumulate(acc, xb, int(dtype), int(op))
@@ -285,7 +287,8 @@ def test_nan_and_inf(isa, dtype, op):
     assert_same(acc, want_acc, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
     out = np.empty(a.size, dtype.storage)
     _native.store(acc, out, int(dtype), int(op), WORLD)
-    assert_same(out, want_out, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
+    assert_same(out, want_out, bf16=dtype is DType.BFLOAT16,
+                signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
     if op in (ReduceOp.MAX, ReduceOp.MIN):  # NaN in either operand gives NaN
         assert np.isnan(widen(out, dtype)[:3]).all()
 
@@ -299,9 +302,10 @@ def test_half_rounds_once_at_the_end(isa):
         _native.load(acc, x, int(dtype))
         _native.accumulate(acc, one, int(dtype), int(ReduceOp.SUM))
         _native.accumulate(acc, one, int(dtype), int(ReduceOp.SUM))
-        out = np.empty(17, np.uint16)
+        out = np.empty(17, dtype.storage)
         _native.store(acc, out, int(dtype), int(ReduceOp.SUM), WORLD)
-        assert_same(out, narrow(np.full(17, big + 2, np.float32), dtype))
+        assert_same(out, narrow(np.full(17, big + 2, np.float32), dtype),
+                    bf16=dtype is DType.BFLOAT16)
         assert widen(out, dtype)[0] == big + 2
 
 
@@ -371,7 +375,7 @@ def test_bfloat16_narrowing(isa):
     f = _interesting_f32()
     out = np.empty(f.size, np.uint16)
     _native.store(f, out, DType.BFLOAT16, ReduceOp.SUM, 1)
-    assert_same(out, f32_to_bf16_by_definition(f))
+    assert_same(out, f32_to_bf16_by_definition(f), bf16=True)
     nan = np.isnan(f)
     assert ((out[nan] & 0x7F80) == 0x7F80).all() and (out[nan] & 0x007F).all(), "NaN stays NaN"
     assert (out[nan] & 0x0040).all(), "NaN comes out quiet"
@@ -389,7 +393,7 @@ def test_bfloat16_against_ml_dtypes(isa):
     out = np.empty(f.size, np.uint16)
     _native.store(f, out, DType.BFLOAT16, ReduceOp.SUM, 1)
     with np.errstate(invalid="ignore"):
-        assert_same(out, f.astype(ml_dtypes.bfloat16).view(np.uint16))
+        assert_same(out, f.astype(ml_dtypes.bfloat16).view(np.uint16), bf16=True)
 
 
 def test_all_isas_give_the_same_bits():
@@ -482,7 +486,8 @@ def test_non_contiguous(which):
     strided = {"acc": np.zeros(8, np.float32)[::2], "src": np.zeros(8, np.float16)[::2],
                "dst": np.zeros(8, np.float16)[::2]}[which]
     role = {"acc": "accumulator", "src": "contribution", "dst": "destination"}[which]
-    args = dict(acc=acc, src=src, dst=dst, **{which: strided})
+    args = {"acc": acc, "src": src, "dst": dst}
+    args[which] = strided
     with pytest.raises(ValueError, match=f"{role} must be C-contiguous"):
         if which == "dst":
             _native.store(args["acc"], args["dst"], DType.FLOAT16, ReduceOp.SUM, 1)

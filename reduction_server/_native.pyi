@@ -1,0 +1,29 @@
+"""Type stubs for reduction_server._native (built from native/_native.pyx).
+
+Buffers are any C-contiguous objects exporting the buffer protocol; their bytes are read as the
+`dtype` code says (DType, NCCL numbering), whatever their own format. Codes are ints or
+DType / ReduceOp members.
+"""
+from typing import Optional, Tuple, Union
+
+from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+from .protocol import DType, ReduceOp
+
+DTYPE_NAMES: Tuple[str, ...]
+OP_NAMES: Tuple[str, ...]
+
+def load(acc: Buffer, src: Buffer, dtype: Union[int, DType]) -> None:
+    """acc[:] = widen(src). acc holds len(src) elements of dtype's accumulator type."""
+
+def accumulate(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp]) -> None:
+    """acc[:] = op(acc, widen(src)) elementwise; AVG accumulates like SUM."""
+
+def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
+          world: int) -> None:
+    """dst[:] = narrow(acc), divided by world first when op is AVG; dst may be acc itself for
+    dtypes that need no narrowing."""
+
+def isa() -> str: ...
+def available_isas() -> Tuple[str, ...]: ...
+def _select_isa(name: Optional[str] = ...) -> str: ...

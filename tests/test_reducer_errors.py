@@ -1,0 +1,731 @@
+"""A reducer facing malformed frames, mismatched collectives, failed authentication, stale
+generations, oversized claims and duplicates: it answers (ERROR or REJECT), names what is wrong,
+stays up, and keeps serving the well-behaved workers. Real reducer processes (tests/cluster.py);
+workers are Communicators in threads, rogue peers are raw ZeroMQ DEALER (or TCP) sockets.
+
+Everything is bounded in time: every receive polls with a timeout, every thread is joined with
+one, and Communicators use short timeouts."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+import reduction_server.client as rs
+from reduction_server import CollectiveError, auth, protocol
+from reduction_server.discovery import job_id_from
+from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
+
+from cluster import reducers
+
+pytestmark = pytest.mark.timeout(90)
+
+TOKEN = "test-token"
+JOB = job_id_from(TOKEN)  # the job id a Communicator with TOKEN uses
+CHUNK = 65536  # small chunks: a few thousand elements already make several chunks
+
+
+# -- helpers -----------------------------------------------------------------------------
+def communicator(group, rank: int, world: int, **options) -> rs.Communicator:
+    options.setdefault("job_token", TOKEN)
+    options.setdefault("timeout", 10)
+    options.setdefault("connect_timeout", 10)
+    options.setdefault("chunk_bytes", CHUNK)
+    return rs.Communicator(group.addresses, rank, world, **options)
+
+
+def parallel(*calls: Callable[[], object], timeout: float = 30) -> List[Tuple[str, object]]:
+    """Run each call in its own thread; [("ok", value) | ("error", exception)] in order."""
+    results: List[Optional[Tuple[str, object]]] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = ("ok", calls[i]())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results[i] = ("error", exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"calls {hung} did not return within {timeout} s"
+    return results  # type: ignore[return-value]
+
+
+def ok(results):
+    for i, (kind, value) in enumerate(results):
+        assert kind == "ok", f"call {i} failed: {value!r}"
+    return [value for _, value in results]
+
+
+def check_sum_works(comms, count: int = 1000, seed: int = 0) -> None:
+    """Every communicator all-reduces; the results equal NumPy's."""
+    xs = [np.random.default_rng([seed, r]).integers(-1000, 1000, count).astype(np.int64) for r in range(len(comms))]
+    out = ok(parallel(*[lambda c=c, x=x: c.all_reduce(x, "sum") for c, x in zip(comms, xs)]))
+    for y in out:
+        np.testing.assert_array_equal(y, np.sum(xs, axis=0))
+
+
+class Peer:
+    """A hand-driven DEALER: sends exactly what a test tells it to, reads with timeouts."""
+
+    def __init__(self, address: str, **sockopts) -> None:
+        self.context = zmq.Context.instance()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for option, value in sockopts.items():
+            self.sock.setsockopt(getattr(zmq, option), value)
+        self.sock.connect(f"tcp://{address}")
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 5.0) -> Optional[Tuple[Header, bytes]]:
+        """The next message as (header, payload), or None after `timeout` seconds of silence."""
+        if not self.sock.poll(timeout * 1000):
+            return None
+        frames = self.sock.recv_multipart()
+        assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
+        header = protocol.unpack(frames[0])  # what the reducer sends must parse
+        payload = frames[1] if len(frames) == 2 else b""
+        assert len(payload) == header.nbytes
+        return header, payload
+
+    def expect_error(self, code: ErrorCode, *words: str, timeout: float = 5.0) -> Tuple[Header, str]:
+        reply = self.recv(timeout)
+        assert reply is not None, f"no answer within {timeout} s (expected ERROR {code.name})"
+        header, payload = reply
+        text = payload.decode()
+        assert header.type is MsgType.ERROR, f"expected ERROR {code.name}, got {header.type.name}: {text}"
+        assert header.aux == code, f"expected {code.name}, got {ErrorCode(header.aux).name}: {text}"
+        for word in words:
+            assert word in text, f"{word!r} not in {text!r}"
+        return header, text
+
+    def expect_silence(self, timeout: float = 0.5) -> None:
+        reply = self.recv(timeout)
+        assert reply is None, f"unexpected answer: {reply[0].type.name} {reply[1][:200]!r}"
+
+    def handshake(self, rank: int, world: int, *, job: int = JOB, generation: int = 0,
+                  token: str = TOKEN) -> dict:
+        info = json.dumps({"host": "test", "pid": os.getpid(), "version": "test"}).encode()
+        ident = dict(rank=rank, world=world, job=job, generation=generation)
+        self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
+        reply = self.recv()
+        assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
+        proof = auth.proof(token, reply[1], **ident)
+        self.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
+        reply = self.recv()
+        assert reply is not None and reply[0].type is MsgType.WELCOME, reply
+        return json.loads(reply[1])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def data(rank: int = 0, world: int = 2, *, job: int = JOB, generation: int = 0, seq: int = 1000,
+         chunk: int = 0, nchunks: int = 1, offset: int = 0, count: int = 4, total: Optional[int] = None,
+         dtype: DType = DType.FLOAT32, op: ReduceOp = ReduceOp.SUM, nbytes: Optional[int] = None,
+         aux: int = 0) -> bytes:
+    return protocol.data_header(
+        MsgType.DATA, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq,
+        chunk=chunk, nchunks=nchunks, offset=offset, count=count, total=count if total is None else total,
+        nbytes=count * dtype.itemsize if nbytes is None else nbytes, aux=aux)
+
+
+def raw_header(magic: int = protocol.MAGIC, version: int = protocol.VERSION, mtype: int = int(MsgType.DATA)) -> bytes:
+    h = protocol.unpack(data())
+    return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation, h.chunk,
+                                h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total, h.nbytes)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def junk_over_tcp(address: str, payload: bytes) -> None:
+    """Connect with a plain TCP socket, write `payload`, close."""
+    with socket.create_connection(("127.0.0.1", port_of(address)), timeout=5) as s:
+        try:
+            s.sendall(payload)
+        except OSError:
+            pass  # libzmq may hang up on us halfway: that is fine
+
+
+class RawZmtp:
+    """A ZMTP 3.0 (NULL mechanism) DEALER spoken by hand over TCP: sends frames that pyzmq
+    would never produce (a frame header claiming a terabyte)."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port_of(address)), timeout=5)
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        self.sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+        peer_greeting = self._read(64)
+        assert peer_greeting[0] == 0xFF and peer_greeting[9] == 0x7F and peer_greeting[10] == 3, peer_greeting
+        flags, body = self._frame()
+        assert flags & 0x04 and body.startswith(b"\x05READY"), (flags, body[:20])
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            more = self.sock.recv(n - len(buf))
+            if not more:
+                raise ConnectionError("closed by the reducer")
+            buf += more
+        return buf
+
+    def _frame(self) -> Tuple[int, bytes]:
+        flags = self._read(1)[0]
+        size = struct.unpack(">Q", self._read(8))[0] if flags & 0x02 else self._read(1)[0]
+        return flags, self._read(size)
+
+    def send_message(self, *frames: bytes) -> None:
+        out = b""
+        for i, frame in enumerate(frames):
+            more = 0x01 if i < len(frames) - 1 else 0
+            if len(frame) > 255:
+                out += bytes([more | 0x02]) + struct.pack(">Q", len(frame)) + frame
+            else:
+                out += bytes([more, len(frame)]) + frame
+        self.sock.sendall(out)
+
+    def recv_message(self) -> List[bytes]:
+        frames = []
+        while True:
+            flags, body = self._frame()
+            if flags & 0x04:
+                continue  # a command (PING...)
+            frames.append(body)
+            if not flags & 0x01:
+                return frames
+
+    def closed_by_peer(self, timeout: float) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except socket.timeout:
+            return False
+        except ConnectionError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rss(group, index: int = 0) -> int:
+    return psutil.Process(group.procs[index].pid).memory_info().rss
+
+
+def wait_until_idle(group, index: int = 0, quiet: float = 0.5, limit: float = 20.0) -> None:
+    """Wait until the reducer has stopped using CPU for `quiet` seconds (it drained its input)."""
+    proc = psutil.Process(group.procs[index].pid)
+    deadline = time.monotonic() + limit
+    last = sum(proc.cpu_times()[:2])
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = sum(proc.cpu_times()[:2])
+        if now - last < 0.02 * quiet:
+            return
+        last = now
+
+
+# -- 1. malformed frames -----------------------------------------------------------------
+def job_loop(comm: rs.Communicator, started: threading.Event, keep_going: threading.Event,
+             min_iterations: int = 50, max_iterations: int = 5000) -> Tuple[int, List[str]]:
+    """All-reduce (sum and max of int64) until rank 0 says stop; check every result exactly.
+    The last element carries rank 0's 'continue' flag, so that all ranks agree on when to stop."""
+    rank, world = comm.rank, comm.world_size
+    failures: List[str] = []
+    n = 0
+    while True:
+        count = [1, 7, 1000, 20_000, 3 * CHUNK // 8 + 5][n % 5]
+        op = "max" if n % 3 == 2 else "sum"
+        xs = [np.random.default_rng([n, r]).integers(-10**6, 10**6, count) for r in range(world)]
+        go = int(rank == 0 and n < max_iterations and (n < min_iterations or keep_going.is_set()))
+        y = comm.all_reduce(np.append(xs[rank], go).astype(np.int64), op)
+        expected = np.sum(xs, axis=0) if op == "sum" else np.max(xs, axis=0)
+        if not np.array_equal(y[:-1], expected):
+            failures.append(f"iteration {n} ({op} of {count}): wrong result")
+        n += 1
+        if n == 5:
+            started.set()
+        if y[-1] == 0:
+            return n, failures
+
+
+def test_malformed_frames_are_answered_and_others_keep_being_served():
+    with reducers(2, workers=2) as group:
+        comms = [communicator(group, r, 2) for r in range(2)]
+        started, keep_going = threading.Event(), threading.Event()
+        keep_going.set()
+        results: List[object] = [None, None]
+
+        def rank_main(r):
+            try:
+                results[r] = job_loop(comms[r], started, keep_going)
+            except BaseException as exc:  # noqa: BLE001
+                results[r] = exc
+
+        job = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(2)]
+        for t in job:
+            t.start()
+        try:
+            assert started.wait(20), "the job did not start"
+            rogue = Peer(group.addresses[0])
+            valid = data(seq=7)
+            cases = [
+                # (frames, expected code, words the error text must contain)
+                ([b"\x00\x01garbage that is no header"], ErrorCode.MALFORMED, ["malformed", "expected 80"]),
+                ([b""], ErrorCode.MALFORMED, ["malformed", "0 bytes"]),
+                ([valid[:40]], ErrorCode.MALFORMED, ["malformed", "40 bytes"]),
+                ([valid + b"\0"], ErrorCode.MALFORMED, ["malformed", "81 bytes"]),
+                ([raw_header(magic=0xDEADBEEF), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "magic"]),
+                ([raw_header(version=2), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 2"]),
+                ([raw_header(mtype=42)], ErrorCode.MALFORMED, ["malformed", "message type 42"]),
+                ([protocol.Header(MsgType.RESULT, dtype=7, world=2, nchunks=1, count=4, total=4, nbytes=16).pack(),
+                  b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "RESULT"]),
+                ([protocol.text_header(MsgType.AUTH, b"x" * 32), b"x" * 32], ErrorCode.MALFORMED, ["AUTH without a HELLO"]),
+                ([valid, b"\0" * 16, b"extra", b"frames"], ErrorCode.MALFORMED, ["malformed", "4 frames"]),
+                ([valid, b"\0" * 16, b"extra"], ErrorCode.MALFORMED, ["malformed", "3 frames"]),
+                ([valid, b"\0" * 10], ErrorCode.MALFORMED, ["16 payload bytes", "10 arrived"]),
+                ([valid, b"\0" * 16], ErrorCode.NOT_ADMITTED, ["handshake"]),
+                ([data(seq=8, op=ReduceOp.BROADCAST, nbytes=0)], ErrorCode.NOT_ADMITTED, ["handshake"]),
+            ]
+            for frames, code, words in cases:
+                rogue.send(*frames)
+                header, _ = rogue.expect_error(code, *words)
+                if code is ErrorCode.NOT_ADMITTED:  # the ERROR repeats the key it answers
+                    assert header.key == protocol.unpack(frames[0]).key
+            rogue.expect_silence(0.3)  # exactly one answer each
+
+            # Plain TCP junk at both reducers: libzmq's handshake refuses it, nobody notices.
+            for address in group.addresses:
+                junk_over_tcp(address, os.urandom(4096))
+                junk_over_tcp(address, b"GET / HTTP/1.1\r\nHost: reducer\r\n\r\n")
+                junk_over_tcp(address, b"\xff" + b"\0" * 8 + b"\x7f" + os.urandom(200))  # a broken ZMTP greeting
+            idle = socket.create_connection(("127.0.0.1", port_of(group.addresses[1])), timeout=5)  # says nothing
+            # The rogue still gets answers after all that.
+            rogue.send(b"more garbage")
+            rogue.expect_error(ErrorCode.MALFORMED)
+            time.sleep(0.3)
+        finally:
+            keep_going.clear()
+            for t in job:
+                t.join(30)
+        assert not any(t.is_alive() for t in job), "the job hung"
+        for r, result in enumerate(results):
+            assert not isinstance(result, BaseException), f"rank {r}: {result!r}"
+        (n0, failures0), (n1, failures1) = results
+        assert n0 == n1 >= 50
+        assert failures0 == [] and failures1 == []
+        check_sum_works(comms)  # and after the junk too
+        assert group.alive()
+        idle.close()
+        rogue.close()
+        for c in comms:
+            c.close()
+        logs = group.stop()
+    assert logs[0].count("malformed_frame") >= 13, logs[0]
+    assert "internal error" not in logs[0] + logs[1]
+
+
+def test_a_peer_with_16_malformed_frames_is_ignored_afterwards():
+    with reducers(1, workers=2) as group:
+        rogue = Peer(group.addresses[0])
+        polite = Peer(group.addresses[0])  # another peer that sends garbage once in a while
+        for i in range(20):
+            rogue.send(b"garbage %d" % i)
+        for i in range(16):
+            rogue.expect_error(ErrorCode.MALFORMED, "malformed")
+        rogue.expect_silence(0.5)  # frames 17..20: no answer
+        rogue.send(data())  # even a well-formed one is ignored now
+        info = b"{}"
+        rogue.send(protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=JOB), info)
+        rogue.expect_silence(0.5)
+        # The others are served as before.
+        polite.send(b"oops")
+        polite.expect_error(ErrorCode.MALFORMED)
+        comms = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(comms)
+        for c in comms:
+            c.close()
+        assert group.alive()
+        logs = group.stop()
+    assert "peer_dropped" in logs[0]
+    assert logs[0].count("malformed_frame") == 17
+
+
+def test_a_peer_that_never_reads_its_answers_does_not_block_the_reducer():
+    """A rogue floods the reducer with messages that each get an ERROR, and never reads them:
+    its queue fills. The reducer must not block on it (ROUTER_MANDATORY + a blocking send would
+    hang the whole reducer), and must serve the next job."""
+    with reducers(1, workers=2) as group:
+        rogue = Peer(group.addresses[0], RCVHWM=1, RCVBUF=4096, SNDHWM=0)
+        payload = b"\0" * 16
+        message = data(seq=5)
+        for _ in range(60_000):
+            rogue.send(message, payload)  # NOT_ADMITTED, every one
+        wait_until_idle(group)
+        comms = parallel(*[lambda r=r: communicator(group, r, 2, connect_timeout=5) for r in range(2)], timeout=15)
+        comms = ok(comms)
+        check_sum_works(comms)
+        for c in comms:
+            c.close()
+        assert group.alive()
+        rogue.close()
+
+
+# -- 2. mismatches ---------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["size", "dtype", "op"])
+def test_mismatched_collectives_fail_on_every_rank_and_the_next_one_works(what):
+    with reducers(2, workers=2) as group:
+        comms = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(comms, seed=1)  # seq 0
+        if what == "size":
+            args = [(np.ones(10, np.float32), "sum"), (np.ones(20, np.float32), "sum")]
+            words = ["count=10", "count=20"]
+        elif what == "dtype":
+            args = [(np.ones(10, np.float32), "sum"), (np.ones(10, np.float64), "sum")]
+            words = ["dtype=float32", "dtype=float64"]
+        else:
+            args = [(np.ones(10, np.float32), "sum"), (np.ones(10, np.float32), "max")]
+            words = ["op=sum", "op=max"]
+        results = parallel(*[lambda c=c, a=a: c.all_reduce(*a) for c, a in zip(comms, args)], timeout=20)
+        for rank, (kind, exc) in enumerate(results):
+            assert kind == "error" and isinstance(exc, CollectiveError), f"rank {rank}: {exc!r}"
+            text = str(exc)
+            assert f"rank {rank}:" in text and "seq=1" in text
+            assert "disagree" in text and "ranks [0]" in text and "ranks [1]" in text, text
+            for word in words:
+                assert word in text, f"{word!r} not in {text!r}"
+        check_sum_works(comms, seed=2)  # seq 2: the same communicators, the same reducers
+        for c in comms:
+            c.close()
+        assert group.alive()
+        logs = group.stop()
+    assert "round_failed" in logs[0] + logs[1]
+
+
+def test_multi_chunk_size_mismatch_fails_every_rank_in_bounded_time():
+    """Ranks that cut different chunk counts: the shared chunks fail as MISMATCH, the chunks
+    only one rank sent fail when the reducer's round times out (RS_TIMEOUT)."""
+    with reducers(1, workers=2, extra_env={"RS_TIMEOUT": "1"}) as group:
+        comms = [communicator(group, r, 2) for r in range(2)]
+        sizes = [7 * CHUNK // 4, 3 * CHUNK // 4]  # 7 chunks vs 3 chunks of float32
+        start = time.monotonic()
+        results = parallel(*[lambda c=c, n=n: c.all_reduce(np.ones(n, np.float32)) for c, n in zip(comms, sizes)],
+                           timeout=20)
+        assert time.monotonic() - start < 8
+        for rank, (kind, exc) in enumerate(results):
+            assert kind == "error" and isinstance(exc, CollectiveError), f"rank {rank}: {exc!r}"
+            assert f"total={sizes[0]}" in str(exc) and f"total={sizes[1]}" in str(exc), str(exc)
+        check_sum_works(comms, count=CHUNK)
+        for c in comms:
+            c.close()
+        assert group.alive()
+
+
+# -- 3. authentication -----------------------------------------------------------------------
+def test_wrong_or_missing_token_is_refused_and_logged():
+    with reducers(2, workers=2) as group:
+        good = [communicator(group, r, 2) for r in range(2)]
+        for token, job_id in [("wrong-token", None), ("", None), ("wrong-token", JOB)]:
+            start = time.monotonic()
+            with pytest.raises(CollectiveError) as info:
+                communicator(group, 1, 2, job_token=token, job_id=job_id, connect_timeout=5)
+            assert time.monotonic() - start < 5
+            text = str(info.value)
+            assert "RS_JOB_TOKEN" in text and "authentication failed" in text, text
+        # The job that was running is untouched, and a correct newcomer is admitted.
+        check_sum_works(good)
+        for c in good:
+            c.close()
+        again = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(again)
+        for c in again:
+            c.close()
+        logs = group.stop()
+    assert "auth_failed" in logs[0] and "auth_failed" in logs[1]
+
+
+def test_a_proof_for_another_identity_is_refused():
+    """The HMAC binds rank and world: a proof computed for rank 0 does not admit rank 1."""
+    with reducers(1, workers=2) as group:
+        peer = Peer(group.addresses[0])
+        info = b"{}"
+        peer.send(protocol.text_header(MsgType.HELLO, info, rank=1, world=2, job=JOB), info)
+        header, nonce = peer.recv()
+        assert header.type is MsgType.CHALLENGE and len(nonce) == auth.NONCE_BYTES
+        proof = auth.proof(TOKEN, nonce, job=JOB, generation=0, rank=0, world=2)
+        peer.send(protocol.text_header(MsgType.AUTH, proof, rank=1, world=2, job=JOB), proof)
+        header, text = peer.recv()
+        assert header.type is MsgType.REJECT and b"RS_JOB_TOKEN" in text
+        peer.send(data(rank=1), b"\0" * 16)
+        peer.expect_error(ErrorCode.NOT_ADMITTED)
+        peer.close()
+        logs = group.stop()
+    assert "auth_failed" in logs[0]
+
+
+# -- 4. world size ---------------------------------------------------------------------------
+def test_a_world_size_other_than_the_reducers_is_rejected():
+    with reducers(1, workers=2) as group:
+        start = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            communicator(group, 0, 3, connect_timeout=5)
+        assert time.monotonic() - start < 5
+        text = str(info.value)
+        assert "serves 2 workers" in text and "world size is 3" in text, text
+        comms = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(comms)
+        for c in comms:
+            c.close()
+
+
+def test_a_world_size_other_than_the_jobs_is_rejected():
+    with reducers(1) as group:  # no --workers: the job's first rank sets it
+        first = communicator(group, 0, 2)
+        with pytest.raises(CollectiveError) as info:
+            communicator(group, 1, 3, connect_timeout=5)
+        text = str(info.value)
+        assert "world size is 3" in text and "said 2" in text, text
+        second = communicator(group, 1, 2)
+        check_sum_works([first, second])
+        first.close()
+        second.close()
+
+
+# -- 5. no token -------------------------------------------------------------------------------
+def test_a_reducer_without_a_token_admits_any_worker():
+    with reducers(1, token="") as group:
+        for token in ("", "whatever"):
+            with communicator(group, 0, 1, job_token=token) as comm:
+                x = np.arange(10, dtype=np.float32)
+                np.testing.assert_array_equal(comm.all_reduce(x), x)
+
+
+# -- 6. generations --------------------------------------------------------------------------
+def test_a_new_generation_replaces_the_old_one():
+    with reducers(2, workers=2) as group:
+        old = [communicator(group, r, 2, generation=0) for r in range(2)]
+        for seed in range(3):
+            check_sum_works(old, count=20_000, seed=seed)
+        new = [communicator(group, r, 2, generation=1) for r in range(2)]
+        for seed in range(3):
+            check_sum_works(new, count=20_000, seed=10 + seed)
+        # The old generation's communicators are no longer admitted: told so, never left hanging.
+        results = parallel(*[lambda c=c: c.all_reduce(np.ones(4, np.float32)) for c in old], timeout=20)
+        for kind, exc in results:
+            assert kind == "error" and isinstance(exc, CollectiveError), exc
+            assert "handshake" in str(exc), str(exc)
+        for c in old:
+            c.close()
+        start = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            communicator(group, 0, 2, generation=0, connect_timeout=5)
+        assert time.monotonic() - start < 5
+        text = str(info.value)
+        assert "generation 0" in text and "generation 1" in text, text
+        check_sum_works(new, seed=20)
+        for c in new:
+            c.close()
+        assert group.alive()
+        logs = group.stop()
+    assert "job_replaced" in logs[0]
+
+
+# -- 7. oversized claims ---------------------------------------------------------------------
+def test_oversized_chunk_claims_are_refused_without_allocating():
+    limit = 1 << 20
+    with reducers(1, workers=2, extra_env={"RS_MAX_CHUNK_BYTES": str(limit)}) as group:
+        peer = Peer(group.addresses[0])
+        welcome = peer.handshake(0, 2, job=0x5EED)
+        assert welcome["max_chunk_bytes"] == limit and welcome["world_size"] == 2
+        base = rss(group)
+        huge = 1 << 40  # elements: 4 TiB of float32
+        # Header-only claims, with and without the right nbytes: refused as TOO_LARGE.
+        peer.send(data(job=0x5EED, seq=1, count=huge))
+        peer.expect_error(ErrorCode.TOO_LARGE, "over this reducer's limit", str(limit))
+        peer.send(data(job=0x5EED, seq=2, count=huge, total=huge + 5, offset=5))
+        peer.expect_error(ErrorCode.TOO_LARGE, str(limit))
+        peer.send(data(job=0x5EED, seq=3, count=huge, op=ReduceOp.BROADCAST, nbytes=0))
+        peer.expect_error(ErrorCode.TOO_LARGE, str(limit))
+        # Just over the limit, with the payload really sent (it fits in libzmq's MAXMSGSIZE).
+        over = limit // 4 + 1
+        peer.send(data(job=0x5EED, seq=4, count=over), b"\0" * (over * 4))
+        peer.expect_error(ErrorCode.TOO_LARGE, str(limit))
+        # float16 accumulates in float32: 600 KB on the wire is 1.2 MB of accumulator.
+        half = 300_000
+        peer.send(data(job=0x5EED, seq=5, count=half, dtype=DType.FLOAT16), b"\0" * (half * 2))
+        peer.expect_error(ErrorCode.TOO_LARGE, str(limit))
+        # Exactly at the limit is fine (it waits for rank 1, so no answer yet).
+        peer.send(data(job=0x5EED, seq=6, count=limit // 4), b"\0" * limit)
+        peer.expect_silence(0.3)
+        assert rss(group) - base < 16 << 20
+        # A payload frame over the limit: libzmq drops the connection, nothing is answered.
+        big = Peer(group.addresses[0])
+        big.send(data(job=0x5EED, seq=7, count=limit // 2), b"\0" * (limit * 2))
+        big.expect_silence(0.5)
+        # A raw ZMTP frame header announcing a terabyte: the reducer hangs up before allocating.
+        zmtp = RawZmtp(group.addresses[0])
+        zmtp.send_message(b"hello")  # the session works: a malformed message gets its ERROR
+        frames = zmtp.recv_message()
+        assert protocol.unpack(frames[0]).aux == ErrorCode.MALFORMED
+        zmtp.sock.sendall(b"\x02" + struct.pack(">Q", 1 << 40) + b"\0" * 4096)
+        assert zmtp.closed_by_peer(5), "the reducer kept a connection announcing a 1 TiB frame"
+        zmtp.close()
+        assert group.alive()
+        assert rss(group) - base < 16 << 20, f"reducer RSS grew by {(rss(group) - base) >> 20} MiB"
+        # and it still serves (a new job: the hand-made one is replaced)
+        comms = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(comms)
+        for c in comms:
+            c.close()
+        big.close()
+        peer.close()
+
+
+# -- 8. duplicates, bad payloads, impersonation ----------------------------------------------
+def test_a_duplicate_contribution_fails_the_round():
+    with reducers(1, workers=2) as group:
+        peer = Peer(group.addresses[0])
+        peer.handshake(0, 2, job=0xD0)
+        payload = np.arange(4, dtype=np.float32).tobytes()
+        peer.send(data(job=0xD0, seq=1), payload)
+        peer.expect_silence(0.3)  # waiting for rank 1
+        peer.send(data(job=0xD0, seq=1), payload)
+        # both of rank 0's contributions are answered, each with DUPLICATE
+        for _ in range(2):
+            header, text = peer.expect_error(ErrorCode.DUPLICATE, "rank 0 contributed twice", "seq=1")
+            assert header.key == (0xD0, 0, 1, 0)
+        peer.expect_silence(0.3)
+        # rank 1 arrives late and hears of the failure instead of waiting forever
+        late = Peer(group.addresses[0])
+        late.handshake(1, 2, job=0xD0)
+        late.send(data(rank=1, job=0xD0, seq=1), payload)
+        late.expect_error(ErrorCode.DUPLICATE, "contributed twice")
+        # the next key works
+        peer.send(data(job=0xD0, seq=2), payload)
+        late.send(data(rank=1, job=0xD0, seq=2), payload)
+        for p in (peer, late):
+            header, result = p.recv()
+            assert header.type is MsgType.RESULT and header.seq == 2
+            np.testing.assert_array_equal(np.frombuffer(result, np.float32), 2 * np.arange(4, dtype=np.float32))
+        assert group.alive()
+        peer.close()
+        late.close()
+
+
+def test_bad_payloads_and_impersonation_are_answered_to_the_sender():
+    with reducers(1, workers=2) as group:
+        peer = Peer(group.addresses[0])
+        peer.handshake(0, 2, job=0xB0)
+        # payload shorter than the header says: BAD_PAYLOAD, to the sender
+        peer.send(data(job=0xB0, seq=1), b"\0" * 10)
+        peer.expect_error(ErrorCode.BAD_PAYLOAD, "16 payload bytes", "10 arrived")
+        # a contribution without its payload
+        peer.send(data(job=0xB0, seq=2))
+        peer.expect_error(ErrorCode.BAD_PAYLOAD)
+        # claiming another rank, job or generation is STALE; the sender hears of it, nobody else
+        other = Peer(group.addresses[0])
+        other.handshake(1, 2, job=0xB0)
+        for header, frames in [(data(rank=1, job=0xB0, seq=3), [b"\0" * 16]),
+                               (data(rank=1, job=0xB0, seq=4), [b"\0" * 10]),  # and a bad payload
+                               (data(rank=1, job=0xB0, seq=5), []),
+                               (data(job=0xB1, seq=6), [b"\0" * 16]),
+                               (data(job=0xB1, seq=7), [b"\0" * 3]),
+                               (data(job=0xB0, generation=1, seq=8), [b"\0" * 3])]:
+            peer.send(header, *frames)
+            peer.expect_error(ErrorCode.STALE, "claiming")
+        other.expect_silence(0.3)
+        # rank 1's own contributions to seq 3 and 4 still work: the impersonation did not fail them
+        for seq in (3, 4):
+            other.send(data(rank=1, job=0xB0, seq=seq), np.ones(4, np.float32).tobytes())
+            peer.send(data(rank=0, job=0xB0, seq=seq), np.ones(4, np.float32).tobytes())
+            for p in (peer, other):
+                header, result = p.recv()
+                assert header.type is MsgType.RESULT and header.seq == seq, (header, result)
+                np.testing.assert_array_equal(np.frombuffer(result, np.float32), np.full(4, 2, np.float32))
+        assert group.alive()
+        peer.close()
+        other.close()
+
+
+def test_error_texts_always_fit_the_protocol():
+    """A round of a very large world that times out names the missing ranks: the ERROR must
+    still be a frame the client can parse (text payloads are capped at 64 KiB)."""
+    with reducers(1, extra_env={"RS_TIMEOUT": "0.5"}) as group:
+        world = 50_000
+        peer = Peer(group.addresses[0])
+        peer.handshake(0, world, job=0xB16)
+        peer.send(data(world=world, job=0xB16, seq=1), b"\0" * 16)
+        header, text = peer.expect_error(ErrorCode.STALE, "timed out", timeout=10)  # recv() parses it
+        assert header.nbytes <= protocol.MAX_TEXT_PAYLOAD
+        assert "ranks [0] contributed, ranks [1-49999] (49999 ranks) did not" in text, text
+        assert "timed out after 0.5 s" in text
+        assert header.key == (0xB16, 0, 1, 0)
+        assert group.alive()
+        peer.close()
+
+
+class _CapturingSocket:
+    """Stands in for the ROUTER socket of an in-process Reducer: keeps what it sends."""
+
+    def __init__(self) -> None:
+        self.sent: List[list] = []
+
+    def send_multipart(self, frames, flags=0, copy=True) -> None:
+        self.sent.append([bytes(f.bytes if isinstance(f, zmq.Frame) else f) for f in frames])
+
+
+def test_a_mismatch_among_thousands_of_ranks_still_fits_an_error_frame():
+    """In process (a real network of 30,000 peers is too slow for a unit test): half the ranks
+    of a 30,000-rank world contribute, every other rank, then one disagrees. The MISMATCH text
+    names the ranks on each side; it must stay short, and a frame the client can parse."""
+    from reduction_server.reducer import Reducer
+
+    world = 30_000
+    sock = _CapturingSocket()
+    reducer = Reducer(sock, world_size=world, job_token="")
+    payload = zmq.Frame(b"\0" * 16)
+
+    def deliver(identity: bytes, *frames: bytes) -> None:
+        reducer.handle([zmq.Frame(identity), *[zmq.Frame(f) for f in frames]])
+
+    info = b"{}"
+    for rank in range(1, world, 2):
+        ident = dict(rank=rank, world=world, job=7)
+        deliver(b"r%d" % rank, protocol.text_header(MsgType.HELLO, info, **ident), info)
+        deliver(b"r%d" % rank, protocol.text_header(MsgType.AUTH, b"", **ident))
+    deliver(b"r0", protocol.text_header(MsgType.HELLO, info, rank=0, world=world, job=7), info)
+    deliver(b"r0", protocol.text_header(MsgType.AUTH, b"", rank=0, world=world, job=7))
+    assert sum(1 for m in sock.sent if protocol.unpack(m[1]).type is MsgType.WELCOME) == world // 2 + 1
+    sock.sent.clear()
+    for rank in range(1, world, 2):
+        reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(data(rank, world, job=7, seq=1)), payload])
+    assert sock.sent == []
+    deliver(b"r0", data(0, world, job=7, seq=1, count=8), b"\0" * 32)
+    assert len(sock.sent) == world // 2 + 1  # every contributor hears of it, and the sender
+    for identity, header, text in sock.sent:
+        h = protocol.unpack(header)
+        assert (h.type, h.aux, h.nbytes) == (MsgType.ERROR, ErrorCode.MISMATCH, len(text))
+        assert h.nbytes <= 4096  # long rank lists are summarized, far inside MAX_TEXT_PAYLOAD
+        assert text.startswith(b"reducer 0: contributions to collective seq=1")
+        # both sides are named: the 15,000 that agreed and the one that did not
+        assert b"ranks [1, 3, 5, " in text and b"29999] (15000 ranks) sent" in text and b"count=4 " in text
+        assert b"ranks [0] sent" in text and b"count=8 " in text
