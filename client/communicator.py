@@ -143,7 +143,9 @@ class Communicator:
             future: Future = Future()
             future.set_result(result)
             return Handle(future)
-        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), self.chunk_bytes)
+        # Every rank heard the same limit from the same reducers, so the plans still agree.
+        limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
+        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit))
         with self._submit_lock:
             coll = Collective(next(self._seq), dst.dtype, op, root, src.data if src else None, dst.data,
                               dst.count, chunks, result)

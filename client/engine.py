@@ -80,7 +80,10 @@ class Engine:
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
         self._closing = False
+        #: the smallest accumulator chunk any reducer accepts (from WELCOME): it caps the chunk size
+        self.max_chunk_bytes = 1 << 62
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
         self._dead: Optional[str] = None  # why the engine stopped, once it has
@@ -105,18 +108,26 @@ class Engine:
                 raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
                                       + (self._dead or "the communicator is closed"))
             self._queue.append(coll)
-        os.write(self._wake_w, b"x")
+            self._wake()
 
     def close(self) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        os.write(self._wake_w, b"x")
+            self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._lock:  # no submit() can be writing to the pipe while it closes
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        """Wake the engine thread; called with the lock held. A full pipe wakes it already."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
 
     # -- engine thread -------------------------------------------------------------------
     def _main(self) -> None:
@@ -179,6 +190,8 @@ class Engine:
                                                               job=self.job, generation=self.generation), proof])
                 elif h.type is MsgType.WELCOME:
                     waiting.discard(r)
+                    welcome = json.loads(text)
+                    self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
                 elif h.type in (MsgType.REJECT, MsgType.ERROR):
                     raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
                                           f"{text.decode(errors='replace')}")

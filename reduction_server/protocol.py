@@ -11,6 +11,7 @@ the NCCL-style client passes them straight through.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -77,9 +78,10 @@ class ReduceOp(enum.IntEnum):
             if name in cls.__members__ and name != "BROADCAST":
                 return cls[name]
             raise ValueError(f"unknown reduction op {op!r}; expected one of sum, avg, min, max, prod")
-        # Framework enums (torch ReduceOp, NCCL constants) that carry an integer value.
+        # NCCL's integer constants (ncclSum=0, ...). Not int(op): 1.5 must not pass as PROD, and
+        # other frameworks number their ops differently (their adapters map them by name).
         try:
-            return cls(int(op))
+            return cls(operator.index(op))
         except (TypeError, ValueError):
             raise ValueError(f"unknown reduction op {op!r}; expected one of sum, avg, min, max, prod") from None
 

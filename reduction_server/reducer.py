@@ -236,11 +236,8 @@ class Reducer:
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
         if bad_payload is not None:
             return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
-        rnd = self.rounds.get(h.key)
-        if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, world=self.world)
-            self.round_started[h.key] = time.monotonic()
-        elif rnd.error is not None:
+        rnd = self._round_for(h)
+        if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
         reason = rnd.disagreement(h)
         if reason is not None:
@@ -307,13 +304,18 @@ class Reducer:
     # -- failures ------------------------------------------------------------------------
     def _fail_contribution(self, peer: Peer, h: Header, code: ErrorCode, reason: str) -> None:
         """A contribution that cannot be used fails its whole round, so no rank waits for it."""
+        rnd = self._round_for(h)
+        if rnd.error is not None:
+            return self._answer_failed(rnd, peer.rank, h)
+        self._fail_round(rnd, code, reason, extra=h)
+
+    def _round_for(self, h: Header) -> Round:
+        """The round of h's key; a new one, with h as its first contribution, if there is none."""
         rnd = self.rounds.get(h.key)
         if rnd is None:
             rnd = self.rounds[h.key] = Round(first=h, world=self.world)
             self.round_started[h.key] = time.monotonic()
-        if rnd.error is not None:
-            return self._answer_failed(rnd, peer.rank, h)
-        self._fail_round(rnd, code, reason, extra=h)
+        return rnd
 
     def _fail_round(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
         reason = _clip(reason)

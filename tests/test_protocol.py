@@ -232,7 +232,8 @@ def test_parse_framework_enum_with_an_integer_value():
     assert ReduceOp.parse(NcclRedOp.ncclMax) is ReduceOp.MAX
 
 
-@pytest.mark.parametrize("bad", ["", "add", "sum2", "broadcast", "BROADCAST", 5, 7, -1, 1000, None, object(), [0]])
+@pytest.mark.parametrize("bad", ["", "add", "sum2", "broadcast", "BROADCAST", 5, 7, -1, 1000, None, object(), [0],
+                                 1.5, 2.0])
 def test_parse_errors(bad):
     with pytest.raises(ValueError) as info:
         ReduceOp.parse(bad)
