@@ -98,7 +98,9 @@ class _Job:
             argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
                     "--port", str(port), "--workers", str(self.np), "--index", str(index)]
             child_env = dict(env, RS_REDUCER_INDEX=str(index))
-            failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent)
+            # From the root directory: `-m` puts the working directory first on sys.path, and in a
+            # source checkout that is the uncompiled tree, not the installed package.
+            failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent, cwd="/")
             if failure is not None:
                 return failure
         for rank in range(self.np):
@@ -110,10 +112,10 @@ class _Job:
 
     @staticmethod
     def _spawn(children: List[_Child], label: str, argv: List[str], env: Dict[str, str],
-               die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+               die_with_parent: Optional[Callable[[], None]], cwd: Optional[str] = None) -> Optional[int]:
         try:
             proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
+                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one killpg reaches its descendants
                 preexec_fn=die_with_parent)
