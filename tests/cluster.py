@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -106,4 +108,36 @@ def run_workers(world: int, group: Reducers, script: str, args: List[str], token
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return results
+
+
+def run_ranks(world: int, make: Callable[[int], Any], body: Callable[[Any, int], Any], limit: float = 20.0) -> list:
+    """body(comm, rank) on every rank, each a thread of this process with comm = make(rank),
+    closed afterwards (close() or destroy()). Returns the results by rank; re-raises the first
+    rank's exception; fails if a rank is still running after `limit` seconds."""
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def target(rank: int) -> None:
+        comm = None
+        try:
+            comm = make(rank)
+            results[rank] = body(comm, rank)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors[rank] = exc
+        finally:
+            if comm is not None:
+                (getattr(comm, "close", None) or comm.destroy)()  # NcclCommunicator has destroy()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True, name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + limit
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [t.name for t in threads if t.is_alive()]
+    assert not hung, f"{hung} did not finish within {limit} s"
+    for exc in errors:
+        if exc is not None:
+            raise exc
     return results

@@ -17,6 +17,7 @@ import pytest
 
 import reduction_server
 import reduction_server.client as rs
+import cluster
 from cluster import reducers
 from reduction_server.discovery import job_id_from
 
@@ -42,32 +43,10 @@ def connect(group, rank, world, job, **options):
 
 
 def run_ranks(world, body, *, make=None, group=None, limit=20.0, **options):
-    """Run body(comm, rank) for every rank, each in its own thread with its own Communicator.
-
-    Returns the results by rank; re-raises the first rank's exception; fails if a rank hangs."""
+    """body(comm, rank) on every rank, each a thread with its own Communicator of a fresh job."""
     job = new_job()
     make = make or (lambda rank: connect(group, rank, world, job, **options))
-    results, errors = [None] * world, [None] * world
-
-    def target(rank):
-        try:
-            with make(rank) as comm:
-                results[rank] = body(comm, rank)
-        except BaseException as exc:  # reported below, in the test's thread
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True, name=f"rank{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    hung = [t.name for t in threads if t.is_alive()]
-    assert not hung, f"{hung} did not finish within {limit} s"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
+    return cluster.run_ranks(world, make, body, limit)
 
 
 @pytest.fixture

@@ -4,14 +4,13 @@ Ranks are threads of this process, each with its own NcclCommunicator; buffers a
 address (arr.ctypes.data), as CuPy code passes device pointers.
 """
 import json
-import threading
-import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import reduction_server.client as rs
+import cluster
 from cluster import reducers
 from reduction_server.client import nccl
 from reduction_server.client.nccl import NcclCommunicator, get_unique_id, parse_unique_id
@@ -47,31 +46,7 @@ def uid(group, monkeypatch):
 
 def run_ranks(world, uid, body, limit=30.0):
     """body(comm, rank) on every rank, each a thread with its own NcclCommunicator."""
-    results, errors = [None] * world, [None] * world
-
-    def target(rank):
-        comm = None
-        try:
-            comm = NcclCommunicator(world, uid, rank)
-            results[rank] = body(comm, rank)
-        except BaseException as exc:
-            errors[rank] = exc
-        finally:
-            if comm is not None:
-                comm.destroy()
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True, name=f"rank{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    hung = [t.name for t in threads if t.is_alive()]
-    assert not hung, f"{hung} did not finish within {limit} s"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
+    return cluster.run_ranks(world, lambda rank: NcclCommunicator(world, uid, rank), body, limit)
 
 
 # -- constants and unique ids --------------------------------------------------------------------
