@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import List, Optional
+
+from .errors import ConfigError
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,6 +20,14 @@ def _run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
                    host=args.host)
+
+
+def _size(args: argparse.Namespace) -> int:
+    from .sizing import explain, measure
+
+    measured = measure(args.measure_workers, args.measure_mib, args.measure_iters) if args.measure else None
+    print("\n".join(explain(args.workers, args.worker_gbps, args.reducer_gbps, measured)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,9 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--host", default="127.0.0.1", help="address the reducers bind (default 127.0.0.1)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(func=_run)
+
+    size = sub.add_parser("size", help="how many reducers a job needs, from bandwidths (and a measurement)")
+    size.add_argument("--workers", type=int, required=True, help="number of worker hosts")
+    size.add_argument("--worker-gbps", type=float, required=True, help="each worker host's network bandwidth, Gbit/s")
+    size.add_argument("--reducer-gbps", type=float, required=True, help="each reducer host's network bandwidth, Gbit/s")
+    size.add_argument("--measure", action="store_true",
+                      help="also measure what one reducer process can sum on this host, and say which limit binds")
+    size.add_argument("--measure-workers", type=int, default=2, help="local worker processes for --measure (default 2)")
+    size.add_argument("--measure-mib", type=float, default=64, help="all-reduce size for --measure (default 64)")
+    size.add_argument("--measure-iters", type=int, default=5, help="timed steps for --measure (default 5)")
+    size.set_defaults(func=_size)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:  # a bad value the user can fix: the message, not a traceback
+        print(f"reduction-server {args.verb}: {exc}", file=sys.stderr)
+        return 2
