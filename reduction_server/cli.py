@@ -30,6 +30,15 @@ def _size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench.suites import main as bench
+
+    bench(args.suite, Path(args.out), quick=args.quick)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reduction-server", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -64,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--measure-mib", type=float, default=64, help="all-reduce size for --measure (default 64)")
     size.add_argument("--measure-iters", type=int, default=5, help="timed steps for --measure (default 5)")
     size.set_defaults(func=_size)
+
+    bench = sub.add_parser("bench", help="run a benchmark suite beside its peers: table, JSON and PNG plots")
+    bench.add_argument("suite", choices=["kernels", "loopback"],
+                       help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this machine")
+    bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
+    bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

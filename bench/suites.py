@@ -1,0 +1,43 @@
+"""`reduction-server bench SUITE`: run a suite, print its table, save JSON and PNG plots."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List
+
+from . import report
+
+SUITES = ("kernels", "loopback")
+
+
+def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
+    """Run `suite`; returns the files written."""
+    command = " ".join(["reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else []))
+    if suite == "kernels":
+        from . import kernels
+
+        rows = kernels.run((0.0625,) if quick else (4, 64), quick=quick)
+        print(report.table(rows, kernels.COLUMNS))
+        largest = max(r["mib"] for r in rows)
+        top = [r for r in rows if r["mib"] == largest]
+        files = [report.save(rows, suite, out, command),
+                 report.bars([f"{r['dtype']} {r['op']}" for r in top], [r["speedup"] for r in top],
+                             xlabel="speed-up over NumPy (same run)", reference=1.0,
+                             title=f"native kernels vs NumPy, {largest:g} MiB accumulator",
+                             path=out / "kernels.png")]
+    elif suite == "loopback":
+        from . import loopback
+
+        if quick:
+            rows = loopback.run(worlds=(2,), reducers=(1,), sizes_mib=(0.25, 1), iters=3)
+        else:
+            rows = loopback.run()
+        print(report.table(rows, loopback.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R"), panels="W",
+                             title="loopback all-reduce algbw", path=out / "loopback.png")]
+    else:
+        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    for path in files:
+        print(f"wrote {path}", file=sys.stderr)
+    return files

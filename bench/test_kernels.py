@@ -1,0 +1,25 @@
+"""pytest-benchmark suite: every dtype x op, our kernels beside NumPy in the same run.
+
+    pytest bench/test_kernels.py --benchmark-group-by=group     # or: reduction-server bench kernels
+
+RS_BENCH_KERNEL_MIB (comma-separated accumulator sizes in MiB, default "4,64") picks the sizes.
+"""
+import os
+
+import pytest
+
+from reduction_server.bench.kernel_cases import OPS, case
+from reduction_server.protocol import DType
+
+SIZES_MIB = [float(s) for s in os.environ.get("RS_BENCH_KERNEL_MIB", "4,64").split(",")]
+
+
+@pytest.mark.parametrize("mib", SIZES_MIB)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name.lower())
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name.lower())
+@pytest.mark.parametrize("impl", ["native", "numpy"])
+def test_kernel(benchmark, impl, op, dtype, mib):
+    ours, theirs, nbytes = case(dtype, op, int(mib * (1 << 20)))
+    benchmark.group = f"{dtype.name.lower()} {op.name.lower()} {mib:g} MiB"
+    benchmark.extra_info.update(impl=impl, dtype=dtype.name.lower(), op=op.name.lower(), mib=mib, nbytes=nbytes)
+    benchmark(ours if impl == "native" else theirs)
