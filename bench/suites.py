@@ -7,7 +7,7 @@ from typing import List
 
 from . import report
 
-SUITES = ("kernels", "loopback")
+SUITES = ("kernels", "loopback", "netem")
 
 
 def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
@@ -36,6 +36,17 @@ def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
         files = [report.save(rows, suite, out, command),
                  report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R"), panels="W",
                              title="loopback all-reduce algbw", path=out / "loopback.png")]
+    elif suite == "netem":
+        from . import netem
+
+        if quick:
+            rows = netem.run(worlds=(2,), rates_mbit=(400,), sizes_mib=(1,), iters=2)
+        else:
+            rows = netem.run()
+        print(report.table(rows, netem.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R", "mbit"), panels="W",
+                             title="emulated network all-reduce algbw", path=out / "netem.png")]
     else:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     for path in files:

@@ -35,7 +35,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.suites import main as bench
 
-    bench(args.suite, Path(args.out), quick=args.quick)
+    try:
+        bench(args.suite, Path(args.out), quick=args.quick)
+    except PermissionError as exc:
+        print(f"reduction-server bench {args.suite}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -75,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.set_defaults(func=_size)
 
     bench = sub.add_parser("bench", help="run a benchmark suite beside its peers: table, JSON and PNG plots")
-    bench.add_argument("suite", choices=["kernels", "loopback"],
-                       help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this machine")
+    bench.add_argument("suite", choices=["kernels", "loopback", "netem"],
+                       help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
+                            "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root)")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
     bench.set_defaults(func=_bench)

@@ -1,8 +1,13 @@
 """Each benchmark suite runs on a small configuration and produces well-formed output (no test
 asserts a time: the machine is shared and noisy)."""
 import json
+import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +58,54 @@ def test_unknown_suite_is_refused():
     proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", "nope"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def _namespaces():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _bench_namespaces():
+    return {line.split()[0] for line in _namespaces().splitlines() if re.match(r"rs\d+-", line)}
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                                reason="the emulated network needs root and iproute2 (ip, tc)")
+
+
+@needs_root
+def test_netem_suite(tmp_path):
+    before = _bench_namespaces()
+    table, rows = run_suite("netem", tmp_path)
+    assert {r["peer"] for r in rows} == {"gloo", "reduction-server"} if "gloo" in loopback.available_peers() \
+        else {"reduction-server"}
+    for row in rows:
+        assert row["W"] == 2 and row["mbit"] == 400 and row["mib"] == 1
+        assert row["of_bound"] == pytest.approx(row["algbw_GBps"] / row["bound_GBps"])
+        assert 0.05 < row["of_bound"] < 1.2  # shaped links really limit it: nobody beats the wire
+    assert _bench_namespaces() == before  # every namespace it made is gone
+
+
+@needs_root
+def test_netem_cleans_up_when_interrupted(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tag = f"rs{proc.pid}-"
+    deadline = time.monotonic() + 60
+    while tag not in _namespaces() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert tag in _namespaces(), "the benchmark made no namespaces"
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert tag not in _namespaces()
+
+
+def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
+    from reduction_server.bench.netem import EmulatedNetwork
+    from reduction_server.cli import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="needs root"):
+        EmulatedNetwork(2, 100)
+    assert main(["bench", "netem", "--quick", "--out", str(tmp_path)]) == 2
+    assert "needs root" in capsys.readouterr().err

@@ -105,3 +105,16 @@ def test_reducer_of_rotates():
             [seq % num_reducers for seq in range(3 * num_reducers)]
         for seq in range(10):
             assert sorted(reducer_of(seq, k, num_reducers) for k in range(num_reducers)) == list(range(num_reducers))
+
+
+@pytest.mark.parametrize("num_reducers", [1, 2, 3, 8])
+def test_each_reducer_gets_several_chunks_to_pipeline(num_reducers):
+    """Upload and download of a collective overlap only if each reducer has several chunks."""
+    from collections import Counter
+
+    from reduction_server.client.chunking import PIPELINE_DEPTH, reducer_of
+
+    plan = plan_chunks((16 << 20) // 4, 4, num_reducers, 4 << 20)
+    per_reducer = Counter(reducer_of(0, k, num_reducers) for k in range(len(plan)))
+    assert len(per_reducer) == num_reducers
+    assert min(per_reducer.values()) >= PIPELINE_DEPTH

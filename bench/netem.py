@@ -1,0 +1,224 @@
+"""`reduction-server bench netem`: an emulated cluster on one machine, where link bandwidth, not
+CPU, is the limit: the case a reduction server is for.
+
+Every host (worker or reducer) is a network namespace with one veth link to a switch: a bridge
+in a namespace of its own (so the host's firewall rules never see the traffic). Both directions
+of every link are shaped to the same rate with tbf. Addresses come from the benchmarking range
+198.18.0.0/15. The reduction server (W workers, R reducer hosts) and torch.distributed's Gloo
+ring (W workers) run on the same emulated hosts in the same run.
+
+Bounds, per worker link of B bytes/s: a reduction server needs S/B per all-reduce of S bytes
+(each worker sends S and receives S, full duplex) when the reducers' links add up to the
+workers' (R = W here, all links equal); a ring needs 2(W-1)/W x S/B.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from tqdm import tqdm
+
+COLUMNS = ["peer", "W", "R", "mbit", "mib", "ms", "algbw_GBps", "bound_GBps", "of_bound", "vs_gloo"]
+_PYTHON = sys.executable
+_JOB = ["-m", "reduction_server.bench.allreduce_job"]
+_REDUCER_PORT = 5555
+_GLOO_PORT = 29500
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class EmulatedNetwork:
+    """`hosts` namespaces on a switch, every link shaped to `rate_mbit` both ways."""
+
+    def __init__(self, hosts: int, rate_mbit: float) -> None:
+        if os.geteuid() != 0:
+            raise PermissionError("the emulated network needs root (network namespaces, veth links and tc); "
+                              "run `reduction-server bench netem` as root")
+        if not 1 <= hosts <= 250:
+            raise ValueError(f"hosts must be in 1..250, got {hosts}")
+        self.hosts = hosts
+        self.rate_mbit = rate_mbit
+        self.tag = f"rs{os.getpid()}"  # unique per run: several runs never collide
+        self.switch = f"{self.tag}-sw"
+        self._procs: List[subprocess.Popen] = []
+        self._namespaces: List[str] = []
+
+    def namespace(self, i: int) -> str:
+        return f"{self.tag}-h{i}"
+
+    def interface(self, i: int) -> str:
+        return f"{self.tag}h{i}"  # at most 15 characters (IFNAMSIZ)
+
+    @staticmethod
+    def address(i: int) -> str:
+        return f"198.18.0.{i + 1}"
+
+    def __enter__(self) -> "EmulatedNetwork":
+        atexit.register(self.close)  # a crash between here and __exit__ still cleans up
+        try:
+            self._add_namespace(self.switch)
+            _ip("-n", self.switch, "link", "add", "name", "swbr", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "swbr", "up")
+            for i in range(self.hosts):
+                self._add_host(i)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _add_host(self, i: int) -> None:
+        ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"
+        self._add_namespace(ns)
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+        _ip("link", "set", host_end, "netns", ns)
+        _ip("link", "set", switch_end, "netns", self.switch)
+        _ip("-n", self.switch, "link", "set", switch_end, "master", "swbr", "up")
+        _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", host_end)
+        _ip("-n", ns, "link", "set", host_end, "up")
+        # Shape the host's upload (its end) and its download (the switch's end toward it).
+        for where, dev in ((ns, host_end), (self.switch, switch_end)):
+            subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                            f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"],
+                           check=True, capture_output=True, text=True)
+
+    def spawn(self, i: int, argv: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
+        """Start argv on host i; its output is read by the caller; it dies with the network."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=env, cwd="/",
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def stop(self, procs: Sequence[subprocess.Popen]) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def close(self) -> None:
+        """Stop every process and delete every namespace (their veths go with them)."""
+        self.stop([p for p in self._procs if p.poll() is None])
+        self._procs.clear()
+        for name in reversed(self._namespaces):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._namespaces.clear()
+        atexit.unregister(self.close)
+
+
+def _env(extra: Dict[str, str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RS_") and k not in ("CLUSTER_SPEC", "TF_CONFIG")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, timeout: float) -> List[Dict]:
+    """Rank 0's JSON lines, once every rank has exited 0."""
+    outputs = []
+    try:
+        for rank, proc in enumerate(workers):
+            out, _ = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{what}: rank {rank} exited {proc.returncode}:\n{out[-3000:]}")
+            outputs.append(out)
+    finally:
+        net.stop(workers)
+    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith('{"bytes"')]
+
+
+def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, sizes: str, iters: int,
+                         timeout: float = 600) -> List[Dict]:
+    """Workers on hosts 0..W-1, reducers on hosts W..W+R-1."""
+    token = os.urandom(16).hex()
+    addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
+    servers = [net.spawn(world + j, [_PYTHON, "-m", "reduction_server", "serve", "--host", net.address(world + j),
+                                     "--port", str(_REDUCER_PORT), "--workers", str(world), "--index", str(j)],
+                         _env({"RS_JOB_TOKEN": token})) for j in range(reducers)]
+    try:
+        for j, proc in enumerate(servers):
+            line = proc.stdout.readline()
+            if "listening on" not in line:
+                raise RuntimeError(f"reducer {j} did not start: {line}{proc.stdout.read()}")
+        workers = [net.spawn(i, [_PYTHON, *_JOB, "rs", "--mib", sizes, "--iters", str(iters)],
+                             _env({"RS_JOB_TOKEN": token, "RS_REDUCERS": ",".join(addresses), "RS_RANK": str(i),
+                                   "RS_WORLD_SIZE": str(world)})) for i in range(world)]
+        return _collect(net, workers, f"reduction-server W={world} R={reducers}", timeout)
+    finally:
+        net.stop(servers)
+
+
+def run_gloo(net: EmulatedNetwork, world: int, sizes: str, iters: int, timeout: float = 600) -> List[Dict]:
+    """Gloo's ring on hosts 0..W-1 (each rank told its interface: it would pick lo otherwise)."""
+    workers = [net.spawn(i, [_PYTHON, *_JOB, "gloo", "--mib", sizes, "--iters", str(iters)],
+                         _env({"RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                               "MASTER_ADDR": net.address(0), "MASTER_PORT": str(_GLOO_PORT),
+                               "GLOO_SOCKET_IFNAME": net.interface(i)})) for i in range(world)]
+    return _collect(net, workers, f"gloo W={world}", timeout)
+
+
+def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
+        reducers: Optional[Sequence[int]] = None, iters: int = 3) -> List[Dict]:
+    """Rows for Gloo and this project on each W x link rate x size (R = W unless given)."""
+    sizes = ",".join(f"{s:g}" for s in sizes_mib)
+    jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
+    rows: List[Dict] = []
+    for name in stale_namespaces():  # left by a run that was SIGKILLed
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the network's cleanup runs
+    try:
+        for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
+            rows += _measure(world, rate, r, sizes_mib, sizes, iters)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return rows
+
+
+def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], sizes: str, iters: int) -> List[Dict]:
+    link = rate * 1e6 / 8  # bytes/s per host, each way
+    with EmulatedNetwork(world + r, rate) as net:
+        gloo = run_gloo(net, world, sizes, iters)
+        ours = run_reduction_server(net, world, r, sizes, iters)
+    # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
+    ours_bound = link * min(1.0, r / world) / 1e9
+    ring_bound = link * world / (2 * (world - 1)) / 1e9
+    rows = []
+    for mib, g, o in zip(sizes_mib, gloo, ours):
+        for peer, point, bound, reducers in (("gloo", g, ring_bound, "-"), ("reduction-server", o, ours_bound, r)):
+            algbw = point["bytes"] / point["seconds"] / 1e9
+            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "mib": mib,
+                         "ms": point["seconds"] * 1e3, "algbw_GBps": algbw, "bound_GBps": bound,
+                         "of_bound": algbw / bound, "vs_gloo": algbw / (g["bytes"] / g["seconds"] / 1e9)})
+    return rows
+
+
+def stale_namespaces() -> List[str]:
+    """Namespaces of runs whose process is gone (a SIGKILLed benchmark)."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    stale = []
+    for name in names:
+        match = re.fullmatch(r"rs(\d+)-(sw|h\d+)", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            stale.append(name)
+    return stale
