@@ -118,6 +118,8 @@ def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
     env = _Environment(environ)
     if env.text("RS_REDUCER_INDEX") is not None:
         raise ConfigError("RS_REDUCER_INDEX is set: this process is a reducer, not a worker")
+    if env.text("RS_RANK") is None and env.spec is not None:
+        _worker_task(env.spec)  # first: a reducer would otherwise hear about LOCAL_RANK
     local_rank, local_world_size = _local_placement(env)
     rank, world_size, source = _worker_rank(env, local_rank, local_world_size)
     _, reducers = _reducer_addresses(env)
@@ -342,6 +344,18 @@ def _local_placement(env: _Environment) -> tuple[int, int]:
                       f"LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or HOROVOD_LOCAL_RANK says which one this is")
 
 
+def _worker_task(spec: _Cluster) -> _Task:
+    """This process's task in the spec; an error if it is a reducer or an evaluator."""
+    task = spec.require_task()
+    if task.role == "reducer":
+        raise ConfigError(f"{spec.variable}: task type {task.type!r} is a reducer (the {spec.reducer_pool} "
+                          f"pool), not a worker; run `reduction-server serve` there")
+    if task.role == "evaluator":
+        raise ConfigError(f"{spec.variable}: task type {task.type!r} is an evaluator, not a worker; "
+                          f"evaluators take no part in the all-reduce")
+    return task
+
+
 def _worker_rank(env: _Environment, local_rank: int, local_world_size: int) -> tuple[int, int, str]:
     """(rank, world size, deciding variable), first match wins."""
     explicit = _rank_pair(env, "RS_RANK", "RS_WORLD_SIZE")
@@ -349,13 +363,7 @@ def _worker_rank(env: _Environment, local_rank: int, local_world_size: int) -> t
         return explicit[0], explicit[1], "RS_RANK"
     spec = env.spec
     if spec is not None:
-        task = spec.require_task()
-        if task.role == "reducer":
-            raise ConfigError(f"{spec.variable}: task type {task.type!r} is a reducer (the {spec.reducer_pool} "
-                              f"pool), not a worker; run `reduction-server serve` there")
-        if task.role == "evaluator":
-            raise ConfigError(f"{spec.variable}: task type {task.type!r} is an evaluator, not a worker; "
-                              f"evaluators take no part in the all-reduce")
+        task = _worker_task(spec)
         # Specs list hosts; each process on a host is its own rank, numbered host by host.
         return (task.position * local_world_size + local_rank, spec.hosts * local_world_size, spec.variable)
     for rank_name, size_name in _LAUNCHER_VARIABLES:

@@ -92,6 +92,12 @@ def test_vertex_workerpool2_are_the_reducers(index):
     assert (place.world_size, place.source) == (3, "CLUSTER_SPEC")
 
 
+def test_a_reducer_with_several_processes_per_host_is_told_it_is_a_reducer():
+    """The role is checked before the per-host settings, whose errors would mislead."""
+    message = config_error(discover_worker, {**vertex("workerpool2", 0), "RS_PROCS_PER_HOST": "8"})
+    assert "is a reducer" in message and "LOCAL_RANK" not in message
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_vertex_reducer_is_not_a_worker(index):
     message = config_error(discover_worker, vertex("workerpool2", index))
