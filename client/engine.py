@@ -9,6 +9,14 @@ Chunks are sent in one global order (collective by collective, chunk by chunk), 
 `window` unanswered per reducer. Every rank sends the same sequence, so every key a rank waits
 for is one that all ranks reach: the window cannot deadlock, and sending, summing and receiving
 overlap across reducers and across consecutive collectives.
+
+Liveness: libzmq's ZMTP heartbeats (every RS_HEARTBEAT_INTERVAL, in its I/O thread, so a busy
+Python thread cannot starve them) close a connection silent for RS_LIVENESS_TIMEOUT, and a
+process that exits closes its own. A reducer whose connection closes (seen at once through a
+socket monitor) is lost: every pending collective that needs it fails naming it, the engine
+opens a fresh connection to the same address and redoes the handshake, and collectives started
+meanwhile wait for it (at most RS_LIVENESS_TIMEOUT) before failing. The engine also sends each
+reducer an application PING every interval: it tells the reducer this worker can be probed.
 """
 from __future__ import annotations
 
@@ -27,7 +35,9 @@ import zmq
 from reduction_server import __version__, auth, protocol
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import get_logger
-from reduction_server.protocol import DType, MsgType, ReduceOp
+from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
+                                       env_number)
 
 from .chunking import reducer_of
 
@@ -51,8 +61,9 @@ class Collective:
     next: int = 0  # next chunk to send
     answered: int = 0
     state: bytearray = field(default=None)  # per chunk: unsent, sent, answered
-    errors: List[str] = field(default_factory=list)
+    errors: List[Tuple[int, str]] = field(default_factory=list)  # (chunk, what went wrong)
     last_progress: float = 0.0
+    blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
@@ -65,7 +76,8 @@ class Collective:
 class Engine:
     def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
                  job_id: int, generation: int, window: int, timeout: float,
-                 connect_timeout: float, io_threads: int) -> None:
+                 connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
+                 liveness_timeout: Optional[float] = None) -> None:
         self.reducers = reducers
         self.rank = rank
         self.world = world_size
@@ -74,6 +86,13 @@ class Engine:
         self.generation = generation
         self.window = window
         self.timeout = timeout
+        # The reducer fails a round after RS_TIMEOUT with the same message on every rank; this
+        # side's own limit is a backstop a little longer, for a reducer that cannot answer.
+        self.backstop = client_backstop(timeout)
+        self.heartbeat = heartbeat_interval or env_number(
+            "RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
+        self.liveness = liveness_timeout or env_number(
+            "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
         self.connect_timeout = connect_timeout
         self._io_threads = io_threads
         self._queue: Deque[Collective] = deque()
@@ -90,6 +109,11 @@ class Engine:
         self._active: Dict[int, Collective] = {}
         self._sending: Deque[Collective] = deque()
         self._inflight = [0] * len(reducers)
+        #: reducers not usable now: index -> (why, whether a new connection is being tried)
+        self._down: Dict[int, Tuple[str, bool]] = {}
+        self._monitors: List[zmq.Socket] = []
+        self._poller: Optional[zmq.Poller] = None
+        self._index: Dict[Any, Tuple[str, int]] = {}
         self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
 
     # -- user side -----------------------------------------------------------------------
@@ -135,11 +159,13 @@ class Engine:
         self._sockets: List[zmq.Socket] = []
         try:
             for address in self.reducers:
-                sock = self._context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
-                sock.connect(f"tcp://{address}")
+                sock, monitor = self._open(address)
                 self._sockets.append(sock)
+                self._monitors.append(monitor)
             self._handshake()
+            for monitor in self._monitors:  # what happened while connecting is history
+                while monitor.poll(0):
+                    monitor.recv_multipart()
         except BaseException as exc:  # reported to the constructor
             self._startup_error = exc
             self._shutdown_sockets(bye=False)
@@ -154,14 +180,35 @@ class Engine:
         finally:
             self._shutdown_sockets(bye=True)
 
+    def _open(self, address: str) -> Tuple[zmq.Socket, zmq.Socket]:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
+        protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
+        # A closed connection (a reducer that died) is seen at once, not after the liveness timeout.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(f"tcp://{address}")
+        return sock, monitor
+
     def _name(self, r: int) -> str:
         return f"reducer {r} ({self.reducers[r]})"
 
+    def _hello(self, sock: zmq.Socket, rejoin: bool = False) -> None:
+        facts = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}
+        if rejoin:  # a reducer serving another job by now must not be taken back by this one
+            facts["rejoin"] = True
+        info = json.dumps(facts).encode()
+        sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=self.rank, world=self.world,
+                                                  job=self.job, generation=self.generation), info], zmq.NOBLOCK)
+
+    def _auth(self, sock: zmq.Socket, nonce: bytes) -> None:
+        proof = auth.proof(self.job_token, nonce, job=self.job, generation=self.generation,
+                           rank=self.rank, world=self.world)
+        sock.send_multipart([protocol.text_header(MsgType.AUTH, proof, rank=self.rank, world=self.world,
+                                                  job=self.job, generation=self.generation), proof], zmq.NOBLOCK)
+
     def _handshake(self) -> None:
-        info = json.dumps({"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}).encode()
         for sock in self._sockets:
-            sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=self.rank, world=self.world,
-                                                      job=self.job, generation=self.generation), info])
+            self._hello(sock)
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
@@ -184,10 +231,7 @@ class Engine:
                     raise CollectiveError(f"rank {self.rank}: {self._name(r)} answered the handshake with a malformed frame: {exc}") from None
                 text = frames[1] if len(frames) > 1 else b""
                 if h.type is MsgType.CHALLENGE:
-                    proof = auth.proof(self.job_token, text, job=self.job, generation=self.generation,
-                                       rank=self.rank, world=self.world)
-                    sock.send_multipart([protocol.text_header(MsgType.AUTH, proof, rank=self.rank, world=self.world,
-                                                              job=self.job, generation=self.generation), proof])
+                    self._auth(sock, text)
                 elif h.type is MsgType.WELCOME:
                     waiting.discard(r)
                     welcome = json.loads(text)
@@ -197,27 +241,127 @@ class Engine:
                                           f"{text.decode(errors='replace')}")
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        for sock in self._sockets:
-            poller.register(sock, zmq.POLLIN)
-        index = {sock: r for r, sock in enumerate(self._sockets)}
+        for r in range(len(self._sockets)):
+            self._watch(r)
+        next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
+        wait = int(min(1.0, self.heartbeat) * 1000)
         while True:
             self._take_submissions()
             if self._closing:
                 self._die("the communicator was closed")
                 return
             self._pump()
-            for item, _ in poller.poll(200 if self._active else 1000):
+            for item, _ in poller.poll(min(200, wait) if self._active else wait):
                 if item == self._wake_r:
                     try:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                else:
-                    self._drain(index[item])
+                    continue
+                kind, r = self._index.get(item, ("", -1))
+                if kind == "data":
+                    self._drain(r)
+                elif kind == "monitor":
+                    self._on_disconnect(r)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + self.heartbeat
             if self._active:
-                self._expire(time.monotonic())
+                self._expire(now)
+
+    # -- liveness --------------------------------------------------------------------------
+    def _watch(self, r: int) -> None:
+        self._poller.register(self._sockets[r], zmq.POLLIN)
+        self._poller.register(self._monitors[r], zmq.POLLIN)
+        self._index[self._sockets[r]] = ("data", r)
+        self._index[self._monitors[r]] = ("monitor", r)
+
+    def _heartbeat(self) -> None:
+        ping = protocol.text_header(MsgType.PING, b"", rank=self.rank, world=self.world, job=self.job,
+                                    generation=self.generation)
+        for r, sock in enumerate(self._sockets):
+            if r in self._down:
+                continue
+            try:
+                sock.send(ping, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # its queue is full of chunks: it is not the PING it lacks
+
+    def _on_disconnect(self, r: int) -> None:
+        monitor = self._monitors[r]
+        while monitor.poll(0):
+            monitor.recv_multipart()
+        down = self._down.get(r)
+        if down is None:
+            self._lose_reducer(r, "its connection closed (the process exited, stopped answering heartbeats for "
+                                  f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); "
+                                  "reconnecting", reconnect=True)
+        elif down[1]:
+            self._reopen(r)  # it went away again in the middle of the new handshake
+
+    def _lose_reducer(self, r: int, reason: str, *, reconnect: bool) -> None:
+        """Reducer r is gone: every pending collective that needs it fails now, naming it."""
+        text = f"{self._name(r)} was lost: {reason}"
+        log.warning("rank %d: %s", self.rank, text)
+        self._down[r] = (text, reconnect)
+        num = len(self._sockets)
+        for coll in list(self._active.values()):
+            if any(s != _ANSWERED and reducer_of(coll.seq, k, num) == r for k, s in enumerate(coll.state)):
+                self._abandon(coll)
+                self._fail(coll, text)
+        self._inflight[r] = 0
+        if reconnect:
+            self._reopen(r)
+
+    def _reopen(self, r: int) -> None:
+        """A fresh connection to reducer r's address and a new handshake: a restarted reducer
+        (it keeps no state between collectives) is used again once it admits this worker."""
+        for old in (self._sockets[r], self._monitors[r]):
+            self._poller.unregister(old)
+            self._index.pop(old, None)
+        self._sockets[r].disable_monitor()
+        self._monitors[r].close(linger=0)
+        self._sockets[r].close(linger=0)  # nothing queued for the old connection may reach the new one
+        self._sockets[r], self._monitors[r] = self._open(self.reducers[r])
+        self._watch(r)
+        self._hello(self._sockets[r], rejoin=True)  # queued until the connection is up
+
+    def _readmitted(self, r: int, welcome: dict) -> None:
+        limit = int(welcome.get("max_chunk_bytes", self.max_chunk_bytes))
+        if limit < self.max_chunk_bytes:  # the ranks' chunk plans would no longer agree
+            self._down[r] = (f"{self._name(r)} came back with a smaller chunk limit ({limit} < "
+                             f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job", False)
+            return
+        del self._down[r]
+        log.warning("rank %d: %s admitted this worker again", self.rank, self._name(r))
+        try:
+            self._sockets[r].send(protocol.text_header(MsgType.PING, b"", rank=self.rank, world=self.world,
+                                                       job=self.job, generation=self.generation), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _startable(self, coll: Collective) -> bool:
+        """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
+        num = len(self._sockets)
+        needed = range(num) if len(coll.chunks) >= num else {reducer_of(coll.seq, k, num) for k in range(len(coll.chunks))}
+        down = [r for r in needed if r in self._down]
+        if not down:
+            return True
+        now = time.monotonic()
+        if coll.blocked_since is None:
+            coll.blocked_since = now
+        final = [r for r in down if not self._down[r][1]]
+        if final or now - coll.blocked_since >= self.liveness:
+            r = (final or down)[0]
+            reason = self._down[r][0]
+            if not final:
+                reason += f"; it did not come back within {self.liveness:g} s (RS_LIVENESS_TIMEOUT)"
+            self._abandon(coll)
+            self._fail(coll, reason)
+        return False
 
     def _take_submissions(self) -> None:
         with self._lock:
@@ -232,6 +376,10 @@ class Engine:
         num = len(self._sockets)
         while self._sending:
             coll = self._sending[0]
+            if self._down and coll.next == 0 and not self._startable(coll):
+                if self._sending and self._sending[0] is coll:
+                    return  # it waits for a lost reducer to come back
+                continue  # it failed and left the queue
             while coll.next < len(coll.chunks):
                 k = coll.next
                 r = reducer_of(coll.seq, k, num)
@@ -273,11 +421,31 @@ class Engine:
                 self._skip(sock, more)
                 self._fail_reducer(r, f"{self._name(r)} sent a malformed frame: {exc}")
                 continue
+            if self._sockets[r] is not sock:
+                return  # it was lost and replaced while this message was handled
             if h.type is MsgType.RESULT:
                 self._on_result(r, sock, h, more)
             elif h.type is MsgType.ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
+                self._skip(sock, sock.getsockopt(zmq.RCVMORE))
                 self._on_error(r, h, text)
+            elif h.type is MsgType.PING:
+                self._skip(sock, more)
+            elif h.type in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in self._down:
+                text = sock.recv() if more else b""
+                self._skip(sock, sock.getsockopt(zmq.RCVMORE))
+                if h.type is MsgType.CHALLENGE:
+                    self._auth(sock, text)
+                elif h.type is MsgType.WELCOME:
+                    try:
+                        welcome = json.loads(text)
+                    except ValueError:
+                        welcome = {}
+                    self._readmitted(r, welcome if isinstance(welcome, dict) else {})
+                else:
+                    self._down[r] = (f"{self._name(r)} came back but refused this worker: "
+                                     f"{text.decode(errors='replace')}", False)
+                    log.warning("rank %d: %s", self.rank, self._down[r][0])
             else:
                 log.warning("rank %d: unexpected %s from %s", self.rank, h.type.name, self._name(r))
                 self._skip(sock, more)
@@ -315,6 +483,11 @@ class Engine:
         self._chunk_done(coll, h.chunk, r, error)
 
     def _on_error(self, r: int, h: protocol.Header, text: str) -> None:
+        if h.aux == ErrorCode.NOT_ADMITTED and r not in self._down:
+            # It no longer knows this worker (it serves another job now, or declared this worker
+            # lost): nothing more can be sent to it. No new handshake: that could take the
+            # reducer back from the job that replaced this one.
+            return self._lose_reducer(r, f"it no longer admits this worker: {text}", reconnect=False)
         coll = self._pending_chunk(h)
         if coll is None:
             # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
@@ -328,12 +501,13 @@ class Engine:
         coll.answered += 1
         coll.last_progress = time.monotonic()
         if error is not None:
-            coll.errors.append(f"chunk {k} on {self._name(r)}: {error}")
+            coll.errors.append((k, f"chunk {k} on {self._name(r)}: {error}"))
         if coll.answered == len(coll.chunks):
             del self._active[coll.seq]
             if coll.errors:
+                # The lowest chunk's error, not the first to arrive: every rank reports the same one.
                 more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
-                self._fail(coll, f"{coll.errors[0]}{more}")
+                self._fail(coll, f"{min(coll.errors)[1]}{more}")
             else:
                 coll.future.set_result(coll.result)
 
@@ -343,13 +517,13 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         for coll in list(self._active.values()):
-            if now - coll.last_progress < self.timeout or _SENT not in coll.state:
+            if now - coll.last_progress < self.backstop or _SENT not in coll.state:
                 continue  # nothing in flight: it waits for window slots held by earlier collectives
             waiting = sorted({reducer_of(coll.seq, k, len(self._sockets))
                               for k, s in enumerate(coll.state) if s == _SENT})
             self._abandon(coll)
             self._fail(coll, (
-                f"no answer for {self.timeout:g} s (RS_TIMEOUT) from "
+                f"no answer for {self.backstop:g} s (RS_TIMEOUT={self.timeout:g} and a margin) from "
                 + ", ".join(self._name(r) for r in waiting)
                 + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"))
 
@@ -382,12 +556,16 @@ class Engine:
             self._fail(coll, reason)
 
     def _shutdown_sockets(self, bye: bool) -> None:
-        for sock in self._sockets:
-            if bye:
+        for sock, monitor in zip(self._sockets, self._monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        for r, sock in enumerate(self._sockets):
+            if bye and r not in self._down:
                 try:
                     sock.send(protocol.text_header(MsgType.BYE, b"", rank=self.rank, world=self.world,
                                                    job=self.job, generation=self.generation), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # nobody to say goodbye to
-            sock.close(linger=None if bye else 0)  # a failed handshake has nothing worth lingering for
+            # A failed handshake, or a reducer that is gone, has nothing worth lingering for.
+            sock.close(linger=None if bye and r not in self._down else 0)
         self._context.term()

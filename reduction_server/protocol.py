@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
+import zmq
 
 from .errors import ProtocolError
 
@@ -42,6 +43,7 @@ class MsgType(enum.IntEnum):
     RESULT = 7  # reducer -> worker: one reduced chunk
     ERROR = 8  # either way: a collective or frame failed (aux: ErrorCode, text payload)
     BYE = 9  # worker -> reducer: leaving cleanly
+    PING = 10  # either way: a heartbeat (no payload); any message is a sign of life
 
 
 class ErrorCode(enum.IntEnum):
@@ -54,6 +56,7 @@ class ErrorCode(enum.IntEnum):
     STALE = 7  # a key from an older generation or another job
     TOO_LARGE = 8  # a size over the reducer's caps
     INTERNAL = 9  # a bug on the reducer side; reported, never swallowed
+    LOST = 10  # a rank the collective needs was lost (died, disconnected, left, skipped it)
 
 
 class ReduceOp(enum.IntEnum):
@@ -249,3 +252,12 @@ def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0
                 generation: int = 0) -> bytes:
     return Header(mtype, rank=rank, world=world, job=job, generation=generation,
                   nbytes=len(payload)).pack()
+
+
+def set_heartbeats(socket: zmq.Socket, interval: float, timeout: float) -> None:
+    """ZMTP heartbeats on a socket: libzmq's I/O thread pings every `interval` seconds and closes
+    a connection that stays silent for `timeout`. They need no GIL, so a worker busy in Python
+    is not mistaken for a dead one; a stopped or vanished process is (its connection closes)."""
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(timeout * 1000)))  # the peer's side of the same rule

@@ -27,7 +27,8 @@ from .errors import ProtocolError
 from .log import event, get_logger
 from .protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 from .round import Round, format_ranks
-from .settings import (DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_TIMEOUT,
+from .settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT,
+                       DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_TIMEOUT,
                        env_number)
 
 log = get_logger("reducer")
@@ -37,6 +38,13 @@ MAX_STRIKES = 16
 # Longest error or reject text: well inside protocol.MAX_TEXT_PAYLOAD (a longer one would be a
 # frame the client must refuse as malformed), and a log line that stays readable.
 MAX_ERROR_TEXT = 16 * 1024
+# Failed rounds are kept (without their memory) so that ranks that contribute late get the same
+# error as the others; at most this many, each for at most RETAIN_FAILED_S + 2 x RS_TIMEOUT.
+MAX_FAILED_ROUNDS = 65536
+RETAIN_FAILED_S = 60.0
+# After a connection closes, heartbeat peers are probed this many seconds later (the one whose
+# pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
+PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
 
 
 def _clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
@@ -57,6 +65,13 @@ class Peer:
     admitted: bool = False
     nonce: bytes = b""
     info: Optional[dict] = None  # the HELLO's JSON: host, pid, client version
+    heartbeats: bool = False  # it sends PINGs: silence longer than the liveness timeout is a loss
+    max_seq: int = -1  # highest seq it contributed to (a rank sends collectives in seq order)
+
+    def describe(self) -> str:
+        info = self.info if isinstance(self.info, dict) else {}
+        where = ", ".join(f"{k} {info[k]}" for k in ("host", "pid") if k in info)
+        return f"rank {self.rank}" + (f" ({where})" if where else "")
 
 
 class Reducer:
@@ -64,7 +79,9 @@ class Reducer:
                  world_size: Optional[int] = None, job_token: str = "",
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
-                 round_timeout: float = DEFAULT_TIMEOUT) -> None:
+                 round_timeout: float = DEFAULT_TIMEOUT,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+                 liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT) -> None:
         self.socket = socket
         self.index = index
         self.name = f"reducer {index}" + (f" ({address})" if address else "")
@@ -73,6 +90,12 @@ class Reducer:
         self.job_token = job_token
         self.max_chunk_bytes = max_chunk_bytes
         self.round_timeout = round_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout
+        self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
+        self.unreachable: List[bytes] = []  # identities a send found gone (handled after the batch)
+        self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
+        self.now = time.monotonic()
         self.pool = AccumulatorPool(max_accumulator_bytes)
         self.job: Optional[tuple] = None  # (job id, generation) now served
         self.peers: Dict[bytes, Peer] = {}
@@ -88,21 +111,47 @@ class Reducer:
     def run(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        next_expiry = time.monotonic() + 1.0
-        while not should_stop():
-            if poller.poll(100):
-                # Drain a batch before housekeeping: under load, messages come in bursts.
-                for _ in range(256):
-                    try:
-                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.handle(frames)
-            self.pool.reap()
-            now = time.monotonic()
-            if now >= next_expiry:
-                self.expire_rounds(now)
-                next_expiry = now + 1.0
+        # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API).
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(monitor, zmq.POLLIN)
+        tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
+        next_tick = time.monotonic() + tick
+        next_heartbeat = time.monotonic() + self.heartbeat_interval
+        try:
+            while not should_stop():
+                wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
+                events = dict(poller.poll(wait))
+                self.now = time.monotonic()
+                if self.socket in events:
+                    # Drain a batch before housekeeping: under load, messages come in bursts.
+                    for _ in range(256):
+                        try:
+                            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.handle(frames)
+                if monitor in events:
+                    while monitor.poll(0):
+                        monitor.recv_multipart()
+                    self.probes = [self.now + d for d in PROBE_DELAYS]
+                self.pool.reap()
+                now = self.now = time.monotonic()
+                if self.probes and now >= self.probes[0]:
+                    while self.probes and now >= self.probes[0]:
+                        self.probes.pop(0)
+                    self.ping_peers()
+                if now >= next_heartbeat:
+                    self.ping_peers()
+                    next_heartbeat = now + self.heartbeat_interval
+                if self.unreachable:
+                    self.check_unreachable()
+                if now >= next_tick:
+                    self.check_skipped()
+                    self.expire_rounds(now)
+                    next_tick = now + tick
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
 
     def handle(self, frames: List[zmq.Frame]) -> None:
         """Dispatch one message; never raises."""
@@ -141,6 +190,8 @@ class Reducer:
             self._data(identity, h, payload)
         elif h.type is MsgType.BYE:
             self._bye(identity)
+        elif h.type is MsgType.PING:
+            self._ping(identity)
         else:
             self._malformed(identity, f"a worker does not send {h.type.name} messages")
 
@@ -160,6 +211,12 @@ class Reducer:
             info = json.loads(payload.bytes) if payload is not None else {}
         except ValueError as exc:
             return self._reject(identity, f"HELLO payload is not valid JSON: {exc}")
+        if (isinstance(info, dict) and info.get("rejoin") and self.job is not None
+                and (h.job, h.generation) != self.job):
+            # A worker reconnecting after losing this reducer never replaces the job it serves now.
+            return self._reject(identity, (
+                f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
+                f"{self.name} serves job {self.job[0]:#x} generation {self.job[1]} now"))
         nonce = auth.new_nonce()
         self.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info)
         self._send(identity, [protocol.text_header(MsgType.CHALLENGE, nonce), nonce])
@@ -188,6 +245,8 @@ class Reducer:
             self.peers.pop(old, None)
         peer.admitted = True
         self.rank_identity[peer.rank] = identity
+        if self.lost.pop(peer.rank, None) is not None:
+            event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
         welcome = json.dumps({"index": self.index, "world_size": self.world,
                               "max_chunk_bytes": self.max_chunk_bytes}).encode()
         self._send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=self.world or 0,
@@ -206,16 +265,89 @@ class Reducer:
         self.rounds.clear()
         self.round_started.clear()
         self.rank_identity.clear()
+        self.lost.clear()
         self.peers = {i: p for i, p in self.peers.items()
                       if (p.job, p.generation) == (peer.job, peer.generation)}
         self.job = (peer.job, peer.generation)
         self.world = self.fixed_world or peer.world
 
     def _bye(self, identity: bytes) -> None:
-        peer = self.peers.pop(identity, None)
-        if peer is not None and self.rank_identity.get(peer.rank) == identity:
-            del self.rank_identity[peer.rank]
+        peer = self.peers.get(identity)
+        if peer is not None and peer.admitted and self.rank_identity.get(peer.rank) == identity:
             event(log, logging.INFO, "bye", reducer=self.index, rank=peer.rank)
+            self.lose_rank(peer.rank, "it closed its communicator (BYE)", quiet=True)
+        self.peers.pop(identity, None)
+
+    def _ping(self, identity: bytes) -> None:
+        """A worker's heartbeat. From then on it is expected to keep sending them."""
+        peer = self.peers.get(identity)
+        if peer is not None and peer.admitted:
+            peer.heartbeats = True
+        elif peer is None:  # a worker this reducer dropped (its job was replaced, or it was lost)
+            self._send_error(identity, ErrorCode.NOT_ADMITTED, (
+                f"{self.name}: this worker is not admitted (any more)"
+                + (f"; this reducer serves job {self.job[0]:#x} generation {self.job[1]} now" if self.job else "")))
+
+    # -- liveness ------------------------------------------------------------------------
+    def ping_peers(self) -> None:
+        """Send a PING to every worker that heartbeats; a send to one whose connection is gone
+        fails at once (EHOSTUNREACH), which is how a closed connection is tied to its rank."""
+        for identity, peer in list(self.peers.items()):
+            if peer.admitted and peer.heartbeats:
+                self._send(identity, [protocol.text_header(MsgType.PING, b"", rank=self.index, world=peer.world,
+                                                           job=peer.job, generation=peer.generation)])
+
+    def check_unreachable(self) -> None:
+        gone, self.unreachable = self.unreachable, []
+        for identity in gone:
+            peer = self.peers.get(identity)
+            if peer is not None and peer.admitted and self.rank_identity.get(peer.rank) == identity:
+                self.lose_rank(peer.rank, (
+                    "its connection closed (the process exited, stopped answering heartbeats for "
+                    f"RS_LIVENESS_TIMEOUT={self.liveness_timeout:g} s, or the network dropped it)"))
+
+    def lose_rank(self, rank: int, reason: str, quiet: bool = False) -> None:
+        """A rank is gone: every open round it has not contributed to can never complete, so it
+        fails now for every other rank; rounds created later that need it fail at once, until
+        the rank is admitted again (a new connection, or a new generation of the job)."""
+        identity = self.rank_identity.pop(rank, None)
+        peer = self.peers.pop(identity, None) if identity is not None else None
+        who = peer.describe() if peer is not None else f"rank {rank}"
+        text = f"{who} was lost: {reason}"
+        self.lost[rank] = text
+        failed = 0
+        for rnd in list(self.rounds.values()):
+            if rnd.error is None and rank not in rnd.contributed:
+                self._fail_round(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: {text}")
+                failed += 1
+            elif rnd.error is not None:
+                self._maybe_forget(rnd)
+        event(log, logging.INFO if quiet else logging.WARNING, "rank_lost", reducer=self.index, rank=rank,
+              reason=reason, failed_rounds=failed, open_rounds=sum(1 for r in self.rounds.values() if r.error is None),
+              accumulator_bytes_in_use=self.pool.in_use_bytes)
+        if not self.rank_identity:
+            # Every rank has gone: the job is over (or all of it failed). Ranks that connect
+            # again with the same job and generation (a second communicator) start afresh.
+            self.lost.clear()
+
+    def check_skipped(self) -> None:
+        """A rank sends its collectives in seq order, so a rank that already contributed to a
+        later seq here will never contribute to an open round of an earlier one (the collective
+        failed on its side, e.g. while a reducer was down): that round fails now, not at RS_TIMEOUT."""
+        for rnd in list(self.rounds.values()):
+            if rnd.error is not None or (rnd.first.job, rnd.first.generation) != self.job:
+                continue
+            skipped = []
+            for rank in rnd.missing:
+                identity = self.rank_identity.get(rank)
+                peer = self.peers.get(identity) if identity is not None else None
+                if peer is not None and peer.max_seq > rnd.first.seq:
+                    skipped.append(rank)
+            if skipped:
+                self._fail_round(rnd, ErrorCode.LOST, (
+                    f"{rnd.first.describe()} cannot complete: ranks {format_ranks(skipped)} went on to later "
+                    f"collectives without contributing (it failed on their side); ranks "
+                    f"{format_ranks(rnd.contributed)} contributed"))
 
     # -- data ----------------------------------------------------------------------------
     def _data(self, identity: bytes, h: Header, payload: Optional[zmq.Frame],
@@ -236,9 +368,16 @@ class Reducer:
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
         if bad_payload is not None:
             return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
+        if h.seq > peer.max_seq:
+            peer.max_seq = h.seq
         rnd = self._round_for(h)
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
+        if self.lost:
+            gone = [rank for rank in self.lost if rank not in rnd.contributed]
+            if gone:
+                return self._fail_round(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
+                                        + "; ".join(self.lost[rank] for rank in sorted(gone)[:8]), extra=h)
         reason = rnd.disagreement(h)
         if reason is not None:
             code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
@@ -291,8 +430,8 @@ class Reducer:
         for rank in range(rnd.world):
             identity = self.rank_identity.get(rank)
             if identity is None:
-                event(log, logging.ERROR, "result_undeliverable", reducer=self.index, rank=rank,
-                      key=h.describe(), reason="rank is no longer connected")
+                event(log, logging.INFO if rank in self.lost else logging.ERROR, "result_undeliverable",
+                      reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
                 continue
             self._send(identity, [header, frame])
         self._forget(h.key)
@@ -321,6 +460,7 @@ class Reducer:
         reason = _clip(reason)
         rnd.error = f"{self.name}: {reason}"
         rnd.code = code
+        rnd.failed_at = self.now
         self.failed += 1
         event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
               code=code.name, reason=reason)
@@ -336,20 +476,40 @@ class Reducer:
             self._send_error(identity, rnd.code, rnd.error, about=about)
         if rank not in rnd.answered:
             rnd.answered.append(rank)
-        if len(rnd.answered) >= rnd.world:
+        self._maybe_forget(rnd)
+
+    def _maybe_forget(self, rnd: Round) -> None:
+        """A failed round is forgotten once every rank has been answered (or is lost)."""
+        answered = len(rnd.answered)
+        if answered < rnd.world and self.lost:
+            answered += sum(1 for rank in self.lost if rank not in rnd.answered)
+        if answered >= rnd.world:
             self._forget(rnd.first.key)
 
     def expire_rounds(self, now: float) -> None:
-        """Fail rounds that waited longer than the timeout for their last contributions."""
+        """Fail rounds that waited longer than the timeout for their last contributions. The
+        failed round is kept (without its memory) so that a rank that contributes late gets the
+        same message as the others; it is forgotten once every rank has been answered."""
+        retain = RETAIN_FAILED_S + 2 * self.round_timeout
+        failed = 0
         for key, started in list(self.round_started.items()):
             rnd = self.rounds.get(key)
-            if rnd is None or now - started < self.round_timeout:
+            if rnd is None:
+                self.round_started.pop(key, None)
                 continue
             if rnd.error is None:
-                self._fail_round(rnd, ErrorCode.STALE, (
-                    f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
-                    f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
-            self._forget(key)  # ranks that never came will time out on their own side
+                if now - started >= self.round_timeout:
+                    self._fail_round(rnd, ErrorCode.STALE, (
+                        f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
+                        f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
+                    failed += 1
+            elif now - rnd.failed_at >= retain:
+                self._forget(key)
+            else:
+                failed += 1
+        if failed > MAX_FAILED_ROUNDS:  # bounded: the oldest failed rounds go first
+            for key in [k for k, r in self.rounds.items() if r.error is not None][:failed - MAX_FAILED_ROUNDS]:
+                self._forget(key)
 
     def _free(self, rnd: Round) -> None:
         if rnd.accumulator is not None:
@@ -390,6 +550,8 @@ class Reducer:
         try:
             self.socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it does not read
+            if exc.errno == zmq.EHOSTUNREACH and identity in self.peers:
+                self.unreachable.append(identity)  # handled after this batch, not in the middle of it
             if len(self.unsent) > 4096:
                 self.unsent.clear()  # bounded: identities of peers long gone
             unsent = self.unsent[identity] = self.unsent.get(identity, 0) + 1
@@ -431,12 +593,17 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     max_chunk = int(env_number("RS_MAX_CHUNK_BYTES", DEFAULT_MAX_CHUNK_BYTES, minimum=1024))
     # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
     socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
+    heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
+    liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
+    protocol.set_heartbeats(socket, heartbeat, liveness)
     bound = _bind(socket, host, port)
     reducer = Reducer(
         socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
         max_chunk_bytes=max_chunk,
         max_accumulator_bytes=int(env_number("RS_MAX_ACCUMULATOR_BYTES", DEFAULT_MAX_ACCUMULATOR_BYTES, minimum=1024)),
         round_timeout=env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.1, kind=float),
+        heartbeat_interval=heartbeat,
+        liveness_timeout=liveness,
     )
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -448,5 +615,6 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     finally:
         socket.close(linger=0)
         context.term()
-    event(log, logging.INFO, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed)
+    event(log, logging.INFO, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed,
+          open_rounds=len(reducer.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
     return 0

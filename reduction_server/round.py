@@ -62,6 +62,7 @@ class Round:
     loaded: bool = False  # the accumulator holds the first payload
     adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
+    failed_at: float = 0.0  # monotonic time it failed
 
     @property
     def dtype(self) -> DType:

@@ -21,6 +21,11 @@ DEFAULT_WINDOW = 4
 MAX_WINDOW = 256
 #: seconds a collective may wait for its results before it fails on this rank
 DEFAULT_TIMEOUT = 300.0
+#: seconds between heartbeats (PING) that workers and reducers send each other
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+#: seconds of silence after which a worker declares a reducer lost, and a reducer a worker
+#: (a process that dies is noticed at once: its connection closes; this covers silent losses)
+DEFAULT_LIVENESS_TIMEOUT = 5.0
 #: seconds a worker waits for every reducer to admit it
 DEFAULT_CONNECT_TIMEOUT = 120.0
 #: largest chunk a reducer accepts (a client claiming more is refused, not allocated)
@@ -45,3 +50,9 @@ def env_number(name: str, default: float, *, minimum: float, maximum: Optional[f
     if maximum is not None and value > maximum:
         raise ConfigError(f"{name}={raw!r} must be at most {maximum}")
     return value
+
+
+def client_backstop(timeout: float) -> float:
+    """A worker's own no-progress limit for a collective: a little longer than the reducer's
+    RS_TIMEOUT, so that the reducer's message (the same on every rank) arrives first."""
+    return timeout + max(1.0, 0.1 * timeout)

@@ -1,0 +1,122 @@
+"""One rank of a failure test (tests/test_failures.py). argv[1] is JSON: {"mode": ..., ...}.
+
+Every mode prints progress lines ("ready", ...) as JSON as it goes and one JSON summary line
+last. Times are wall-clock (time.time()), to compare with the test's own clock on this machine.
+
+- loop: all-reduce a large buffer until a collective fails (a worker or reducer was killed);
+  then try one more collective (it must fail too, at once). {"count", "ready_after"}
+- restart: like loop (without the one more), then wait for the file "go" to exist and run "after" collectives, which
+  must succeed on the same communicator (the reducer was restarted at the same address).
+- straggler: rank "slow" sleeps "delay" seconds first; every rank then all-reduces once.
+- close: every rank runs "before" collectives; rank "closer" then closes its communicator and
+  exits; the others start one more collective, which must fail naming the closer.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+import reduction_server.client as rs  # noqa: E402
+from reduction_server import CollectiveError  # noqa: E402
+
+
+def say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def step(comm, x: np.ndarray, i: int) -> None:
+    """One all-reduce whose result is checked exactly (small integers in float32)."""
+    x.fill(comm.rank + i % 7)
+    y = comm.all_reduce(x, "sum", out=x)
+    expected = sum(r + i % 7 for r in range(comm.world_size))
+    if not (y[0] == expected and y[-1] == expected):
+        raise AssertionError(f"collective {i}: got {y[0]}, {y[-1]}, expected {expected}")
+
+
+def fail_loop(comm, spec) -> dict:
+    x = np.zeros(spec.get("count", 1 << 20), np.float32)
+    i = 0
+    while True:
+        try:
+            step(comm, x, i)
+        except CollectiveError as exc:
+            return {"error": str(exc), "error_at": time.time(), "iterations": i}
+        i += 1
+        if i == spec.get("ready_after", 3):
+            say(rank=comm.rank, ready=True)
+        if i > 100000:
+            raise AssertionError("no failure came")
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    mode = spec["mode"]
+    comm = rs.Communicator.from_env()
+    rank = comm.rank
+    out = {"rank": rank}
+    if mode in ("loop", "restart"):
+        out.update(fail_loop(comm, spec))
+        if mode == "loop":
+            start = time.time()
+            try:
+                step(comm, np.zeros(1024, np.float32), 1)
+                out["next"] = "ok"
+            except CollectiveError as exc:
+                out["next"] = str(exc)
+            out["next_took"] = time.time() - start
+        else:
+            say(rank=rank, waiting=True, error=out["error"])
+            go = Path(spec["go"])
+            deadline = time.time() + 60
+            while not go.exists():
+                if time.time() > deadline:
+                    raise AssertionError("the test never said go")
+                time.sleep(0.05)
+            x = np.zeros(spec.get("count", 1 << 20), np.float32)
+            for i in range(spec.get("after", 5)):
+                step(comm, x, 100 + i)
+            out["after"] = spec.get("after", 5)
+    elif mode == "straggler":
+        t0 = time.time()
+        if rank == spec["slow"]:
+            time.sleep(spec["delay"])
+        start = time.time()
+        try:
+            comm.all_reduce(np.ones(spec.get("count", 16), np.float32))
+            out["error"] = None
+        except CollectiveError as exc:
+            out["error"] = str(exc)
+        out["took"] = time.time() - start
+        # the next collective works again on every rank (once the straggler has caught up)
+        if rank != spec["slow"]:
+            time.sleep(max(0.0, t0 + spec["delay"] + 0.5 - time.time()))
+        out["next"] = comm.all_reduce(np.full(4, rank, np.float32)).tolist()
+    elif mode == "close":
+        x = np.zeros(spec.get("count", 1 << 16), np.float32)
+        for i in range(spec.get("before", 5)):
+            step(comm, x, i)
+        if rank == spec["closer"]:
+            time.sleep(0.2)  # the others are inside their next collective by now
+            comm.close()
+            out["closed_at"] = time.time()
+        else:
+            try:
+                step(comm, x, 99)
+                out["error"] = None
+            except CollectiveError as exc:
+                out["error"] = str(exc)
+                out["error_at"] = time.time()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    comm.close()
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+if __name__ == "__main__":
+    main()
