@@ -1,0 +1,189 @@
+"""The PyTorch adapter (reduction_server.client.torch) through real reducers and real ranks:
+DDP over init_process_group("reduction_server") against a single-process reference and against
+gloo, the comm hooks, overlap of bucket all-reduces with backward, plain collectives, and the
+device checks."""
+import json
+import socket
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
+dist = pytest.importorskip("torch.distributed", reason="this torch build has no torch.distributed")
+if not dist.is_available():
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+import reduction_server.client.torch as rst  # noqa: E402
+from cluster import SCRIPTS, reducers, run_workers  # noqa: E402
+
+sys.path.insert(0, str(SCRIPTS))
+import torch_model  # noqa: E402
+
+RTOL = 1e-5
+ATOL = 1e-7
+
+
+def free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def reference(world):
+    """Single process, rank 0's initial weights, the concatenated batch."""
+    model = torch_model.make_model(seed=1000)
+    x, y = torch_model.batch(world)
+    torch_model.train(model, x, y, torch_model.STEPS)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def close(a, b, rtol=RTOL, atol=ATOL):
+    a, b = torch.tensor(a), torch.as_tensor(b)
+    return torch.allclose(a, b, rtol=rtol, atol=atol), float((a - b).abs().max())
+
+
+# One job per world size runs every task (a torch import costs seconds per process).
+# Order matters: with ops/overlap first, W=2 hung intermittently in rank 0's teardown of the
+# following gloo group (C code; not yet explained), so the DDP setups go first.
+JOBS = {
+    2: (1, ["gloo", "rs", "hook", "fp16", "ops", "overlap"]),
+    3: (2, ["gloo", "rs", "hook", "bf16", "ops"]),
+}
+_results = {}
+
+
+def run_job(world):
+    """Every rank's results of the W-rank job (run once per session)."""
+    if world not in _results:
+        reducer_count, setups = JOBS[world]
+        spec = {"setups": setups, "master_ports": free_ports(len(setups)),
+                "rs_without_master": world == 3,  # W=3: the discovery-only rendezvous; W=2: TCP store
+                "bucket_cap_mb": 0.001,  # several buckets: one per tensor
+                "overlap_bucket_cap_mb": 0.25}
+        with reducers(reducer_count, workers=world) as group:
+            _results[world] = run_workers(world, group, "torch_ddp.py", [json.dumps(spec)], timeout=150)
+    return _results[world]
+
+
+@pytest.fixture(params=sorted(JOBS), ids=lambda w: f"W{w}")
+def job(request):
+    return request.param, run_job(request.param)
+
+
+def test_ddp_matches_single_process_and_gloo(job):
+    world, results = job
+    setups = [s for s in JOBS[world][1] if s not in ("ops", "overlap")]
+    want = reference(world)
+    start = torch.cat([p.detach().reshape(-1) for p in torch_model.make_model(seed=1000).parameters()])
+    for setup in setups:
+        for r in results:
+            got = r[setup]
+            # Ranks seeded differently start identical after DDP's broadcast: rank 0's weights.
+            assert got["initial"] == results[0][setup]["initial"], (setup, r["rank"])
+            assert got["initial"] == start.tolist(), (setup, r["rank"])
+            if r["rank"]:
+                assert got["before"] != got["initial"], "ranks were meant to start from different weights"
+            # Buffers were broadcast from rank 0 before every forward (int64 and bool).
+            assert got["buffers"]["calls"] == torch_model.STEPS
+            assert got["buffers"]["seen"] == [True, False, False]
+            assert got["final"] == results[0][setup]["final"], f"{setup}: ranks ended with different weights"
+    final = {s: results[0][s]["final"] for s in setups}
+    ok, err = close(final["gloo"], want)
+    assert ok, f"gloo vs the single-process reference: max error {err}"
+    for setup in ("rs", "hook"):
+        ok, err = close(final[setup], want)
+        assert ok, f"{setup} vs the single-process reference: max error {err}"
+        ok, err = close(final[setup], final["gloo"])
+        assert ok, f"{setup} vs gloo: max error {err}"
+    for setup in ("fp16", "bf16"):
+        if setup in final:
+            tol = 2e-3 if setup == "fp16" else 2e-2
+            ok, err = close(final[setup], final["gloo"], rtol=tol, atol=tol)
+            assert ok, f"{setup} hook vs gloo: max error {err}"
+            assert final[setup] != final["gloo"], f"the {setup} hook did not compress"
+
+
+def test_bucket_all_reduce_overlaps_backward():
+    """With one bucket per layer, DDP's first bucket (the last layer's) is handed to the
+    reducers before backward computes the first layer's weight gradient."""
+    results = run_job(2)
+    layer = 256 * 256 + 256
+    for r in results:
+        first, *rebuilt = r["overlap"]["iterations"]
+        # DDP's first iteration uses one bucket, then rebuilds them by bucket_cap_mb: one per layer.
+        assert [e for e in first if e[0] == "allreduce"] == [["allreduce", 6 * layer]]
+        for events in rebuilt:
+            reduces = [i for i, e in enumerate(events) if e[0] == "allreduce"]
+            grad = [i for i, e in enumerate(events) if e[0] == "first_layer_grad"]
+            assert [events[i][1] for i in reduces] == [layer] * 6, events
+            assert len(grad) == 1 and reduces[0] < grad[0], f"no overlap: {events}"
+            assert sum(i < grad[0] for i in reduces) >= 4, f"too little overlap: {events}"
+
+
+def test_plain_collectives(job):
+    world, results = job
+    for r in results:
+        ops = r["ops"]
+        assert ops["failures"] == [], ops
+        assert ops["backend"] == "reduction_server"
+        assert ops["done"] >= 50
+
+
+def test_example_runs_under_the_launcher(tmp_path):
+    import subprocess
+
+    from cluster import ROOT, child_env
+
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
+                           sys.executable, str(ROOT / "examples" / "pytorch_ddp.py"), "--steps", "3"],
+                          env=child_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weights identical on all ranks: True" in proc.stdout, proc.stdout
+
+
+# -- in-process checks -------------------------------------------------------------------------
+
+def test_module_imports_the_real_torch_and_registers_the_backend():
+    assert rst.torch is sys.modules["torch"] and hasattr(rst.torch, "nn")
+    assert "site-packages" in rst.torch.__file__ or "dist-packages" in rst.torch.__file__
+    assert "reduction_server" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["reduction_server"] == ["cpu", "cuda"]
+
+
+def test_reduce_op_mapping_by_name():
+    from reduction_server.protocol import ReduceOp
+
+    assert rst.torch_reduce_op(dist.ReduceOp.SUM) is ReduceOp.SUM
+    assert rst.torch_reduce_op(dist.ReduceOp.AVG) is ReduceOp.AVG
+    assert rst.torch_reduce_op(dist.ReduceOp.PRODUCT) is ReduceOp.PROD
+    assert rst.torch_reduce_op(dist.ReduceOp.MIN) is ReduceOp.MIN
+    assert rst.torch_reduce_op(dist.ReduceOp.MAX) is ReduceOp.MAX
+    assert rst.torch_reduce_op(dist.AllreduceOptions().reduceOp) is ReduceOp.SUM
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        with pytest.raises(ValueError, match="does not support ReduceOp.B"):
+            rst.torch_reduce_op(op)
+    premul = dist._make_nccl_premul_sum(2.0) if hasattr(dist, "_make_nccl_premul_sum") else None
+    if premul is not None:
+        with pytest.raises(ValueError, match="PREMUL_SUM"):
+            rst.torch_reduce_op(premul)
+
+
+def test_device_checks():
+    with pytest.raises(TypeError, match="cpu and cuda"):
+        rst._Staged(torch.ones(2, device="meta"), "x")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the staging path itself is tested on GPU machines")
+    # A CUDA tensor on a machine without CUDA: FakeTensorMode makes one without a device.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(4, device="cuda")
+    assert fake.device.type == "cuda"
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        rst._Staged(fake, "all_reduce tensor")
