@@ -96,12 +96,18 @@ def run_workers(world: int, group: Reducers, script: str, args: List[str], token
                          "RS_JOB_TOKEN": token, "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": "60", **(extra_env or {})})
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return collect(procs, timeout)
+
+
+def collect(procs: List[subprocess.Popen], timeout: float) -> List[dict]:
+    """Each rank process's last stdout line, parsed as JSON, by rank; a rank that fails is an
+    AssertionError with its output; every process still running afterwards is killed."""
     results = []
     try:
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=timeout)
             if proc.returncode != 0:
-                raise AssertionError(f"rank {rank} exited {proc.returncode}:\n{err}\n{out}")
+                raise AssertionError(f"rank {rank} exited {proc.returncode}:\n{err[-4000:]}\n{out}")
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:

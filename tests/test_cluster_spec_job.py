@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cluster import SCRIPTS, child_env
+from cluster import SCRIPTS, child_env, collect
 
 CASES = {"sequential": [{"dtype": d, "op": o, "count": 70_001, "seed": i}
                         for i, (d, o) in enumerate([("float32", "sum"), ("float16", "avg"), ("int64", "max"),
@@ -71,11 +71,7 @@ def test_job_from_the_cluster_spec(variable):
             env = child_env({**common, variable: make(ports, workers, worker_types[rank], worker_index[rank])})
             ranks.append(subprocess.Popen([sys.executable, str(SCRIPTS / "allreduce_worker.py"), json.dumps(CASES)],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for rank, proc in enumerate(ranks):
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = collect(ranks, timeout=120)
         assert [r["rank"] for r in results] == [0, 1, 2]  # rank from the spec, in pool order
         for r in results:
             assert r["failures"] == [] and r["done"] == len(CASES["sequential"]) + workers

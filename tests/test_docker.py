@@ -32,6 +32,8 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
+from cluster import collect
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "deploy_worker.py"
 MIRROR = os.environ.get("RS_DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -358,17 +360,7 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
             procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-        results = []
-        try:
-            for rank, proc in enumerate(procs):
-                out, err = proc.communicate(timeout=180)
-                assert proc.returncode == 0, f"worker {rank} exited {proc.returncode}:\n{err[-4000:]}\n{out}"
-                results.append(json.loads(out.strip().splitlines()[-1]))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        results = collect(procs, timeout=180)
         for rank, result in enumerate(results):
             assert result["rank"] == rank and result["world"] == 2, result
             assert result["source"] == "CLUSTER_SPEC", result
