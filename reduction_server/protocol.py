@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import operator
 import struct
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -51,7 +52,7 @@ class ErrorCode(enum.IntEnum):
     NOT_ADMITTED = 2  # DATA from a peer that did not complete the handshake
     MISMATCH = 3  # contributions to one key disagree (dtype, op, size, ...)
     BAD_PAYLOAD = 4  # payload size disagrees with the header
-    UNSUPPORTED = 5  # dtype or op the reducer does not implement
+    # 5 is unused: an unknown dtype or op code is MALFORMED (the header cannot be parsed)
     DUPLICATE = 6  # a rank contributed twice to one key
     STALE = 7  # a key from an older generation or another job
     TOO_LARGE = 8  # a size over the reducer's caps
@@ -242,7 +243,7 @@ def data_header(
 
 def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:
     """An ERROR header; it repeats the key of the message it answers, when there is one."""
-    h = Header(MsgType.ERROR) if about is None else Header(**{**about.__dict__, "type": MsgType.ERROR})
+    h = Header(MsgType.ERROR) if about is None else dataclasses.replace(about, type=MsgType.ERROR)
     h.aux = int(code)
     h.nbytes = len(text)
     return h.pack()

@@ -10,6 +10,7 @@ names the ranks involved; nothing a client sends can take the reducer down.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -401,10 +402,9 @@ class Reducer:
             return
         if payload is None:
             raise ValueError("a contribution without a payload")
-        if not rnd.loaded:
+        if rnd.accumulator is None:  # the first contribution: loaded, later ones folded in
             rnd.accumulator = self.pool.acquire(h.count * rnd.dtype.accumulator.itemsize)
             _native.load(rnd.accumulator, payload.buffer, h.dtype)
-            rnd.loaded = True
         else:
             _native.accumulate(rnd.accumulator, payload.buffer, h.dtype, h.op)
 
@@ -425,8 +425,8 @@ class Reducer:
                 if rnd.op is ReduceOp.AVG:
                     _native.store(acc, acc, h.dtype, h.op, rnd.world)
         frame = out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=False, track=True)
-        header = Header(**{**h.__dict__, "type": MsgType.RESULT, "rank": self.index,
-                           "nbytes": h.count * rnd.dtype.itemsize}).pack()
+        header = dataclasses.replace(h, type=MsgType.RESULT, rank=self.index,
+                                     nbytes=h.count * rnd.dtype.itemsize).pack()
         for rank in range(rnd.world):
             identity = self.rank_identity.get(rank)
             if identity is None:
@@ -533,9 +533,9 @@ class Reducer:
         self._send_error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
 
     def _reject(self, identity: bytes, reason: str) -> None:
-        reason = _clip(reason)
+        reason = _clip(reason)  # the log line and the reply both stay short
         event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
-        text = _clip(f"{self.name}: {reason}").encode()
+        text = f"{self.name}: {reason}".encode()
         self._send(identity, [protocol.text_header(MsgType.REJECT, text), text])
 
     def _send_error(self, identity: bytes, code: ErrorCode, text: str, about: Optional[Header] = None) -> None:

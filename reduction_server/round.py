@@ -59,7 +59,6 @@ class Round:
     contributed: Dict[int, Header] = field(default_factory=dict)  # rank -> header
     error: Optional[str] = None  # set once the round has failed
     answered: List[int] = field(default_factory=list)  # ranks sent an ERROR already
-    loaded: bool = False  # the accumulator holds the first payload
     adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
