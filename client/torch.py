@@ -101,7 +101,7 @@ def _check_device(tensor: Any, what: str) -> str:
     return kind
 
 
-class _Staged:
+class Staged:
     """One user tensor as a contiguous host tensor the Communicator can view, and the way back.
 
     CPU contiguous tensors are used in place (zero copy). Non-contiguous tensors go through a
@@ -198,7 +198,7 @@ class _Pipeline:
                    value: Any = None) -> torch.futures.Future:
         """In-place all-reduce of each tensor; the Future's value is `value` (default: the list)."""
         def start():
-            staged = [_Staged(t, "all_reduce tensor") for t in tensors]
+            staged = [Staged(t, "all_reduce tensor") for t in tensors]
             wires = [s.wire(op) for s in staged]
             handles = [self.communicator.all_reduce_async(w, op, out=w) for w in wires]
 
@@ -213,7 +213,7 @@ class _Pipeline:
         rank = self.communicator.rank
 
         def start():
-            staged = [_Staged(t, "broadcast tensor", load=rank == root) for t in tensors]
+            staged = [Staged(t, "broadcast tensor", load=rank == root) for t in tensors]
             wires = [s.wire(None) for s in staged]
             handles = [self.communicator.broadcast_async(w, root) for w in wires]
 
@@ -247,7 +247,7 @@ class _Pipeline:
                 with torch.no_grad():
                     outs[rank].copy_(x.reshape(outs[rank].shape))
                 for root, o in enumerate(outs):  # W broadcasts, each rank the root of its slot
-                    s = _Staged(o, "allgather output", load=root == rank)
+                    s = Staged(o, "allgather output", load=root == rank)
                     staged.append((root, s, s.wire(None)))
             handles = [comm.broadcast_async(wire, root) for root, _, wire in staged]
 
@@ -543,7 +543,7 @@ def _compressed_hook(state: ReductionServerHookState, bucket: dist.GradBucket, d
     compressed = buffer.to(dtype).div_(state.communicator.world_size)
 
     def start():
-        staged = _Staged(compressed, "compressed bucket")
+        staged = Staged(compressed, "compressed bucket")
         wire = staged.wire(ReduceOp.SUM)
         handle = state.communicator.all_reduce_async(wire, ReduceOp.SUM, out=wire)
 

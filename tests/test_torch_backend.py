@@ -176,7 +176,7 @@ def test_reduce_op_mapping_by_name():
 
 def test_device_checks():
     with pytest.raises(TypeError, match="cpu and cuda"):
-        rst._Staged(torch.ones(2, device="meta"), "x")
+        rst.Staged(torch.ones(2, device="meta"), "x")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the staging path itself is tested on GPU machines")
     # A CUDA tensor on a machine without CUDA: FakeTensorMode makes one without a device.
@@ -186,4 +186,4 @@ def test_device_checks():
         fake = torch.empty(4, device="cuda")
     assert fake.device.type == "cuda"
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        rst._Staged(fake, "all_reduce tensor")
+        rst.Staged(fake, "all_reduce tensor")

@@ -36,8 +36,8 @@ def batch(world):
     return x, y
 
 
-def train(model, x, y, steps):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+def train(model, x, y, steps, momentum=0.0):
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)  # the mean over this rank's rows

@@ -1,0 +1,109 @@
+"""One rank of a Horovod-style PyTorch job (reduction_server.client.horovod.torch): the
+collectives, submitted in a different order on every rank, then training runs with
+DistributedOptimizer in several configurations. Prints one JSON line."""
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import reduction_server.client.horovod.torch as hvd  # noqa: E402
+from torch_model import LR, STEPS, batch, make_model  # noqa: E402
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def collectives(rank, world):
+    out = {}
+    ops = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
+    inputs = {name: torch.arange(6, dtype=torch.float64) + rank + 1 for name in ops}
+    order = list(ops)
+    random.Random(rank).shuffle(order)  # every rank submits in its own order: matched by name
+    handles = {name: hvd.allreduce_async(inputs[name], name=f"op.{name}", op=ops[name]) for name in order}
+    assert all(isinstance(h, int) for h in handles.values())
+    out["ops"] = {name: hvd.synchronize(handles[name]).tolist() for name in ops}
+    out["input_untouched"] = inputs["sum"].tolist()
+
+    t = torch.full((3,), float(rank))
+    h = hvd.allreduce_async_(t, name="inplace", op=hvd.Sum)
+    while not hvd.poll(h):
+        pass
+    out["inplace"] = [hvd.synchronize(h) is t, t.tolist()]
+    out["scaled"] = hvd.allreduce(torch.ones(2), name="scaled", op=hvd.Sum, prescale_factor=2.0,
+                                  postscale_factor=0.25).tolist()
+    out["average_flag"] = hvd.allreduce(torch.ones(2) * rank, average=True, name="avgflag").tolist()
+    out["fp16"] = hvd.allreduce(torch.full((4,), 0.5 + rank, dtype=torch.float32), name="fp16",
+                                compression=hvd.Compression.fp16, op=hvd.Sum)
+    out["fp16"] = [str(out["fp16"].dtype), out["fp16"].tolist()]
+    grouped = hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3, dtype=torch.int64) * rank],
+                                    name="grouped", op=hvd.Sum)
+    out["grouped"] = [g.tolist() for g in grouped]
+
+    b = torch.full((2, 2), float(rank))
+    out["broadcast"] = hvd.broadcast(b, root_rank=world - 1, name="bcast").tolist()
+    out["broadcast_input_untouched"] = b.tolist()
+    hvd.broadcast_(b, root_rank=1, name="bcast_")
+    out["broadcast_"] = b.tolist()
+
+    gathered = hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.bfloat16), name="gather.bf16")
+    out["allgather_bf16"] = [str(gathered.dtype), gathered.float().tolist()]
+    out["allgather_bool"] = hvd.allgather(torch.tensor([rank % 2 == 0]), name="gather.bool").tolist()
+    out["allgather_scalar"] = hvd.allgather(torch.tensor(rank * 10), name="gather.scalar").tolist()
+    out["object"] = hvd.broadcast_object({"from": rank, "list": [rank] * 3}, root_rank=1)
+    out["objects"] = hvd.allgather_object(("rank", rank))
+    try:
+        hvd.allreduce(torch.zeros(rank + 1), name="mismatch")
+        out["mismatch"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    out["after_mismatch"] = hvd.allreduce(torch.ones(1), name="after", op=hvd.Sum).tolist()
+    return out
+
+
+def train(rank, world, config):
+    model = make_model(seed=1000 + rank)  # a different start on every rank
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    initial = flat(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=config.get("momentum", 0.0))
+    passes = config.get("passes", 1)
+    started = []  # per backward: the all-reduces already started when the first layer's grads arrive
+    for p in model.a.parameters():  # registered before the optimizer's hooks: these run first
+        p.register_post_accumulate_grad_hook(
+            lambda p: started.append(sum(h is not None for h, _ in dist_opt._handles.values())))
+    opt = dist_opt = hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+        compression=hvd.Compression.fp16 if config.get("fp16") else hvd.Compression.none,
+        gradient_predivide_factor=config.get("predivide", 1.0))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    x, y = batch(world)
+    per = x.shape[0] // world
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for part in range(passes):  # gradient accumulation: the mean over this rank's rows
+            rows = slice(part * per // passes, (part + 1) * per // passes)
+            loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes
+            loss.backward()
+        opt.step()
+    return {"initial": initial, "final": flat(model), "started_before_first_layer": started}
+
+
+def main():
+    configs = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+              "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
+              "train": {name: train(rank, world, config) for name, config in configs.items()}}
+    hvd.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The Horovod-style PyTorch API (reduction_server.client.horovod.torch) through real reducers and
+real rank processes: collectives matched by name across ranks that submit in different orders,
+DistributedOptimizer training equal to a single process on the concatenated batch, the initial
+broadcast, and the example under the launcher."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
+
+from cluster import ROOT, SCRIPTS, child_env, reducers, run_workers  # noqa: E402
+
+sys.path.insert(0, str(SCRIPTS))
+import torch_model  # noqa: E402
+
+# Training configurations each rank runs, by name (see horovod_torch_worker.py).
+CONFIGS = {"plain": {}, "momentum": {"momentum": 0.9}, "accumulate": {"passes": 2},
+           "predivide": {"predivide": 2.0}, "fp16": {"fp16": True}}
+_results = {}
+
+
+def run_job(world):
+    if world not in _results:
+        with reducers(world - 1, workers=world) as group:  # W=2: one reducer, W=3: two
+            _results[world] = run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)],
+                                          timeout=150)
+    return _results[world]
+
+
+@pytest.fixture(params=[2, 3], ids=lambda w: f"W{w}")
+def job(request):
+    return request.param, run_job(request.param)
+
+
+def reference(world, momentum=0.0):
+    """One process, rank 0's initial weights, the concatenated batch."""
+    model = torch_model.make_model(seed=1000)
+    x, y = torch_model.batch(world)
+    torch_model.train(model, x, y, torch_model.STEPS, momentum=momentum)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_training_matches_a_single_process_on_the_whole_batch(job):
+    world, results = job
+    rank0_start = torch.cat([p.detach().reshape(-1) for p in torch_model.make_model(seed=1000).parameters()])
+    for name, config in CONFIGS.items():
+        expected = reference(world, config.get("momentum", 0.0))
+        tol = 1e-2 if config.get("fp16") else 1e-5
+        for r in results:
+            run = r["train"][name]
+            # Ranks seeded differently start from rank 0's weights after broadcast_parameters.
+            assert torch.equal(torch.tensor(run["initial"]), rank0_start), (name, r["rank"])
+            final = torch.tensor(run["final"])
+            assert torch.allclose(final, expected, rtol=tol, atol=tol * 1e-2), \
+                (name, r["rank"], float((final - expected).abs().max()))
+            assert run["final"] == results[0]["train"][name]["final"], f"{name}: ranks differ"
+        if config.get("fp16"):
+            assert not torch.equal(torch.tensor(results[0]["train"][name]["final"]), expected), "fp16 did not compress"
+
+
+def test_gradient_all_reduces_start_during_backward(job):
+    """When backward reaches the first layer (its gradients come last), the later layers'
+    all-reduces have already been handed to the negotiation: communication overlaps backward."""
+    world, results = job
+    for r in results:
+        started = r["train"]["plain"]["started_before_first_layer"]
+        assert len(started) == 2 * torch_model.STEPS  # two parameters (weight, bias) per backward
+        assert all(n >= 4 for n in started[::2]), started  # b and c's weight and bias were started
+
+
+def test_collectives_matched_by_name(job):
+    world, results = job
+    ranks = range(world)
+    values = [[i + r + 1.0 for i in range(6)] for r in ranks]
+    expect = {"sum": [sum(v[i] for v in values) for i in range(6)],
+              "average": [sum(v[i] for v in values) / world for i in range(6)],
+              "min": values[0], "max": values[-1],
+              "product": [float(torch.tensor([v[i] for v in values], dtype=torch.float64).prod()) for i in range(6)]}
+    total = float(sum(ranks))
+    for r in results:
+        c = r["collectives"]
+        assert (r["rank"], r["size"], r["local_size"], r["cross_size"]) == (results.index(r), world, world, 1)
+        assert r["local_rank"] == r["rank"]  # one host
+        assert c["ops"] == pytest.approx(expect)
+        assert c["input_untouched"] == values[r["rank"]]
+        assert c["inplace"] == [True, [total] * 3]
+        assert c["scaled"] == [world * 2 * 0.25] * 2
+        assert c["average_flag"] == [total / world] * 2
+        assert c["fp16"] == ["torch.float32", [sum(0.5 + k for k in ranks)] * 4]
+        assert c["grouped"] == [[total] * 2, [int(total)] * 3]
+        assert c["broadcast"] == [[float(world - 1)] * 2] * 2
+        assert c["broadcast_input_untouched"] == [[float(r["rank"])] * 2] * 2
+        assert c["broadcast_"] == [[1.0] * 2] * 2
+        assert c["allgather_bf16"] == ["torch.bfloat16", [[float(k)] * 2 for k in ranks for _ in range(k + 1)]]
+        assert c["allgather_bool"] == [k % 2 == 0 for k in ranks]
+        assert c["allgather_scalar"] == [10 * k for k in ranks]
+        assert c["object"] == {"from": 1, "list": [1, 1, 1]}
+        assert c["objects"] == [["rank", k] for k in ranks]
+        shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
+        assert c["mismatch"] == f"CollectiveError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
+                                f"shape: {shapes}"
+        assert c["after_mismatch"] == [float(world)]  # a mismatch fails that tensor, not the job
+
+
+def test_example_runs_under_the_launcher(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
+                           sys.executable, str(ROOT / "examples" / "horovod_torch.py"), "--steps", "3"],
+                          env=child_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weights identical on all ranks: True" in proc.stdout, proc.stdout
