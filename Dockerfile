@@ -67,8 +67,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /tmp
 
-# Vertex AI's reducer pool listens on the port in CLUSTER_SPEC (2222 there); documented only.
-EXPOSE 2222
+# Vertex AI's reducer pool listens on the port in CLUSTER_SPEC (2222 there), and metrics are
+# served where RS_METRICS_PORT (or --metrics-port) says (9100 in examples/k8s); documented only.
+EXPOSE 2222 9100
 
 # Healthy while the reducer accepts TCP connections on its port: the port from the same
 # discovery `serve` used, or RS_HEALTHCHECK_PORT when the port was given on the command line.

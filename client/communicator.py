@@ -20,11 +20,12 @@ from reduction_server.discovery import discover_worker, job_id_from, parse_addre
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
 from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT,
-                                       DEFAULT_WINDOW, MAX_WINDOW, env_number)
+                                       DEFAULT_WINDOW, MAX_WINDOW, env_flag, env_number)
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan_chunks
 from .engine import Collective, Engine
+from .timeline import Trace
 
 OpLike = Union[str, int, ReduceOp]
 
@@ -64,7 +65,7 @@ class Communicator:
                  job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
                  chunk_bytes: Optional[int] = None, window: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
-                 io_threads: Optional[int] = None) -> None:
+                 io_threads: Optional[int] = None, encrypt: Optional[bool] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
@@ -97,6 +98,7 @@ class Communicator:
             connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
                                                           minimum=0.01, kind=float),
             io_threads=io_threads or int(env_number("RS_IO_THREADS", 1, minimum=1)),
+            encrypt=env_flag("RS_ENCRYPT") if encrypt is None else encrypt,
         )
         self._engine.start()
         self._closed = False
@@ -138,8 +140,11 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         self.all_reduce(np.zeros(1, np.int32))
 
-    def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any) -> Handle:
+    def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any,
+               trace: Optional[Trace] = None, traced: bool = True) -> Handle:
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
+            if trace is not None:
+                self._engine.timeline.finish(trace)  # frees its timeline row
             future: Future = Future()
             future.set_result(result)
             return Handle(future)
@@ -148,7 +153,7 @@ class Communicator:
         chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit))
         with self._submit_lock:
             coll = Collective(next(self._seq), dst.dtype, op, root, src.data if src else None, dst.data,
-                              dst.count, chunks, result)
+                              dst.count, chunks, result, trace=trace, traced=traced)
             self._engine.submit(coll)
         return Handle(coll.future)
 

@@ -32,14 +32,16 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import zmq
 
-from reduction_server import __version__, auth, protocol
+from reduction_server import __version__, auth, encryption, protocol
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import get_logger
 from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
 from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
                                        env_number)
 
+from . import timeline
 from .chunking import reducer_of
+from .timeline import Trace
 
 log = get_logger("client")
 
@@ -64,6 +66,8 @@ class Collective:
     errors: List[Tuple[int, str]] = field(default_factory=list)  # (chunk, what went wrong)
     last_progress: float = 0.0
     blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
+    trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
+    traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
@@ -77,7 +81,9 @@ class Engine:
     def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
                  job_id: int, generation: int, window: int, timeout: float,
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
-                 liveness_timeout: Optional[float] = None) -> None:
+                 liveness_timeout: Optional[float] = None, encrypt: bool = False) -> None:
+        if encrypt:
+            encryption.check(job_token)
         self.reducers = reducers
         self.rank = rank
         self.world = world_size
@@ -94,6 +100,9 @@ class Engine:
         self.liveness = liveness_timeout or env_number(
             "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
         self.connect_timeout = connect_timeout
+        self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
+        # Failed security handshakes in a row per reducer: (count, when the first failed).
+        self._handshake_failures: List[Tuple[int, float]] = [(0, 0.0)] * len(reducers)
         self._io_threads = io_threads
         self._queue: Deque[Collective] = deque()
         self._lock = threading.Lock()
@@ -115,6 +124,7 @@ class Engine:
         self._poller: Optional[zmq.Poller] = None
         self._index: Dict[Any, Tuple[str, int]] = {}
         self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
+        self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
 
     # -- user side -----------------------------------------------------------------------
     def start(self) -> None:
@@ -124,6 +134,8 @@ class Engine:
             self._thread.join()
             os.close(self._wake_r)  # close() is never called on an engine that did not start
             os.close(self._wake_w)
+            if self.timeline is not None:
+                self.timeline.release()
             raise self._startup_error
 
     def submit(self, coll: Collective) -> None:
@@ -131,6 +143,8 @@ class Engine:
             if self._closing or self._dead:
                 raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
                                       + (self._dead or "the communicator is closed"))
+            if self.timeline is not None and coll.traced:
+                coll.trace = self.timeline.submitted(coll)
             self._queue.append(coll)
             self._wake()
 
@@ -145,6 +159,8 @@ class Engine:
         with self._lock:  # no submit() can be writing to the pipe while it closes
             os.close(self._wake_r)
             os.close(self._wake_w)
+        if self.timeline is not None:
+            self.timeline.release()
 
     def _wake(self) -> None:
         """Wake the engine thread; called with the lock held. A full pipe wakes it already."""
@@ -184,8 +200,11 @@ class Engine:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
-        # A closed connection (a reducer that died) is seen at once, not after the liveness timeout.
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self.encrypt:
+            encryption.secure_worker(sock, self.job_token)
+        # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
+        # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED)
         sock.connect(f"tcp://{address}")
         return sock, monitor
 
@@ -210,9 +229,11 @@ class Engine:
         for sock in self._sockets:
             self._hello(sock)
         poller = zmq.Poller()
-        for sock in self._sockets:
+        for sock, monitor in zip(self._sockets, self._monitors):
             poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
         index = {sock: r for r, sock in enumerate(self._sockets)}
+        monitors = {monitor: r for r, monitor in enumerate(self._monitors)}
         waiting = set(range(len(self._sockets)))
         deadline = time.monotonic() + self.connect_timeout
         while waiting:
@@ -223,6 +244,11 @@ class Engine:
                     f"rank {self.rank}: {names} did not admit this worker within {self.connect_timeout:g} s "
                     "(is `reduction-server serve` running there, and RS_REDUCERS right?)")
             for sock, _ in poller.poll(min(remaining, 0.5) * 1000):
+                if sock in monitors:
+                    refused = self._security_failure(monitors[sock])
+                    if refused:
+                        raise CollectiveError(f"rank {self.rank}: {self._name(monitors[sock])} refused this worker: {refused}")
+                    continue
                 r = index[sock]
                 frames = sock.recv_multipart()
                 try:
@@ -234,6 +260,7 @@ class Engine:
                     self._auth(sock, text)
                 elif h.type is MsgType.WELCOME:
                     waiting.discard(r)
+                    self._handshake_failures[r] = (0, 0.0)
                     welcome = json.loads(text)
                     self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
                 elif h.type in (MsgType.REJECT, MsgType.ERROR):
@@ -290,12 +317,29 @@ class Engine:
             except zmq.Again:
                 pass  # its queue is full of chunks: it is not the PING it lacks
 
+    def _security_failure(self, r: int) -> Optional[str]:
+        """Drain reducer r's monitor; why to give up on it if its security handshake failed for
+        good (an encryption mismatch, or encrypted handshakes failing in a row for GIVE_UP_AFTER_S)."""
+        final = None
+        while self._monitors[r].poll(0):
+            failure = encryption.handshake_failure(self._monitors[r].recv_multipart(), self.encrypt)
+            if failure is not None:
+                count, since = self._handshake_failures[r]
+                now = time.monotonic()
+                count, since = count + 1, since if count else now
+                self._handshake_failures[r] = (count, since)
+                if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
+                                  and now - since >= encryption.GIVE_UP_AFTER_S):
+                    final = failure[0]
+        return final
+
     def _on_disconnect(self, r: int) -> None:
-        monitor = self._monitors[r]
-        while monitor.poll(0):
-            monitor.recv_multipart()
+        refused = self._security_failure(r)
         down = self._down.get(r)
-        if down is None:
+        if down is not None and down[1] and refused:
+            self._down[r] = (f"{self._name(r)} came back but refused this worker: {refused}", False)
+            log.warning("rank %d: %s", self.rank, self._down[r][0])
+        elif down is None:
             self._lose_reducer(r, "its connection closed (the process exited, stopped answering heartbeats for "
                                   f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); "
                                   "reconnecting", reconnect=True)
@@ -336,6 +380,7 @@ class Engine:
                              f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job", False)
             return
         del self._down[r]
+        self._handshake_failures[r] = (0, 0.0)
         log.warning("rank %d: %s admitted this worker again", self.rank, self._name(r))
         try:
             self._sockets[r].send(protocol.text_header(MsgType.PING, b"", rank=self.rank, world=self.world,
@@ -406,6 +451,8 @@ class Engine:
         coll.state[k] = _SENT
         self._inflight[r] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
+        if coll.trace is not None:
+            coll.trace.chunk_sent()
 
     def _drain(self, r: int) -> None:
         sock = self._sockets[r]
@@ -500,6 +547,8 @@ class Engine:
         self._inflight[r] -= 1
         coll.answered += 1
         coll.last_progress = time.monotonic()
+        if coll.trace is not None:
+            coll.trace.chunk_answered()
         if error is not None:
             coll.errors.append((k, f"chunk {k} on {self._name(r)}: {error}"))
         if coll.answered == len(coll.chunks):
@@ -509,10 +558,14 @@ class Engine:
                 more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
                 self._fail(coll, f"{min(coll.errors)[1]}{more}")
             else:
+                if coll.trace is not None:
+                    self.timeline.finish(coll.trace)
                 coll.future.set_result(coll.result)
 
     def _fail(self, coll: Collective, reason: str) -> None:
         if not coll.future.done():
+            if coll.trace is not None:
+                self.timeline.finish(coll.trace, reason)
             coll.future.set_exception(CollectiveError(f"rank {self.rank}: {coll.describe()} failed: {reason}"))
 
     def _expire(self, now: float) -> None:

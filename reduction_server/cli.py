@@ -11,7 +11,8 @@ from .errors import ConfigError
 def _serve(args: argparse.Namespace) -> int:
     from .reducer import serve
 
-    return serve(host=args.host, port=args.port, workers=args.workers, index=args.index)
+    return serve(host=args.host, port=args.port, workers=args.workers, index=args.index,
+                 deterministic=args.deterministic, metrics_port=args.metrics_port)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -19,7 +20,7 @@ def _run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
-                   host=args.host)
+                   host=args.host, metrics_port=args.metrics_port)
 
 
 def _size(args: argparse.Namespace) -> int:
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="number of worker ranks W (default: RS_WORLD_SIZE or the cluster spec, else the first HELLO's)")
     serve.add_argument("--index", type=int, default=None,
                        help="this reducer's index, for logs and errors (default: from the cluster spec, else 0)")
+    serve.add_argument("--deterministic", action="store_true", default=None,
+                       help="sum contributions in rank order, so results are bitwise reproducible whatever "
+                            "their arrival order (default: RS_DETERMINISTIC, else off)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (default: RS_METRICS_PORT; "
+                            "0 or unset: off)")
     serve.set_defaults(func=_serve)
 
     run = sub.add_parser("run", help="start R reducers and W copies of a command on this machine")
@@ -64,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port-base", type=int, default=None,
                      help="reducer i listens on PORT_BASE+i (default: free ports)")
     run.add_argument("--host", default="127.0.0.1", help="address the reducers bind (default 127.0.0.1)")
+    run.add_argument("--metrics-port", type=int, default=None,
+                     help="reducer i serves Prometheus metrics on METRICS_PORT+i (default: off)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(func=_run)
 
@@ -79,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     size.set_defaults(func=_size)
 
     bench = sub.add_parser("bench", help="run a benchmark suite beside its peers: table, JSON and PNG plots")
-    bench.add_argument("suite", choices=["kernels", "loopback", "netem"],
+    bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp"],
                        help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
-                            "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root)")
+                            "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
+                            "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch)")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
     bench.set_defaults(func=_bench)

@@ -55,6 +55,7 @@ class _Job:
     layout: _Layout
     np: int
     command: List[str]
+    metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
     workers: List[_Child] = field(default_factory=list)
     reducers: List[_Child] = field(default_factory=list)
     readers: List[threading.Thread] = field(default_factory=list)
@@ -97,6 +98,8 @@ class _Job:
         for index, port in enumerate(self.layout.reducer_ports):
             argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
                     "--port", str(port), "--workers", str(self.np), "--index", str(index)]
+            # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
+            argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
             child_env = dict(env, RS_REDUCER_INDEX=str(index))
             # From the root directory: `-m` puts the working directory first on sys.path, and in a
             # source checkout that is the uncompiled tree, not the installed package.
@@ -156,21 +159,21 @@ class _Job:
 
 
 def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[int] = None,
-            host: str = "127.0.0.1") -> int:
+            host: str = "127.0.0.1", metrics_port: Optional[int] = None) -> int:
     """Run `reducers` reducer processes and `np` copies of `command` on this machine.
 
     Returns 0 when every worker exits 0; the first failing worker's exit code (128+signal when
     it was killed); 128+signal when the launcher is stopped by SIGINT/SIGTERM/SIGHUP; 1 or the
     reducer's code when a reducer exits while workers run; 2 for bad arguments.
     """
-    problem = _check_arguments(np, reducers, command, port_base)
+    problem = _check_arguments(np, reducers, command, port_base, metrics_port)
     if problem is not None:
         return _usage_error(problem)
     try:
         layout = _plan_layout(host, reducers, port_base)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
-    job = _Job(layout, np, list(command))
+    job = _Job(layout, np, list(command), metrics_port)
     with _signals_recorded_by(job):
         try:
             return job.run()
@@ -178,7 +181,8 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
             job.stop()
 
 
-def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int]) -> Optional[str]:
+def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int],
+                     metrics_port: Optional[int] = None) -> Optional[str]:
     if np < 1:
         return f"-np must be at least 1 (got {np})"
     if reducers < 1:
@@ -186,6 +190,9 @@ def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: 
     if port_base is not None and not (1 <= port_base and port_base + reducers - 1 <= 65535):
         return (f"--port-base {port_base} with {reducers} reducer(s) needs ports "
                 f"{port_base}-{port_base + reducers - 1}, outside 1-65535")
+    if metrics_port and not (1 <= metrics_port and metrics_port + reducers - 1 <= 65535):
+        return (f"--metrics-port {metrics_port} with {reducers} reducer(s) needs ports "
+                f"{metrics_port}-{metrics_port + reducers - 1}, outside 1-65535")
     if not command:
         return "no command given (usage: reduction-server run -np W --reducers R -- CMD ...)"
     return None

@@ -1,7 +1,9 @@
 """Structured logging: one line per event, `event key=value ...`, quiet by default.
 
-RS_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR; default WARNING) sets the level of every logger
-under `reduction_server`.
+RS_LOG_LEVEL (DEBUG, INFO, NOTICE, WARNING, ERROR; default NOTICE) sets the level of every
+logger under `reduction_server`. NOTICE, between INFO and WARNING, is for the few lines an
+operator wants from a healthy process: a reducer's configuration at start and its summary at
+stop. Per-peer and per-round events are INFO or DEBUG; problems are WARNING or ERROR.
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import sys
 from typing import Any
 
 _configured = False
+NOTICE = 25
+logging.addLevelName(NOTICE, "NOTICE")
+_LEVELS = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR", "CRITICAL")
 
 
 def _quote(value: Any) -> str:
@@ -26,8 +31,8 @@ def get_logger(name: str) -> logging.Logger:
     if not _configured:
         _configured = True
         root = logging.getLogger("reduction_server")
-        level = os.environ.get("RS_LOG_LEVEL", "WARNING").upper()
-        root.setLevel(getattr(logging, level, logging.WARNING))
+        level = os.environ.get("RS_LOG_LEVEL", "NOTICE").strip().upper()
+        root.setLevel(logging.getLevelName(level) if level in _LEVELS else NOTICE)
         if not root.handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))

@@ -125,6 +125,9 @@ class DType(enum.IntEnum):
     @classmethod
     def from_numpy(cls, dtype: np.dtype) -> "DType":
         dtype = np.dtype(dtype)
+        known = _FROM_NUMPY.get(dtype)  # runs per tensor per collective; dtype.name alone costs ~10 us
+        if known is not None:
+            return known
         name = dtype.name.upper()
         # Checked before the bfloat16 shortcut: a big-endian bfloat16 is not ours either.
         if dtype.byteorder == ">" or (name not in cls.__members__ and dtype.name != "bfloat16"):
@@ -132,9 +135,12 @@ class DType(enum.IntEnum):
                 f"dtype {dtype}{' (big-endian)' if dtype.byteorder == '>' else ''} is not supported; "
                 "supported: " + ", ".join(d.name.lower() for d in cls)
             )
-        if dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (used by JAX and TensorFlow)
-            return cls.BFLOAT16
-        return cls[name]
+        # ml_dtypes.bfloat16 (used by JAX and TensorFlow) has no member name of its own.
+        known = _FROM_NUMPY[dtype] = cls.BFLOAT16 if dtype.name == "bfloat16" else cls[name]
+        return known
+
+
+_FROM_NUMPY: dict = {}  # numpy dtype -> DType, filled by DType.from_numpy
 
 
 _ITEMSIZE = {

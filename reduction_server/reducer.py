@@ -5,7 +5,9 @@ One ROUTER socket; every worker connects a DEALER to it. A worker is admitted by
 (job, generation, seq, chunk). The first contribution to a key is loaded into an accumulator
 from a reusable pool, the others are folded in by the native kernel (GIL released); when all W
 ranks have contributed, the result goes back to every rank zero-copy and the accumulator returns
-to the pool once libzmq has released it. Every message gets an answer: a RESULT, or an ERROR that
+to the pool once libzmq has released it. In deterministic mode (RS_DETERMINISTIC=1) the
+contributions are folded in rank order (round.py), so a sum does not depend on arrival order.
+Every message gets an answer: a RESULT, or an ERROR that
 names the ranks involved; nothing a client sends can take the reducer down.
 """
 from __future__ import annotations
@@ -18,19 +20,22 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from . import _native, auth, protocol
+from . import _native, auth, encryption, protocol
 from .accumulator import AccumulatorPool, PoolExhausted
-from .errors import ProtocolError
-from .log import event, get_logger
+from .errors import ConfigError, ProtocolError
+from .log import NOTICE, event, get_logger
 from .protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 from .round import Round, format_ranks
 from .settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT,
-                       DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_TIMEOUT,
-                       env_number)
+                       DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES,
+                       DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT, env_flag, env_number)
+
+if TYPE_CHECKING:
+    from .metrics import ReducerMetrics
 
 log = get_logger("reducer")
 
@@ -43,9 +48,17 @@ MAX_ERROR_TEXT = 16 * 1024
 # error as the others; at most this many, each for at most RETAIN_FAILED_S + 2 x RS_TIMEOUT.
 MAX_FAILED_ROUNDS = 65536
 RETAIN_FAILED_S = 60.0
+# What the reducer knows of a peer that is not admitted (its malformed-frame count, a HELLO it did
+# not follow with AUTH) is dropped once the peer has been silent this long, or at once when a send
+# finds its connection gone; at most MAX_STRIKE_ENTRIES strike counts are kept (the oldest go).
+FORGET_AFTER_S = 60.0
+MAX_STRIKE_ENTRIES = 65536
 # After a connection closes, heartbeat peers are probed this many seconds later (the one whose
 # pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
 PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
+
+
+_SHARED_RECV_BYTES = 64 << 10  # below this, a received frame may share libzmq's receive buffer
 
 
 def _clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
@@ -68,6 +81,7 @@ class Peer:
     info: Optional[dict] = None  # the HELLO's JSON: host, pid, client version
     heartbeats: bool = False  # it sends PINGs: silence longer than the liveness timeout is a loss
     max_seq: int = -1  # highest seq it contributed to (a rank sends collectives in seq order)
+    hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
 
     def describe(self) -> str:
         info = self.info if isinstance(self.info, dict) else {}
@@ -80,9 +94,11 @@ class Reducer:
                  world_size: Optional[int] = None, job_token: str = "",
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
+                 max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES, max_rounds: int = DEFAULT_MAX_ROUNDS,
                  round_timeout: float = DEFAULT_TIMEOUT,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-                 liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT) -> None:
+                 liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
+                 encrypt: bool = False) -> None:
         self.socket = socket
         self.index = index
         self.name = f"reducer {index}" + (f" ({address})" if address else "")
@@ -93,27 +109,40 @@ class Reducer:
         self.round_timeout = round_timeout
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
+        self.deterministic = deterministic
+        self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
+        self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
+        self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
         self.unreachable: List[bytes] = []  # identities a send found gone (handled after the batch)
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.now = time.monotonic()
-        self.pool = AccumulatorPool(max_accumulator_bytes)
+        self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
+        self.max_rounds = max_rounds
         self.job: Optional[tuple] = None  # (job id, generation) now served
         self.peers: Dict[bytes, Peer] = {}
         self.rank_identity: Dict[int, bytes] = {}
         self.rounds: Dict[tuple, Round] = {}
+        self.failed_kept = 0  # rounds in self.rounds that failed (kept to answer late contributions)
         self.round_started: Dict[tuple, float] = {}
-        self.strikes: Dict[bytes, int] = {}
+        self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
         self.unsent: Dict[bytes, int] = {}  # messages that could not be sent, per peer
         self.completed = 0
         self.failed = 0
+        # Plain counters for the stop summary and the metrics (metrics.py reads them at scrape time).
+        self.failed_codes: Dict[str, int] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.admissions = 0
+        self.started = time.monotonic()
+        self.metrics: Optional["ReducerMetrics"] = None  # timings, when metrics are served
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API).
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED)
         poller.register(monitor, zmq.POLLIN)
         tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
         next_tick = time.monotonic() + tick
@@ -131,9 +160,7 @@ class Reducer:
                         except zmq.Again:
                             break
                         self.handle(frames)
-                if monitor in events:
-                    while monitor.poll(0):
-                        monitor.recv_multipart()
+                if monitor in events and self._drain_monitor(monitor):
                     self.probes = [self.now + d for d in PROBE_DELAYS]
                 self.pool.reap()
                 now = self.now = time.monotonic()
@@ -149,15 +176,39 @@ class Reducer:
                 if now >= next_tick:
                     self.check_skipped()
                     self.expire_rounds(now)
+                    self.forget_strangers(now)
                     next_tick = now + tick
         finally:
             self.socket.disable_monitor()
             monitor.close(linger=0)
 
+    def _drain_monitor(self, monitor: zmq.Socket) -> bool:
+        """Read the socket's events; True if a connection closed that may be a worker's (a
+        failed security handshake is logged instead: that peer was never admitted)."""
+        closed = 0
+        while monitor.poll(0):
+            failure = encryption.handshake_failure(monitor.recv_multipart(), self.encrypt)
+            if failure is None:
+                closed += 1
+                continue
+            reason, certain = failure
+            # A failure of known cause is followed by its EVENT_DISCONNECTED; one of unknown cause
+            # may be any connection dropped mid-handshake (a peer that gave up first), so it counts
+            # as a closed connection and is logged below the warning level.
+            closed += -1 if certain else 1
+            self.handshake_failures += 1
+            if self.now >= self.next_handshake_log.get(reason, 0.0):  # a worker retries every 100 ms
+                self.next_handshake_log[reason] = self.now + 10.0
+                event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
+                      reason=reason, certain=certain, failures=self.handshake_failures)
+        return closed > 0
+
     def handle(self, frames: List[zmq.Frame]) -> None:
         """Dispatch one message; never raises."""
         identity = frames[0].bytes
-        if self.strikes.get(identity, 0) >= MAX_STRIKES:
+        strikes = self.strikes.get(identity)
+        if strikes is not None and strikes[0] >= MAX_STRIKES:
+            self.strikes[identity] = (strikes[0], self.now)  # still there: not forgotten while it keeps sending
             return  # a peer that keeps sending garbage is dropped
         try:
             self._dispatch(identity, frames)
@@ -188,6 +239,7 @@ class Reducer:
         elif h.type is MsgType.AUTH:
             self._auth(identity, h, payload)
         elif h.type is MsgType.DATA:
+            self.bytes_in += size
             self._data(identity, h, payload)
         elif h.type is MsgType.BYE:
             self._bye(identity)
@@ -219,7 +271,8 @@ class Reducer:
                 f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
                 f"{self.name} serves job {self.job[0]:#x} generation {self.job[1]} now"))
         nonce = auth.new_nonce()
-        self.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info)
+        self.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
+                                    hello_at=self.now)
         self._send(identity, [protocol.text_header(MsgType.CHALLENGE, nonce), nonce])
 
     def _auth(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
@@ -245,11 +298,13 @@ class Reducer:
             event(log, logging.INFO, "rank_reconnected", reducer=self.index, rank=peer.rank)
             self.peers.pop(old, None)
         peer.admitted = True
+        self.admissions += 1
         self.rank_identity[peer.rank] = identity
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
         welcome = json.dumps({"index": self.index, "world_size": self.world,
-                              "max_chunk_bytes": self.max_chunk_bytes}).encode()
+                              "max_chunk_bytes": self.max_chunk_bytes,
+                              "deterministic": self.deterministic, "encrypted": self.encrypt}).encode()
         self._send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=self.world or 0,
                                                    job=peer.job, generation=peer.generation), welcome])
         event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
@@ -264,6 +319,7 @@ class Reducer:
         for rnd in self.rounds.values():
             self._free(rnd)
         self.rounds.clear()
+        self.failed_kept = 0
         self.round_started.clear()
         self.rank_identity.clear()
         self.lost.clear()
@@ -306,6 +362,21 @@ class Reducer:
                 self.lose_rank(peer.rank, (
                     "its connection closed (the process exited, stopped answering heartbeats for "
                     f"RS_LIVENESS_TIMEOUT={self.liveness_timeout:g} s, or the network dropped it)"))
+            else:  # one that never completed the handshake, or a connection its rank replaced
+                self.peers.pop(identity, None)
+
+    def forget_strangers(self, now: float) -> None:
+        """Drop what is kept about peers that are not admitted and went silent (FORGET_AFTER_S):
+        their strike counts and unanswered HELLOs. Bounded even under a flood of identities."""
+        cutoff = now - FORGET_AFTER_S
+        for identity in [i for i, (_, heard) in self.strikes.items() if heard < cutoff]:
+            del self.strikes[identity]
+        if len(self.strikes) > MAX_STRIKE_ENTRIES:
+            oldest = sorted(self.strikes, key=lambda i: self.strikes[i][1])
+            for identity in oldest[:len(self.strikes) - MAX_STRIKE_ENTRIES]:
+                del self.strikes[identity]
+        for identity in [i for i, p in self.peers.items() if not p.admitted and p.hello_at < cutoff]:
+            del self.peers[identity]
 
     def lose_rank(self, rank: int, reason: str, quiet: bool = False) -> None:
         """A rank is gone: every open round it has not contributed to can never complete, so it
@@ -371,6 +442,13 @@ class Reducer:
             return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
         if h.seq > peer.max_seq:
             peer.max_seq = h.seq
+        if h.key not in self.rounds and len(self.rounds) >= self.max_rounds:
+            in_flight = len(self.rounds) - self.failed_kept
+            if in_flight >= self.max_rounds:
+                return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+                    f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
+                    f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
+                    "collectives in the same order stay within their window (RS_WINDOW) of each other"))
         rnd = self._round_for(h)
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
@@ -383,6 +461,7 @@ class Reducer:
         if reason is not None:
             code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
             return self._fail_round(rnd, code, reason, extra=h)
+        arrived = time.monotonic() if self.metrics is not None else 0.0
         try:
             self._fold(rnd, h, payload)
         except PoolExhausted as exc:
@@ -390,6 +469,8 @@ class Reducer:
         except ValueError as exc:
             return self._fail_round(rnd, ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}", extra=h)
         rnd.contributed[h.rank] = h
+        if self.metrics is not None:
+            self.metrics.contributed(h.rank, self.round_started[h.key], arrived)
         if rnd.complete:
             self._finish(rnd)
 
@@ -402,8 +483,25 @@ class Reducer:
             return
         if payload is None:
             raise ValueError("a contribution without a payload")
+        if not self.deterministic:
+            return self._fold_one(rnd, h, h.rank, payload)
+        if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
+            if len(payload) < _SHARED_RECV_BYTES:
+                # libzmq receives small messages into shared batch buffers: holding the frame would
+                # pin a whole buffer while counting only the message, so keep a copy instead.
+                payload = zmq.Frame(payload.bytes)
+            self.pool.hold(len(payload), h.rank)
+        ready = rnd.in_rank_order(h.rank, payload)
+        for rank, frame in ready[1:]:
+            self.pool.unhold(len(frame), rank)
+        for rank, frame in ready:
+            self._fold_one(rnd, h, rank, frame)
+
+    def _fold_one(self, rnd: Round, h: Header, rank: int, payload: zmq.Frame) -> None:
         if rnd.accumulator is None:  # the first contribution: loaded, later ones folded in
-            rnd.accumulator = self.pool.acquire(h.count * rnd.dtype.accumulator.itemsize)
+            nbytes = h.count * rnd.dtype.accumulator.itemsize
+            rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
+            rnd.owner, rnd.charged = rank, nbytes
             _native.load(rnd.accumulator, payload.buffer, h.dtype)
         else:
             _native.accumulate(rnd.accumulator, payload.buffer, h.dtype, h.op)
@@ -417,7 +515,10 @@ class Reducer:
             acc = rnd.accumulator
             buffers.append(acc)
             if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
-                out = self.pool.acquire(h.count * rnd.dtype.itemsize)
+                try:
+                    out = self.pool.acquire(h.count * rnd.dtype.itemsize)
+                except PoolExhausted as exc:  # every rank hears it, and the accumulator is freed
+                    return self._fail_round(rnd, ErrorCode.TOO_LARGE, f"{h.describe()} cannot be sent: {exc}")
                 buffers.append(out)
                 _native.store(acc, out, h.dtype, h.op, rnd.world)
             else:
@@ -433,9 +534,13 @@ class Reducer:
                 event(log, logging.INFO if rank in self.lost else logging.ERROR, "result_undeliverable",
                       reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
                 continue
-            self._send(identity, [header, frame])
+            if self._send(identity, [header, frame]):
+                self.bytes_out += len(frame)
+        if self.metrics is not None:
+            self.metrics.finished(self.round_started.get(h.key))
         self._forget(h.key)
         rnd.accumulator = None
+        self._discharge(rnd)
         if buffers:
             self.pool.release(buffers, frame.tracker)
         self.completed += 1
@@ -458,10 +563,13 @@ class Reducer:
 
     def _fail_round(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
         reason = _clip(reason)
+        if rnd.error is None and self.rounds.get(rnd.first.key) is rnd:
+            self.failed_kept += 1
         rnd.error = f"{self.name}: {reason}"
         rnd.code = code
         rnd.failed_at = self.now
         self.failed += 1
+        self.failed_codes[code.name] = self.failed_codes.get(code.name, 0) + 1
         event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
               code=code.name, reason=reason)
         self._free(rnd)
@@ -515,20 +623,37 @@ class Reducer:
         if rnd.accumulator is not None:
             self.pool.release([rnd.accumulator])
             rnd.accumulator = None
+        self._discharge(rnd)
+        for rank, frame in rnd.held.items():
+            self.pool.unhold(len(frame), rank)
+        rnd.held.clear()
         rnd.adopted = None
 
+    def _discharge(self, rnd: Round) -> None:
+        """The rank charged for rnd's accumulator no longer accounts for it."""
+        if rnd.charged:
+            self.pool.discharge(rnd.owner, rnd.charged)
+            rnd.charged = 0
+
     def _forget(self, key: tuple) -> None:
-        self.rounds.pop(key, None)
+        rnd = self.rounds.pop(key, None)
+        if rnd is not None and rnd.error is not None:
+            self.failed_kept -= 1
         self.round_started.pop(key, None)
 
     # -- sending -------------------------------------------------------------------------
     def _malformed(self, identity: bytes, reason: str) -> None:
-        strikes = self.strikes[identity] = self.strikes.get(identity, 0) + 1
+        strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
+        self.strikes[identity] = (strikes, self.now)
         event(log, logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
               reason=reason, strikes=strikes)
         if strikes >= MAX_STRIKES:
             event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
                   reason=f"{MAX_STRIKES} malformed messages")
+            peer = self.peers.get(identity)
+            if peer is not None and peer.admitted and self.rank_identity.get(peer.rank) == identity:
+                # its later messages are ignored: the other ranks must not wait for its contributions
+                self.lose_rank(peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on")
             self.peers.pop(identity, None)
         self._send_error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
 
@@ -542,16 +667,20 @@ class Reducer:
         payload = _clip(text).encode()
         self._send(identity, [protocol.error_header(code, payload, about), payload])
 
-    def _send(self, identity: bytes, frames: list) -> None:
+    def _send(self, identity: bytes, frames: list) -> bool:
+        """Whether the message was queued for the peer."""
         # Never blocking: with ROUTER_MANDATORY a blocking send waits as long as one peer's queue
         # is full, i.e. a peer that sends but does not read would stop the reducer for everyone.
         # A worker never has more than its window of answers outstanding, so only such a peer
         # (or one that is gone) loses messages here.
         try:
             self.socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it does not read
-            if exc.errno == zmq.EHOSTUNREACH and identity in self.peers:
-                self.unreachable.append(identity)  # handled after this batch, not in the middle of it
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.strikes.pop(identity, None)
+                if identity in self.peers:
+                    self.unreachable.append(identity)  # handled after this batch, not in the middle of it
             if len(self.unsent) > 4096:
                 self.unsent.clear()  # bounded: identities of peers long gone
             unsent = self.unsent[identity] = self.unsent.get(identity, 0) + 1
@@ -559,6 +688,7 @@ class Reducer:
                 reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else exc
                 event(log, logging.WARNING, "send_failed", reducer=self.index, peer=identity.hex(),
                       reason=reason, unsent=unsent)
+            return False
 
 
 def _bind(socket: zmq.Socket, host: str, port: int) -> int:
@@ -572,8 +702,11 @@ def _bind(socket: zmq.Socket, host: str, port: int) -> int:
 
 
 def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
-          index: Optional[int] = None) -> int:
-    """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place."""
+          index: Optional[int] = None, deterministic: Optional[bool] = None,
+          metrics_port: Optional[int] = None) -> int:
+    """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
+    the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
+    0 or unset: no metrics)."""
     from .discovery import discover_reducer
 
     place = discover_reducer() if None in (host, port, index) else None
@@ -585,6 +718,11 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         if workers is None and os.environ.get("RS_WORLD_SIZE"):
             workers = int(env_number("RS_WORLD_SIZE", 0, minimum=1))
     token = os.environ.get("RS_JOB_TOKEN", place.job_token if place else "")
+    if deterministic is None:
+        deterministic = env_flag("RS_DETERMINISTIC")
+    encrypt = env_flag("RS_ENCRYPT")
+    if encrypt:
+        encryption.check(token)
 
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
@@ -596,25 +734,52 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
     liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
     protocol.set_heartbeats(socket, heartbeat, liveness)
+    if encrypt:
+        encryption.secure_reducer(socket, token)
     bound = _bind(socket, host, port)
     reducer = Reducer(
         socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
         max_chunk_bytes=max_chunk,
         max_accumulator_bytes=int(env_number("RS_MAX_ACCUMULATOR_BYTES", DEFAULT_MAX_ACCUMULATOR_BYTES, minimum=1024)),
+        max_peer_bytes=int(env_number("RS_MAX_PEER_BYTES", DEFAULT_MAX_PEER_BYTES, minimum=1024)),
+        max_rounds=int(env_number("RS_MAX_ROUNDS", DEFAULT_MAX_ROUNDS, minimum=1)),
         round_timeout=env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.1, kind=float),
         heartbeat_interval=heartbeat,
         liveness_timeout=liveness,
+        deterministic=deterministic,
+        encrypt=encrypt,
     )
+    if metrics_port is None:
+        metrics_port = int(env_number("RS_METRICS_PORT", 0, minimum=0, maximum=65535))
+    elif not 0 <= metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
+    if metrics_port:
+        from .metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+
+        reducer.metrics = ReducerMetrics(reducer)
+        reducer.metrics.serve(host, metrics_port)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
-          f"auth={'token' if token else 'none'}", flush=True)
+          f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
+          f"deterministic={'on' if deterministic else 'off'}", flush=True)
+    event(log, NOTICE, "started", reducer=index, address=f"{host}:{bound}", workers=workers or "from_hello",
+          auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic, max_chunk_bytes=max_chunk,
+          max_accumulator_bytes=reducer.pool.max_bytes, max_peer_bytes=reducer.pool.max_rank_bytes,
+          max_rounds=reducer.max_rounds, timeout_s=reducer.round_timeout,
+          heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
+          metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
     try:
         reducer.run(lambda: bool(stopping))
     finally:
         socket.close(linger=0)
         context.term()
-    event(log, logging.INFO, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed,
+        if reducer.metrics is not None:
+            reducer.metrics.stop()
+    failed = ",".join(f"{code}:{n}" for code, n in sorted(reducer.failed_codes.items()))
+    event(log, NOTICE, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed,
+          failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=reducer.bytes_out,
+          peers_admitted=reducer.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
           open_rounds=len(reducer.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
     return 0

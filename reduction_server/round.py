@@ -6,11 +6,15 @@ with the first on dtype, op, element count, offset, collective size, chunk count
 a disagreement fails the round for every rank. A failed round still answers each rank once
 (with an ERROR), so that no rank waits forever and the key is forgotten when all have been
 answered.
+
+In deterministic mode (RS_DETERMINISTIC=1) contributions are folded in rank order whatever
+their arrival order: rank k is folded once ranks 0..k have arrived, and a contribution that
+arrives before its turn is held (its received frame, no copy) until then.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -62,6 +66,10 @@ class Round:
     adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
+    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload frame
+    next_rank: int = 0  # deterministic mode: the rank folded next
+    owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
+    charged: int = 0  # accumulator bytes charged to owner's budget
 
     @property
     def dtype(self) -> DType:
@@ -82,6 +90,19 @@ class Round:
             detail = "; ".join(f"ranks {format_ranks(ranks)} sent {desc}" for desc, ranks in groups.items())
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
+
+    def in_rank_order(self, rank: int, payload: Any) -> List[Tuple[int, Any]]:
+        """Deterministic mode: the (rank, payload) pairs to fold now, in rank order (rank's own
+        and the held ones after it); empty if rank's turn has not come, in which case it is held."""
+        if rank != self.next_rank:
+            self.held[rank] = payload
+            return []
+        ready = [(rank, payload)]
+        self.next_rank += 1
+        while self.next_rank in self.held:
+            ready.append((self.next_rank, self.held.pop(self.next_rank)))
+            self.next_rank += 1
+        return ready
 
     @property
     def complete(self) -> bool:

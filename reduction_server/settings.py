@@ -32,6 +32,18 @@ DEFAULT_CONNECT_TIMEOUT = 120.0
 DEFAULT_MAX_CHUNK_BYTES = 64 * MiB
 #: accumulator memory a reducer may hold at once
 DEFAULT_MAX_ACCUMULATOR_BYTES = 4096 * MiB
+#: reducer memory one rank may account for: the accumulators its contributions were loaded into
+#: (it reached those chunks first; rank 0 in deterministic mode) and, in deterministic mode, its
+#: contributions held for their turn. A rank has at most RS_WINDOW chunks unanswered per reducer,
+#: so a well-behaved one needs at most 2 x window x chunk (32 MiB with the defaults, in float32
+#: accumulators; 2 GiB covers the largest window, 256, with the default 4 MiB chunks)
+DEFAULT_MAX_PEER_BYTES = 2048 * MiB
+#: collectives (rounds: one chunk of one collective) in flight on a reducer for its job. Ranks send
+#: in one order, so a well-behaved job has at most RS_WINDOW (<= MAX_WINDOW) rounds open per reducer
+DEFAULT_MAX_ROUNDS = 1024
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def env_number(name: str, default: float, *, minimum: float, maximum: Optional[float] = None,
@@ -50,6 +62,20 @@ def env_number(name: str, default: float, *, minimum: float, maximum: Optional[f
     if maximum is not None and value > maximum:
         raise ConfigError(f"{name}={raw!r} must be at most {maximum}")
     return value
+
+
+def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Read an on/off switch (1/0, true/false, yes/no, on/off), naming the variable when it is
+    anything else: a typo must not silently leave a safety feature off."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}={environ[name]!r} is not a switch; use 1 or 0 (true/false, yes/no, on/off)")
 
 
 def client_backstop(timeout: float) -> float:

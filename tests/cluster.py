@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,9 +14,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
+
+
+def free_port_range(count: int) -> int:
+    """A base port with `count` free ports from it, below the usual ephemeral range."""
+    for base in range(21000, 32000, 97):
+        sockets: List[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    pytest.skip("no free port range")
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -147,3 +167,14 @@ def run_ranks(world: int, make: Callable[[int], Any], body: Callable[[Any, int],
         if exc is not None:
             raise exc
     return results
+
+
+def run_example(example: str, *args: str, cwd: Path, world: int = 2, reducer_count: int = 1,
+                timeout: float = 180) -> str:
+    """Run examples/<example> under `reduction-server run` as the README shows; its stdout
+    (a non-zero exit is an AssertionError carrying the output)."""
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers",
+                           str(reducer_count), "--", sys.executable, str(ROOT / "examples" / example), *args],
+                          env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout

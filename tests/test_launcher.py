@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from typing import Dict, Iterator, List
 
 import psutil
 import pytest
+
+from cluster import free_port_range
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, str(REPO / "tests" / "scripts" / "launcher_worker.py")]
@@ -238,23 +239,6 @@ def test_children_die_with_a_sigkilled_launcher(records: Records, launcher: List
     proc.kill()
     proc.communicate(timeout=TIMEOUT_S)
     assert survivors(children, within=10) == []
-
-
-def free_port_range(count: int) -> int:
-    """A base port with `count` free ports from it, below the usual ephemeral range."""
-    for base in range(21000, 32000, 97):
-        sockets: List[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    pytest.skip("no free port range")
 
 
 def test_port_base_is_honoured() -> None:

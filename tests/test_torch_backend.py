@@ -14,7 +14,7 @@ if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 import reduction_server.client.torch as rst  # noqa: E402
-from cluster import SCRIPTS, reducers, run_workers  # noqa: E402
+from cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
@@ -136,15 +136,8 @@ def test_plain_collectives(job):
 
 
 def test_example_runs_under_the_launcher(tmp_path):
-    import subprocess
-
-    from cluster import ROOT, child_env
-
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
-                           sys.executable, str(ROOT / "examples" / "pytorch_ddp.py"), "--steps", "3"],
-                          env=child_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "weights identical on all ranks: True" in proc.stdout, proc.stdout
+    out = run_example("pytorch_ddp.py", "--steps", "3", cwd=tmp_path)
+    assert "weights identical on all ranks: True" in out, out
 
 
 # -- in-process checks -------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""CurveZMQ encryption of every worker-reducer connection (RS_ENCRYPT=1), with keys derived from
+the job token, so that the token stays the only secret to distribute.
+
+HMAC-SHA256(token, label) is a 32-byte Curve25519 secret key; zmq.curve_public gives its public
+key. Reducers share one keypair (the CURVE server's) and workers another (one label each). A
+CURVE client must know the server's public key, which CurveZMQ never sends: a worker can only
+derive it from the right token. So a worker with another token fails the CURVE handshake (the
+reducer cannot decrypt its HELLO), and one without encryption fails ZMTP's mechanism check; in
+both cases no byte of theirs reaches the reducer's application. The HMAC proof of the job
+handshake (auth.py) still admits each rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import List, Optional, Tuple
+
+import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from .errors import ConfigError
+
+_REDUCER_LABEL = b"reduction-server CurveZMQ reducer key v1"
+_WORKER_LABEL = b"reduction-server CurveZMQ worker key v1"
+
+#: monitor events of a failed security handshake (each is followed by EVENT_DISCONNECTED)
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: a worker gives up on a reducer once its encrypted handshakes have failed in a row for this many
+#: seconds, at least MAX_HANDSHAKE_FAILURES times (one alone could be a reducer that died in the
+#: middle of it, or a proxy that accepts before the reducer is up; libzmq retries every 100 ms)
+GIVE_UP_AFTER_S = 2.0
+MAX_HANDSHAKE_FAILURES = 3
+
+
+def check(token: str) -> None:
+    """Raise ConfigError if encryption cannot be used: no token to derive keys from, or a
+    libzmq built without CURVE."""
+    if not token:
+        raise ConfigError("RS_ENCRYPT=1 needs RS_JOB_TOKEN: the CurveZMQ keys are derived from the job token")
+    if not zmq.has("curve"):
+        raise ConfigError(f"RS_ENCRYPT=1, but this libzmq ({zmq.zmq_version()}) was built without CURVE "
+                          "support (zmq.has('curve') is False); install a pyzmq wheel, which bundles libsodium")
+
+
+def _keypair(token: str, label: bytes) -> Tuple[bytes, bytes]:
+    """(public, secret) Z85-encoded Curve25519 keys, derived from the token."""
+    secret = z85.encode(hmac.new(token.encode(), label, hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+def secure_reducer(socket: zmq.Socket, token: str) -> None:
+    """Make a reducer's ROUTER socket a CURVE server (before it binds)."""
+    check(token)
+    public, secret = _keypair(token, _REDUCER_LABEL)
+    socket.curve_server = True
+    socket.curve_publickey = public
+    socket.curve_secretkey = secret
+
+
+def secure_worker(socket: zmq.Socket, token: str) -> None:
+    """Make a worker's DEALER socket a CURVE client of the token's reducers (before it connects)."""
+    check(token)
+    socket.curve_serverkey = _keypair(token, _REDUCER_LABEL)[0]
+    socket.curve_publickey, socket.curve_secretkey = _keypair(token, _WORKER_LABEL)
+
+
+def handshake_failure(frames: List[bytes], encrypt: bool) -> Optional[Tuple[str, bool]]:
+    """What a socket monitor message says about the security handshake: None if it is not a
+    handshake failure, else (reason, certain); `certain` is False for a failure that could also
+    be a connection dropped in the middle of the handshake."""
+    message = parse_monitor_message(frames)
+    event, value = message["event"], message["value"]
+    if not event & HANDSHAKE_FAILED:
+        return None
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        mine, theirs = ("encrypts (RS_ENCRYPT=1)", "does not") if encrypt else ("does not encrypt", "does (RS_ENCRYPT=1)")
+        return (f"encryption mismatch: this side {mine} and the other {theirs}; set RS_ENCRYPT the same on "
+                "workers and reducers", True)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "the encrypted (CurveZMQ) handshake failed: the peer's keys come from another RS_JOB_TOKEN", True
+    if not encrypt:
+        return None  # a plain connection dropped while greeting: libzmq retries, nothing to say
+    return ("the encrypted (CurveZMQ) handshake failed: the reducer does not encrypt (set RS_ENCRYPT the same "
+            "on workers and reducers) or its key is not the one derived from this worker's RS_JOB_TOKEN (the job "
+            "tokens differ)", False)

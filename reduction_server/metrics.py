@@ -1,0 +1,170 @@
+"""Prometheus metrics of one reducer, served over HTTP when `--metrics-port` / RS_METRICS_PORT is set.
+
+The reducer's loop is one Python thread that handles every chunk, so its counters are plain
+integer attributes of the Reducer (bytes, rounds, admissions), bumped for the stop summary
+whether or not metrics are served, and read here only when Prometheus scrapes: a scrape costs
+the loop nothing. The timings (kernel time, round latency, per-rank arrival lag) are observed
+only when metrics are on, into plain lists that this module turns into Prometheus histograms
+and summaries at scrape time: about a microsecond per contribution.
+
+Every reducer has its own CollectorRegistry (never the process-global one), so several reducers
+in one process, and tests, do not clash; every series carries a `reducer` label with its index.
+"""
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from itertools import accumulate
+from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+                                    SummaryMetricFamily)
+from prometheus_client.process_collector import ProcessCollector
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # the reducer imports this module, not the other way round
+    from .reducer import Reducer
+
+PREFIX = "reduction_server"
+# One contribution folded into an accumulator: 64 KiB takes microseconds, 64 MiB about 10 ms.
+KERNEL_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
+# A round, first contribution to result sent: from sub-millisecond to RS_TIMEOUT.
+LATENCY_BUCKETS = (2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 300.0)
+
+
+class _ReducerCollector:
+    """Counters and gauges read from the reducer's own attributes at scrape time.
+
+    Runs in the HTTP server's thread while the reducer's loop mutates its dicts: list() over a
+    dict's values is one C-level call under the GIL, so it never sees a dict change size."""
+
+    def __init__(self, reducer: "Reducer") -> None:
+        self.reducer = reducer
+        self.label = str(reducer.index)
+
+    def collect(self) -> Iterator[Metric]:
+        r, label = self.reducer, [self.label]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["reducer"])
+            family.add_metric(label, value)
+            return family
+
+        def gauge(name: str, doc: str, samples: List[Tuple[List[str], float]],
+                  extra: Tuple[str, ...] = ()) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["reducer", *extra])
+            for values, value in samples:
+                family.add_metric(label + values, value)
+            return family
+
+        yield counter("received_bytes", "Payload bytes of chunk contributions (DATA) received from workers.",
+                      r.bytes_in)
+        yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.bytes_out)
+        yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
+                      "rank and sent back to all of them.", r.completed)
+        failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "
+                                     "of a failed round gets an ERROR naming the cause).", labels=["reducer", "code"])
+        for code, count in sorted(r.failed_codes.items()):
+            failed.add_metric([self.label, code], count)
+        yield failed
+        rounds = list(r.rounds.values())
+        yield gauge("rounds_in_flight", "Rounds that have contributions but not yet all of them.",
+                    [([], sum(1 for rnd in rounds if rnd.error is None))])
+        pool = r.pool
+        yield gauge("accumulator_bytes", "Accumulator memory: in_use (lent to rounds or being sent), held "
+                    "(received frames kept for a rank-ordered fold), free (kept for reuse).",
+                    [(["in_use"], pool.in_use_bytes), (["held"], pool.held_bytes), (["free"], pool.free_bytes)],
+                    extra=("state",))
+        yield gauge("accumulator_budget_bytes", "Accumulator memory limit (RS_MAX_ACCUMULATOR_BYTES).",
+                    [([], pool.max_bytes)])
+        yield gauge("peers_connected", "Workers admitted and connected now.",
+                    [([], sum(1 for peer in list(r.peers.values()) if peer.admitted))])
+        yield counter("peers_admitted", "Handshakes completed (a worker that reconnects counts again).",
+                      r.admissions)
+
+
+class _Histogram:
+    """Bucket counts and a sum, observed by the reducer's loop (their only writer) without a lock:
+    prometheus_client's Histogram takes a lock per observation, several microseconds a chunk."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # Prometheus buckets are `le`: inclusive
+        self.total += value
+
+    def family(self, name: str, doc: str, label: str) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.total  # one consistent copy: count == +Inf bucket
+        buckets = [(repr(bound), count) for bound, count in zip(self.bounds, accumulate(counts))]
+        buckets.append(("+Inf", sum(counts)))
+        family = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=["reducer"])
+        family.add_metric([label], buckets, total)
+        return family
+
+
+class ReducerMetrics:
+    """The timings the reducer observes when metrics are on, and the registry they are served from."""
+
+    def __init__(self, reducer: "Reducer") -> None:
+        self.kernel = _Histogram(KERNEL_BUCKETS)
+        self.latency = _Histogram(LATENCY_BUCKETS)
+        self.lag_count: List[int] = []  # by rank
+        self.lag_sum: List[float] = []
+        self.registry = CollectorRegistry()
+        self.registry.register(_ReducerCollector(reducer))
+        self.registry.register(self)
+        ProcessCollector(registry=self.registry)  # CPU seconds, resident memory, open fds
+        self._label = str(reducer.index)
+        self._server: Optional[WSGIServer] = None
+
+    def contributed(self, rank: int, started: float, arrived: float) -> None:
+        """A contribution of `rank` that arrived at `arrived` (time.monotonic()) and has just been
+        folded, to a round whose first contribution arrived at `started`."""
+        self.kernel.observe(time.monotonic() - arrived)
+        if rank >= len(self.lag_count):
+            grow = rank + 1 - len(self.lag_count)
+            self.lag_count += [0] * grow
+            self.lag_sum += [0.0] * grow
+        self.lag_count[rank] += 1
+        self.lag_sum[rank] += arrived - started
+
+    def finished(self, started: Optional[float]) -> None:
+        """A round whose first contribution arrived at `started` has sent its result."""
+        if started is not None:
+            self.latency.observe(time.monotonic() - started)
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.kernel.family("reduce_seconds", "Time in the native kernel per contribution "
+                                 "(loading the first, summing the others).", self._label)
+        yield self.latency.family("round_latency_seconds", "Round latency: first contribution received "
+                                  "to result sent.", self._label)
+        lag = SummaryMetricFamily(f"{PREFIX}_arrival_lag_seconds", "How long after a round's first "
+                                  "contribution each rank's contribution arrived (a straggler has the "
+                                  "largest mean).", labels=["reducer", "rank"])
+        for rank, (count, total) in enumerate(zip(list(self.lag_count), list(self.lag_sum))):
+            if count:
+                lag.add_metric([self._label, str(rank)], count_value=count, sum_value=total)
+        yield lag
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on host:port from a daemon thread."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): "
+                              f"{exc}") from None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

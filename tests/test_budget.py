@@ -1,0 +1,164 @@
+"""Reducer memory and work bounds per rank and per job: RS_MAX_PEER_BYTES (the reducer memory one
+rank may account for) and RS_MAX_ROUNDS (chunks of collectives in flight). A rank over either
+gets an ERROR naming it and the cap; every other rank of the round gets the same error, the
+reducer stays up, and the other ranks' own budgets and later collectives are untouched.
+
+Real reducer processes; the ranks are hand-driven DEALER peers (test_reducer_errors.Peer), so
+that a test can run one rank ahead of the others, which a Communicator never does."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from reduction_server.protocol import DType, ErrorCode, MsgType
+
+from cluster import child_env, reducers
+from test_reducer_errors import Peer, check_sum_works, communicator, data
+
+pytestmark = pytest.mark.timeout(90)
+
+BUDGET = 1 << 20
+COUNT = 1 << 16  # float32 elements: 256 KiB chunks, 4 fill the budget
+
+
+def payload(value: float, count: int = COUNT) -> bytes:
+    return np.full(count, value, np.float32).tobytes()
+
+
+def expect_result(peer: Peer, seq: int, value: float, count: int = COUNT) -> None:
+    reply = peer.recv()
+    assert reply is not None, f"no result for seq {seq}"
+    header, body = reply
+    assert header.type is MsgType.RESULT and header.seq == seq, (header, body[:200])
+    np.testing.assert_array_equal(np.frombuffer(body, np.float32), np.full(count, value, np.float32))
+
+
+def peers(group, world: int, job: int):
+    ranks = [Peer(group.addresses[0]) for _ in range(world)]
+    for rank, peer in enumerate(ranks):
+        peer.handshake(rank, world, job=job)
+    return ranks
+
+
+def test_a_rank_over_its_memory_budget_is_refused_and_the_others_keep_theirs():
+    with reducers(1, workers=2, extra_env={"RS_MAX_PEER_BYTES": str(BUDGET)}) as group:
+        a, b = peers(group, 2, job=0xB0D6)
+        for seq in range(1, 5):  # rank 0 runs 4 chunks ahead: 1 MiB of accumulators, its whole budget
+            a.send(data(0, job=0xB0D6, seq=seq, count=COUNT), payload(1))
+        a.expect_silence(0.3)
+        a.send(data(0, job=0xB0D6, seq=5, count=COUNT), payload(1))
+        _, text = a.expect_error(ErrorCode.TOO_LARGE, "rank 0 would hold", f"per-rank budget of {BUDGET} bytes",
+                                 "RS_MAX_PEER_BYTES")
+        for seq in range(1, 5):  # the rounds it held complete
+            b.send(data(1, job=0xB0D6, seq=seq, count=COUNT), payload(2))
+            for peer in (a, b):
+                expect_result(peer, seq, 3)
+        b.send(data(1, job=0xB0D6, seq=5, count=COUNT), payload(2))
+        _, same = b.expect_error(ErrorCode.TOO_LARGE)
+        assert same == text  # every rank of the failed round hears the same
+        # Rank 1 has its own budget: it may now run 4 chunks ahead, and rank 0 has its budget back.
+        for seq in range(6, 10):
+            b.send(data(1, job=0xB0D6, seq=seq, count=COUNT), payload(2))
+        b.expect_silence(0.3)
+        for seq in range(6, 10):
+            a.send(data(0, job=0xB0D6, seq=seq, count=COUNT), payload(1))
+            for peer in (a, b):
+                expect_result(peer, seq, 3)
+        assert group.alive()
+        for peer in (a, b):
+            peer.close()
+        # A job of real communicators (window 4, 64 KiB chunks: 512 KiB per rank at most) is served.
+        comms = [communicator(group, r, 2) for r in range(2)]
+        check_sum_works(comms, count=200_000)
+        for comm in comms:
+            comm.close()
+
+
+def test_held_contributions_count_against_their_senders_budget_in_deterministic_mode():
+    env = {"RS_MAX_PEER_BYTES": str(BUDGET), "RS_DETERMINISTIC": "1"}
+    with reducers(1, workers=3, extra_env=env) as group:
+        ranks = peers(group, 3, job=0xDE7)
+        for seq in range(1, 5):  # rank 2 first: its contributions wait for ranks 0 and 1
+            ranks[2].send(data(2, 3, job=0xDE7, seq=seq, count=COUNT), payload(4))
+        ranks[2].expect_silence(0.3)
+        ranks[2].send(data(2, 3, job=0xDE7, seq=5, count=COUNT), payload(4))
+        ranks[2].expect_error(ErrorCode.TOO_LARGE, "rank 2 would hold", "RS_MAX_PEER_BYTES", "held")
+        for seq in range(1, 5):
+            for rank in (0, 1):
+                ranks[rank].send(data(rank, 3, job=0xDE7, seq=seq, count=COUNT), payload(rank + 1))
+            for peer in ranks:
+                expect_result(peer, seq, 1 + 2 + 4)
+        for rank in (0, 1):
+            ranks[rank].send(data(rank, 3, job=0xDE7, seq=5, count=COUNT), payload(1))
+            ranks[rank].expect_error(ErrorCode.TOO_LARGE, "rank 2 would hold")
+        # its budget is free again once the held contributions were folded
+        for rank in (2, 1, 0):
+            ranks[rank].send(data(rank, 3, job=0xDE7, seq=6, count=COUNT), payload(rank + 1))
+        for peer in ranks:
+            expect_result(peer, 6, 6)
+        assert group.alive()
+        for peer in ranks:
+            peer.close()
+
+
+def test_collectives_in_flight_are_capped_per_job():
+    cap = 8
+    with reducers(1, workers=2, extra_env={"RS_MAX_ROUNDS": str(cap)}) as group:
+        a, b = peers(group, 2, job=0xCA9)
+        for seq in range(1, cap + 1):
+            a.send(data(0, job=0xCA9, seq=seq), payload(1, 4))
+        a.expect_silence(0.3)
+        a.send(data(0, job=0xCA9, seq=cap + 1), payload(1, 4))
+        a.expect_error(ErrorCode.TOO_LARGE, "rank 0 started collective seq=9", f"{cap} chunks of collectives",
+                       f"RS_MAX_ROUNDS={cap}")
+        for seq in range(1, cap + 1):
+            b.send(data(1, job=0xCA9, seq=seq), payload(2, 4))
+            for peer in (a, b):
+                expect_result(peer, seq, 3, 4)
+        b.send(data(1, job=0xCA9, seq=cap + 1), payload(2, 4))
+        b.expect_error(ErrorCode.TOO_LARGE, f"RS_MAX_ROUNDS={cap}")
+        for peer, rank in ((a, 0), (b, 1)):
+            peer.send(data(rank, job=0xCA9, seq=cap + 2), payload(rank + 1, 4))
+        for peer in (a, b):
+            expect_result(peer, cap + 2, 3, 4)
+        assert group.alive()
+        for peer in (a, b):
+            peer.close()
+        # Communicators whose window equals the cap never reach it: ranks stay within a window.
+        comms = [communicator(group, r, 2, window=cap) for r in range(2)]
+        for seed in range(3):
+            check_sum_works(comms, count=300_000, seed=seed)  # 38 chunks each
+        for comm in comms:
+            comm.close()
+
+
+@pytest.mark.parametrize("variable", ["RS_MAX_ROUNDS", "RS_MAX_PEER_BYTES"])
+def test_the_caps_are_validated(variable):
+    serve = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.run(serve, env=child_env({variable: "0"}), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"{variable}='0' must be at least" in proc.stderr, proc.stderr
+
+
+def test_a_16_bit_result_that_does_not_fit_fails_every_rank_at_once():
+    """A float16 round's float32 accumulator fits the reducer's memory but its rounded result
+    does not: every rank gets TOO_LARGE at once (not a timeout), and the memory comes back."""
+    count = 4096  # 16 KiB float32 accumulator, 8 KiB float16 result; 20 KiB of memory holds one, not both
+    with reducers(1, workers=2, extra_env={"RS_MAX_ACCUMULATOR_BYTES": str(20 << 10)}) as group:
+        a, b = peers(group, 2, job=0xF16)
+        half = np.ones(count, np.float16).tobytes()
+        for rank, peer in enumerate((a, b)):
+            peer.send(data(rank, job=0xF16, seq=1, count=count, dtype=DType.FLOAT16), half)
+        texts = [peer.expect_error(ErrorCode.TOO_LARGE, "cannot be sent", "RS_MAX_ACCUMULATOR_BYTES")[1]
+                 for peer in (a, b)]
+        assert texts[0] == texts[1]
+        # float32 rounds need no second buffer: the freed accumulator serves them.
+        for rank, peer in enumerate((a, b)):
+            peer.send(data(rank, job=0xF16, seq=2, count=count), np.ones(count, np.float32).tobytes())
+        for peer in (a, b):
+            header, body = peer.recv()
+            assert header.type is MsgType.RESULT, body[:200]
+            np.testing.assert_array_equal(np.frombuffer(body, np.float32), np.full(count, 2, np.float32))
+        assert group.alive()
