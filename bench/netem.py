@@ -14,6 +14,7 @@ workers' (R = W here, all links equal); a ring needs 2(W-1)/W x S/B.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -21,13 +22,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from tqdm import tqdm
 
 COLUMNS = ["peer", "W", "R", "mbit", "mib", "ms", "algbw_GBps", "bound_GBps", "of_bound", "vs_gloo"]
 _PYTHON = sys.executable
-_JOB = ["-m", "reduction_server.bench.allreduce_job"]
+_ALLREDUCE_JOB = "reduction_server.bench.allreduce_job"
 _REDUCER_PORT = 5555
 _GLOO_PORT = 29500
 
@@ -42,7 +43,7 @@ class EmulatedNetwork:
     def __init__(self, hosts: int, rate_mbit: float) -> None:
         if os.geteuid() != 0:
             raise PermissionError("the emulated network needs root (network namespaces, veth links and tc); "
-                              "run `reduction-server bench netem` as root")
+                              "run `reduction-server bench netem` or `bench ddp` as root")
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
         self.hosts = hosts
@@ -128,14 +129,20 @@ class EmulatedNetwork:
         atexit.unregister(self.close)
 
 
+_PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RS_") and k not in ("CLUSTER_SPEC", "TF_CONFIG")}
-    env.update(PYTHONUNBUFFERED="1", **extra)
+    """This machine's environment without any rank placement of its own, plus `extra`; one
+    thread per process, as many processes share few cores."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RS_") and k not in _PLACEMENT}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 
 
-def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, timeout: float) -> List[Dict]:
-    """Rank 0's JSON lines, once every rank has exited 0."""
+def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, timeout: float,
+             marker: str) -> List[Dict]:
+    """Rank 0's JSON lines that start with `marker`, once every rank has exited 0."""
     outputs = []
     try:
         for rank, proc in enumerate(workers):
@@ -145,12 +152,13 @@ def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, t
             outputs.append(out)
     finally:
         net.stop(workers)
-    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith('{"bytes"')]
+    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith(marker)]
 
 
-def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, sizes: str, iters: int,
-                         timeout: float = 600) -> List[Dict]:
-    """Workers on hosts 0..W-1, reducers on hosts W..W+R-1."""
+def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: str, args: Sequence[str],
+                         marker: str, timeout: float = 600) -> List[Dict]:
+    """`python -m JOB rs ARGS` on hosts 0..W-1 with reducers on hosts W..W+R-1; rank 0's JSON
+    lines that start with `marker`."""
     token = os.urandom(16).hex()
     addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
     servers = [net.spawn(world + j, [_PYTHON, "-m", "reduction_server", "serve", "--host", net.address(world + j),
@@ -161,45 +169,55 @@ def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, sizes:
             line = proc.stdout.readline()
             if "listening on" not in line:
                 raise RuntimeError(f"reducer {j} did not start: {line}{proc.stdout.read()}")
-        workers = [net.spawn(i, [_PYTHON, *_JOB, "rs", "--mib", sizes, "--iters", str(iters)],
+        workers = [net.spawn(i, [_PYTHON, "-m", job, "rs", *args],
                              _env({"RS_JOB_TOKEN": token, "RS_REDUCERS": ",".join(addresses), "RS_RANK": str(i),
                                    "RS_WORLD_SIZE": str(world)})) for i in range(world)]
-        return _collect(net, workers, f"reduction-server W={world} R={reducers}", timeout)
+        return _collect(net, workers, f"reduction-server W={world} R={reducers}", timeout, marker)
     finally:
         net.stop(servers)
 
 
-def run_gloo(net: EmulatedNetwork, world: int, sizes: str, iters: int, timeout: float = 600) -> List[Dict]:
-    """Gloo's ring on hosts 0..W-1 (each rank told its interface: it would pick lo otherwise)."""
-    workers = [net.spawn(i, [_PYTHON, *_JOB, "gloo", "--mib", sizes, "--iters", str(iters)],
+def run_gloo(net: EmulatedNetwork, world: int, job: str, args: Sequence[str], marker: str,
+             timeout: float = 600) -> List[Dict]:
+    """`python -m JOB gloo ARGS` on hosts 0..W-1 (each rank told its interface: Gloo would pick
+    lo otherwise); rank 0's JSON lines that start with `marker`."""
+    workers = [net.spawn(i, [_PYTHON, "-m", job, "gloo", *args],
                          _env({"RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                                "MASTER_ADDR": net.address(0), "MASTER_PORT": str(_GLOO_PORT),
                                "GLOO_SOCKET_IFNAME": net.interface(i)})) for i in range(world)]
-    return _collect(net, workers, f"gloo W={world}", timeout)
+    return _collect(net, workers, f"gloo W={world}", timeout, marker)
 
 
 def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
         reducers: Optional[Sequence[int]] = None, iters: int = 3) -> List[Dict]:
     """Rows for Gloo and this project on each W x link rate x size (R = W unless given)."""
-    sizes = ",".join(f"{s:g}" for s in sizes_mib)
+    args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     rows: List[Dict] = []
-    for name in stale_namespaces():  # left by a run that was SIGKILLed
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the network's cleanup runs
-    try:
+    with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
-            rows += _measure(world, rate, r, sizes_mib, sizes, iters)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            rows += _measure(world, rate, r, sizes_mib, args)
     return rows
 
 
-def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], sizes: str, iters: int) -> List[Dict]:
+@contextlib.contextmanager
+def cleanup_on_sigterm() -> Iterator[None]:
+    """Delete the namespaces of SIGKILLed runs first; turn SIGTERM into an exit meanwhile, so that
+    every network's cleanup runs."""
+    for name in stale_namespaces():
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str]) -> List[Dict]:
     link = rate * 1e6 / 8  # bytes/s per host, each way
     with EmulatedNetwork(world + r, rate) as net:
-        gloo = run_gloo(net, world, sizes, iters)
-        ours = run_reduction_server(net, world, r, sizes, iters)
+        gloo = run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"')
+        ours = run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"')
     # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
     ours_bound = link * min(1.0, r / world) / 1e9
     ring_bound = link * world / (2 * (world - 1)) / 1e9

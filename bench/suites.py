@@ -7,7 +7,7 @@ from typing import List
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem")
+SUITES = ("kernels", "loopback", "netem", "ddp")
 
 
 def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
@@ -47,6 +47,19 @@ def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
         files = [report.save(rows, suite, out, command),
                  report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R", "mbit"), panels="W",
                              title="emulated network all-reduce algbw", path=out / "netem.png")]
+    elif suite == "ddp":
+        from . import ddp
+
+        if quick:
+            rows = ddp.run(worlds=(2,), rates_mbit=(400,), width=32, batch=4, steps=2, warmup=1)
+        else:
+            rows = ddp.run()
+        print(report.table(rows, ddp.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.bars([f"{r['peer']} W={r['W']} R={r['R']} {r['mbit']:g} Mbit/s" for r in rows],
+                             [r["steps_per_s"] for r in rows], xlabel="DDP training steps/s (same run)",
+                             title=f"DDP, {rows[0]['params_M']:.3g}M parameters, batch {rows[0]['batch']} per rank",
+                             path=out / "ddp.png")]
     else:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     for path in files:

@@ -22,8 +22,8 @@
  * Portability: the extension is built without -march=native. Every kernel is instantiated for
  * a portable "baseline" (plain C loops, vectorised by gcc -O3 for the compile target, e.g.
  * SSE2 on x86-64) and, on x86-64, for AVX2+F16C and for AVX-512 (F/BW/VL) through
- * __attribute__((target(...))). The 16-bit conversions use intrinsics in those two levels and
- * portable scalar code in the baseline. rs_init() picks the best level the CPU (and OS)
+ * __attribute__((target(...))). The 16-bit conversions and the integer AVG division use
+ * intrinsics in those two levels and portable C in the baseline. rs_init() picks the best level the CPU (and OS)
  * supports with __builtin_cpu_supports; rs_select_isa() can force a lower one (for tests).
  *
  * Buffers: acc and src (or acc and dst) are either the very same memory or do not overlap at
@@ -138,16 +138,16 @@ static inline uint16_t rs_f32_to_bf16(float f)
 #define RS_OP_min_FLT(T, U, a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
 
 /* The dtypes whose accumulator is the dtype itself:
- *   X(..., CODE, name, T, U, KIND, DIVT)  where DIVT is the type AVG divides in. */
+ *   X(..., CODE, name, T, U, KIND); RS_DEF_AVG_<name> defines the AVG store. */
 #define RS_SAME_TYPES(X, ...)                                                  \
-    X(__VA_ARGS__, RS_INT8, i8, int8_t, uint8_t, INT, int64_t)                 \
-    X(__VA_ARGS__, RS_UINT8, u8, uint8_t, uint8_t, INT, uint64_t)              \
-    X(__VA_ARGS__, RS_INT32, i32, int32_t, uint32_t, INT, int64_t)             \
-    X(__VA_ARGS__, RS_UINT32, u32, uint32_t, uint32_t, INT, uint64_t)          \
-    X(__VA_ARGS__, RS_INT64, i64, int64_t, uint64_t, INT, int64_t)             \
-    X(__VA_ARGS__, RS_UINT64, u64, uint64_t, uint64_t, INT, uint64_t)          \
-    X(__VA_ARGS__, RS_FLOAT32, f32, float, float, FLT, float)                  \
-    X(__VA_ARGS__, RS_FLOAT64, f64, double, double, FLT, double)
+    X(__VA_ARGS__, RS_INT8, i8, int8_t, uint8_t, INT)                          \
+    X(__VA_ARGS__, RS_UINT8, u8, uint8_t, uint8_t, INT)                        \
+    X(__VA_ARGS__, RS_INT32, i32, int32_t, uint32_t, INT)                      \
+    X(__VA_ARGS__, RS_UINT32, u32, uint32_t, uint32_t, INT)                    \
+    X(__VA_ARGS__, RS_INT64, i64, int64_t, uint64_t, INT)                      \
+    X(__VA_ARGS__, RS_UINT64, u64, uint64_t, uint64_t, INT)                    \
+    X(__VA_ARGS__, RS_FLOAT32, f32, float, float, FLT)                         \
+    X(__VA_ARGS__, RS_FLOAT64, f64, double, double, FLT)
 
 /* The 16-bit floats, accumulated in float32: X(..., CODE, name) */
 #define RS_HALF_TYPES(X, ...) X(__VA_ARGS__, RS_FLOAT16, f16) X(__VA_ARGS__, RS_BFLOAT16, bf16)
@@ -177,7 +177,7 @@ typedef struct {
 /* ---------------------------------------------------------------------------------------- */
 /* Same-type kernels: plain loops that gcc vectorises for each ISA's target.                  */
 
-#define RS_DEF_SAME_ACC(ISA, CODE, name, T, U, KIND, DIVT, op)                                  \
+#define RS_DEF_SAME_ACC(ISA, CODE, name, T, U, KIND, op)                                        \
     static RS_ATTR_##ISA void rs_acc_##name##_##op##_##ISA(void *acc_, const void *src_, size_t n) \
     {                                                                                           \
         T *acc = (T *)acc_;                                                                     \
@@ -188,22 +188,144 @@ typedef struct {
         }                                                                                       \
     }
 
-#define RS_DEF_SAME(ISA, CODE, name, T, U, KIND, DIVT)                                           \
-    RS_ACC_OPS(RS_DEF_SAME_ACC, ISA, CODE, name, T, U, KIND, DIVT)                               \
+/* AVG at store: dst[i] = acc[i] / world, rounded for floats, truncated toward zero for integers.
+ *
+ * Floats divide in their own type. Integers divide by a multiply-high with a precomputed
+ * reciprocal (Granlund & Montgomery, "Division by invariant integers using multiplication",
+ * PLDI 1994, fig. 4.1), exact for every L-bit n and 1 <= d < 2^L: the hardware divider is not
+ * vectorised and costs 10-40 cycles per element. The integers are computed in L-bit lanes (16
+ * for the 8-bit dtypes, which have no 8-bit multiply, else their own width); signed values
+ * divide their magnitude, as C's truncating division does; a world above the largest
+ * magnitude gives 0 everywhere. The baseline is plain C (64 bits through a 128-bit product);
+ * AVX2 and AVX-512 use the vector helpers defined with their ISA below, and C division for the
+ * few elements of a loop tail. */
+#define RS_DEF_AVG_FLT(ISA, name, T)                                                             \
     static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
                                                     int64_t world)                               \
     {                                                                                            \
         const T *acc = (const T *)acc_;                                                          \
         T *dst = (T *)dst_;                                                                      \
-        const DIVT w = (DIVT)world;                                                              \
+        const T w = (T)world;                                                                    \
         for (size_t i = 0; i < n; i++)                                                           \
-            dst[i] = (T)((DIVT)acc[i] / w);                                                      \
+            dst[i] = acc[i] / w;                                                                 \
     }
 
-#define RS_SET_SAME_ACC(ISA, CODE, name, T, U, KIND, DIVT, op)                                  \
+/* n / d == (t + ((n - t) >> sh1)) >> sh2 with t = (m * n) >> L, for the L of rs_magic_make. */
+typedef struct { uint64_t m; unsigned sh1, sh2; } rs_magic;
+
+static inline rs_magic rs_magic_make(uint64_t d, unsigned bits) /* 1 <= d < 2^bits */
+{
+    unsigned l = d > 1 ? 64u - (unsigned)__builtin_clzll(d - 1) : 0u; /* ceil(log2(d)) <= bits */
+#ifdef __SIZEOF_INT128__
+    unsigned __int128 num = (((unsigned __int128)1 << l) - d) << bits; /* 2^L (2^l - d) */
+#else /* only bits <= 32 get here: 64-bit AVG uses the hardware divider (RS_DEF_AVG_DIVIDE) */
+    uint64_t num = ((1ull << l) - d) << bits;
+#endif
+    rs_magic r = {(uint64_t)(num / d) + 1, l ? 1u : 0u, l ? l - 1u : 0u}; /* m < 2^L */
+    return r;
+}
+
+/* True when every |acc[i]| < world, so that every quotient is 0 (and the divisor may not fit). */
+static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
+{
+    return itemsize < 8 && ((uint64_t)world >> (8 * itemsize)) != 0;
+}
+
+/* The integer dtypes: RS_DEF_AVG_INT_<isa>(ISA, name, T, UL, L, WIDE, SIGNED, VEC) with UL the
+ * unsigned type of the L-bit lanes, WIDE a type that holds an L x L-bit product (without a
+ * 128-bit type, 64-bit AVG uses the hardware divider), VEC the element width in bits. */
+#define RS_DEF_AVG_i8(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint16_t, 16, uint32_t, 1, 8)
+#define RS_DEF_AVG_u8(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint16_t, 16, uint32_t, 0, 8)
+#define RS_DEF_AVG_i32(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint32_t, 32, uint64_t, 1, 32)
+#define RS_DEF_AVG_u32(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint32_t, 32, uint64_t, 0, 32)
+#ifdef __SIZEOF_INT128__
+#define RS_DEF_AVG_i64(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint64_t, 64, unsigned __int128, 1, 64)
+#define RS_DEF_AVG_u64(ISA, name, T) RS_DEF_AVG_INT_##ISA(ISA, name, T, uint64_t, 64, unsigned __int128, 0, 64)
+#else
+#define RS_DEF_AVG_i64(ISA, name, T) RS_DEF_AVG_DIVIDE(ISA, name, T)
+#define RS_DEF_AVG_u64(ISA, name, T) RS_DEF_AVG_DIVIDE(ISA, name, T)
+#endif
+#define RS_DEF_AVG_f32(ISA, name, T) RS_DEF_AVG_FLT(ISA, name, T)
+#define RS_DEF_AVG_f64(ISA, name, T) RS_DEF_AVG_FLT(ISA, name, T)
+
+#define RS_DEF_AVG_DIVIDE(ISA, name, T)                                                          \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const T *acc = (const T *)acc_;                                                          \
+        T *dst = (T *)dst_;                                                                      \
+        for (size_t i = 0; i < n; i++)                                                           \
+            dst[i] = (T)(acc[i] / world);                                                        \
+    }
+
+/* Scalar (baseline): plain C, which gcc vectorises where the target allows. */
+#define RS_DEF_AVG_INT_baseline(ISA, name, T, UL, L, WIDE, SIGNED, VEC)                         \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const T *acc = (const T *)acc_;                                                          \
+        T *dst = (T *)dst_;                                                                      \
+        if (rs_avg_is_zero(world, sizeof(T))) {                                                  \
+            memset(dst, 0, n * sizeof(T));                                                       \
+            return;                                                                              \
+        }                                                                                        \
+        const rs_magic r = rs_magic_make((uint64_t)world, L);                                    \
+        const UL m = (UL)r.m;                                                                    \
+        const unsigned sh1 = r.sh1, sh2 = r.sh2;                                                 \
+        for (size_t i = 0; i < n; i++) {                                                         \
+            UL a = (UL)acc[i]; /* sign- or zero-extended to L bits */                            \
+            UL neg = SIGNED ? (UL)(0 - (UL)(a >> (L - 1))) : 0; /* all ones if negative */      \
+            UL mag = (UL)((a ^ neg) - neg);                                                      \
+            UL t = (UL)(((WIDE)m * mag) >> L);                                                   \
+            UL q = (UL)((UL)(t + (UL)((UL)(mag - t) >> sh1)) >> sh2);                            \
+            dst[i] = (T)(UL)((q ^ neg) - neg);                                                   \
+        }                                                                                        \
+    }
+
+/* SIMD: per ISA, RS_VI_<isa> (an integer vector of RS_VB_<isa> bytes), rs_vi_<op><L>_<isa> for
+ * op in set1/add/sub/srl (by a count in an __m128i)/sign (all ones in negative lanes)/mulhi
+ * (unsigned high half), and rs_vi_load<VEC><s|u>_<isa> / rs_vi_store<VEC>_<isa> that widen
+ * VEC-bit elements to the lanes and back (RS_VB_<isa> * 8 / L of them). */
+#define RS_DEF_AVG_INT_SIMD(ISA, name, T, UL, L, WIDE, SIGNED, VEC)                             \
+    static RS_ATTR_##ISA void rs_avg_##name##_##ISA(const void *acc_, void *dst_, size_t n,      \
+                                                    int64_t world)                               \
+    {                                                                                            \
+        const T *acc = (const T *)acc_;                                                          \
+        T *dst = (T *)dst_;                                                                      \
+        const size_t lanes = RS_VB_##ISA * 8 / L;                                                \
+        size_t i = 0;                                                                            \
+        if (rs_avg_is_zero(world, sizeof(T))) {                                                  \
+            memset(dst, 0, n * sizeof(T));                                                       \
+            return;                                                                              \
+        }                                                                                        \
+        const rs_magic r = rs_magic_make((uint64_t)world, L);                                    \
+        const RS_VI_##ISA m = rs_vi_set1##L##_##ISA(r.m);                                        \
+        const __m128i sh1 = _mm_cvtsi32_si128((int)r.sh1), sh2 = _mm_cvtsi32_si128((int)r.sh2); \
+        for (; i + lanes <= n; i += lanes) {                                                     \
+            RS_VI_##ISA a = SIGNED ? rs_vi_load##VEC##s_##ISA(acc + i)                           \
+                                   : rs_vi_load##VEC##u_##ISA(acc + i);                          \
+            RS_VI_##ISA neg = SIGNED ? rs_vi_sign##L##_##ISA(a) : rs_vi_set1##L##_##ISA(0);      \
+            RS_VI_##ISA mag = rs_vi_sub##L##_##ISA(rs_vi_xor_##ISA(a, neg), neg);                \
+            RS_VI_##ISA t = rs_vi_mulhi##L##_##ISA(mag, m);                                      \
+            RS_VI_##ISA q = rs_vi_srl##L##_##ISA(                                                \
+                rs_vi_add##L##_##ISA(t, rs_vi_srl##L##_##ISA(rs_vi_sub##L##_##ISA(mag, t), sh1)), \
+                sh2);                                                                            \
+            rs_vi_store##VEC##_##ISA(dst + i, rs_vi_sub##L##_##ISA(rs_vi_xor_##ISA(q, neg), neg)); \
+        }                                                                                        \
+        for (; i < n; i++)                                                                       \
+            dst[i] = (T)(acc[i] / world);                                                        \
+    }
+#define RS_DEF_AVG_INT_avx2 RS_DEF_AVG_INT_SIMD
+#define RS_DEF_AVG_INT_avx512 RS_DEF_AVG_INT_SIMD
+
+#define RS_DEF_SAME(ISA, CODE, name, T, U, KIND)                                                 \
+    RS_ACC_OPS(RS_DEF_SAME_ACC, ISA, CODE, name, T, U, KIND)                                     \
+    RS_DEF_AVG_##name(ISA, name, T)
+
+#define RS_SET_SAME_ACC(ISA, CODE, name, T, U, KIND, op)                                        \
     t->acc[CODE][RS_OPCODE_##op] = rs_acc_##name##_##op##_##ISA;
-#define RS_SET_SAME(ISA, CODE, name, T, U, KIND, DIVT)                                           \
-    RS_ACC_OPS(RS_SET_SAME_ACC, ISA, CODE, name, T, U, KIND, DIVT)                               \
+#define RS_SET_SAME(ISA, CODE, name, T, U, KIND)                                                 \
+    RS_ACC_OPS(RS_SET_SAME_ACC, ISA, CODE, name, T, U, KIND)                                     \
     t->acc[CODE][RS_AVG] = rs_acc_##name##_sum_##ISA;                                            \
     t->store_avg[CODE] = rs_avg_##name##_##ISA;
 
@@ -335,6 +457,44 @@ static void rs_fill_baseline(rs_table *t)
 
 #if RS_X86
 
+/* Integer vector helpers that AVX2 and AVX-512 spell alike but for the prefix (P: _mm256 or
+ * _mm512) and the width of the whole-register operations (SI: si256 or si512). */
+#define RS_VI_DEF_COMMON(ISA, P, SI)                                                             \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_set116_##ISA(uint64_t x) { return P##_set1_epi16((short)x); } \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_set132_##ISA(uint64_t x) { return P##_set1_epi32((int)x); } \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_xor_##ISA(RS_VI_##ISA a, RS_VI_##ISA b) { return P##_xor_##SI(a, b); } \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_sign16_##ISA(RS_VI_##ISA a) { return P##_srai_epi16(a, 15); } \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_sign32_##ISA(RS_VI_##ISA a) { return P##_srai_epi32(a, 31); } \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_mulhi16_##ISA(RS_VI_##ISA a, RS_VI_##ISA b)    \
+    {                                                                                            \
+        return P##_mulhi_epu16(a, b);                                                            \
+    }                                                                                            \
+    RS_VI_DEF_ARITH(ISA, P, 16) RS_VI_DEF_ARITH(ISA, P, 32) RS_VI_DEF_ARITH(ISA, P, 64)
+#define RS_VI_DEF_ARITH(ISA, P, L)                                                               \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_add##L##_##ISA(RS_VI_##ISA a, RS_VI_##ISA b)   \
+    {                                                                                            \
+        return P##_add_epi##L(a, b);                                                             \
+    }                                                                                            \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_sub##L##_##ISA(RS_VI_##ISA a, RS_VI_##ISA b)   \
+    {                                                                                            \
+        return P##_sub_epi##L(a, b);                                                             \
+    }                                                                                            \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_srl##L##_##ISA(RS_VI_##ISA a, __m128i count)   \
+    {                                                                                            \
+        return P##_srl_epi##L(a, count);                                                         \
+    }
+/* 64 x 64 -> high 64 bits from four 32 x 32 -> 64 products; no partial sum overflows. */
+#define RS_VI_DEF_MULHI64(ISA, P, SI)                                                            \
+    static inline RS_ATTR_##ISA RS_VI_##ISA rs_vi_mulhi64_##ISA(RS_VI_##ISA a, RS_VI_##ISA b)    \
+    {                                                                                            \
+        RS_VI_##ISA ah = P##_srli_epi64(a, 32), bh = P##_srli_epi64(b, 32);                      \
+        RS_VI_##ISA ll = P##_mul_epu32(a, b), lh = P##_mul_epu32(a, bh);                         \
+        RS_VI_##ISA hl = P##_mul_epu32(ah, b), hh = P##_mul_epu32(ah, bh);                       \
+        RS_VI_##ISA mid = P##_add_epi64(P##_add_epi64(P##_srli_epi64(ll, 32), lh),               \
+                                        P##_and_##SI(hl, rs_vi_set164_##ISA(0xffffffff)));       \
+        return P##_add_epi64(P##_add_epi64(hh, P##_srli_epi64(hl, 32)), P##_srli_epi64(mid, 32)); \
+    }
+
 /* --- AVX2 + F16C: 8 float lanes ---------------------------------------------------------- */
 #define RS_V_avx2 __m256
 #define RS_VW_avx2 8
@@ -383,6 +543,43 @@ static inline RS_ATTR_avx2 void rs_v_narrow_bf16_avx2(uint16_t *p, __m256 v)
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
+/* Integer vectors for AVG (see RS_DEF_AVG_INT_SIMD). */
+#define RS_VI_avx2 __m256i
+#define RS_VB_avx2 32
+static inline RS_ATTR_avx2 __m256i rs_vi_set164_avx2(uint64_t x) { return _mm256_set1_epi64x((long long)x); }
+RS_VI_DEF_COMMON(avx2, _mm256, si256)
+static inline RS_ATTR_avx2 __m256i rs_vi_sign64_avx2(__m256i a)
+{
+    return _mm256_cmpgt_epi64(_mm256_setzero_si256(), a); /* no 64-bit arithmetic shift */
+}
+/* b: the same 32-bit value in every lane. vpmuludq multiplies the even lanes into 64 bits. */
+static inline RS_ATTR_avx2 __m256i rs_vi_mulhi32_avx2(__m256i a, __m256i b)
+{
+    __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(a, b), 32);
+    __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), b);
+    return _mm256_blend_epi32(even, odd, 0xAA);
+}
+RS_VI_DEF_MULHI64(avx2, _mm256, si256)
+static inline RS_ATTR_avx2 __m256i rs_vi_load8s_avx2(const void *p)
+{
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+static inline RS_ATTR_avx2 __m256i rs_vi_load8u_avx2(const void *p)
+{
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+static inline RS_ATTR_avx2 void rs_vi_store8_avx2(void *p, __m256i v) /* the low byte of each lane */
+{
+    v = _mm256_and_si256(v, _mm256_set1_epi16(0xff));
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+static inline RS_ATTR_avx2 __m256i rs_vi_load32s_avx2(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#define rs_vi_load32u_avx2 rs_vi_load32s_avx2
+#define rs_vi_load64s_avx2 rs_vi_load32s_avx2
+#define rs_vi_load64u_avx2 rs_vi_load32s_avx2
+static inline RS_ATTR_avx2 void rs_vi_store32_avx2(void *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+#define rs_vi_store64_avx2 rs_vi_store32_avx2
+
 /* --- AVX-512 F/BW/VL: 16 float lanes --------------------------------------------------- */
 #define RS_V_avx512 __m512
 #define RS_VW_avx512 16
@@ -427,6 +624,38 @@ static inline RS_ATTR_avx512 void rs_v_narrow_bf16_avx512(uint16_t *p, __m512 v)
     __m512i r = _mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16);
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
+
+/* Integer vectors for AVG (see RS_DEF_AVG_INT_SIMD). */
+#define RS_VI_avx512 __m512i
+#define RS_VB_avx512 64
+static inline RS_ATTR_avx512 __m512i rs_vi_set164_avx512(uint64_t x) { return _mm512_set1_epi64((long long)x); }
+RS_VI_DEF_COMMON(avx512, _mm512, si512)
+static inline RS_ATTR_avx512 __m512i rs_vi_sign64_avx512(__m512i a) { return _mm512_srai_epi64(a, 63); }
+static inline RS_ATTR_avx512 __m512i rs_vi_mulhi32_avx512(__m512i a, __m512i b) /* as for AVX2 */
+{
+    __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(a, b), 32);
+    __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), b);
+    return _mm512_mask_mov_epi32(even, 0xAAAA, odd);
+}
+RS_VI_DEF_MULHI64(avx512, _mm512, si512)
+static inline RS_ATTR_avx512 __m512i rs_vi_load8s_avx512(const void *p)
+{
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline RS_ATTR_avx512 __m512i rs_vi_load8u_avx512(const void *p)
+{
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline RS_ATTR_avx512 void rs_vi_store8_avx512(void *p, __m512i v) /* truncating */
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi16_epi8(v));
+}
+static inline RS_ATTR_avx512 __m512i rs_vi_load32s_avx512(const void *p) { return _mm512_loadu_si512(p); }
+#define rs_vi_load32u_avx512 rs_vi_load32s_avx512
+#define rs_vi_load64s_avx512 rs_vi_load32s_avx512
+#define rs_vi_load64u_avx512 rs_vi_load32s_avx512
+static inline RS_ATTR_avx512 void rs_vi_store32_avx512(void *p, __m512i v) { _mm512_storeu_si512(p, v); }
+#define rs_vi_store64_avx512 rs_vi_store32_avx512
 
 RS_SAME_TYPES(RS_DEF_SAME, avx2)
 RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx2)

@@ -86,6 +86,29 @@ def test_netem_suite(tmp_path):
 
 
 @needs_root
+def test_ddp_suite(tmp_path):
+    pytest.importorskip("torch", reason="the DDP benchmark needs torch")
+    from reduction_server.bench import ddp
+
+    before = _bench_namespaces()
+    table, rows = run_suite("ddp", tmp_path)
+    assert [r["peer"] for r in rows] == ["gloo", "reduction-server"]
+    gloo, ours = rows
+    for row in rows:
+        assert set(ddp.COLUMNS) <= set(row)
+        assert row["W"] == 2 and row["mbit"] == 400 and row["batch"] == 4
+        assert row["params_M"] == pytest.approx((24 * 32 * 32 + 9 * 32) / 1e6)  # the quick MLP, D = 32
+        assert row["steps_per_s"] == pytest.approx(1e3 / row["step_ms"])
+        assert row["loss"] < row["first_loss"]  # it trained
+    assert ours["R"] == 2 and ours["vs_gloo"] == pytest.approx(ours["steps_per_s"] / gloo["steps_per_s"])
+    # Same weights, data and averaged gradients: the same training whichever backend sums them.
+    assert ours["first_loss"] == gloo["first_loss"]
+    assert ours["loss"] == pytest.approx(gloo["loss"], rel=1e-5)
+    assert table.splitlines()[0].split() == ddp.COLUMNS
+    assert _bench_namespaces() == before
+
+
+@needs_root
 def test_netem_cleans_up_when_interrupted(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out",
                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -107,5 +130,6 @@ def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(PermissionError, match="needs root"):
         EmulatedNetwork(2, 100)
-    assert main(["bench", "netem", "--quick", "--out", str(tmp_path)]) == 2
-    assert "needs root" in capsys.readouterr().err
+    for suite in ("netem", "ddp"):
+        assert main(["bench", suite, "--quick", "--out", str(tmp_path)]) == 2
+        assert "needs root" in capsys.readouterr().err

@@ -268,6 +268,35 @@ def test_unsigned_avg():
     np.testing.assert_array_equal(acc, np.array([(2**64 - 1) // 3, 2**63 // 3], np.uint64))
 
 
+# Divisors around every power of two the reciprocal division depends on (1, 2^k - 1, 2^k,
+# 2^k + 1, the 8-, 16-, 32- and 53-bit edges), then log-uniform ones up to 2^63 - 1.
+EDGE_WORLDS = sorted({1, 2, 3, 5, 6, 7, 9, 10, 100, 127, 641, 1000, 65535, 65537, 2**53 + 1,
+                      *(2**k + e for k in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 33, 52, 53, 62)
+                        for e in (-1, 0, 1)), 2**63 - 1})
+
+
+@pytest.mark.parametrize("dtype", [d for d in DType if not d.is_float], ids=lambda d: d.name)
+def test_integer_avg_by_any_world(isa, dtype):
+    """AVG divides exactly (C division) for every world: full-range values, the multiples of the
+    world and their neighbours, the extremes, at lengths that cover vector bodies and tails."""
+    st = dtype.storage
+    info = np.iinfo(st)
+    rng = np.random.default_rng(100 + int(dtype))
+    worlds = EDGE_WORLDS + sorted({min(int(x), 2**63 - 1) for x in np.exp2(rng.uniform(0, 63, 60))})
+    extremes = np.array([info.min, info.min + 1, info.max, info.max - 1, 0, 1, info.max // 2], st)
+    for world in worlds:
+        bound = int(info.max) // world  # multiples k * world of every k in [-bound, bound] fit
+        k = rng.integers(-bound if info.min else 0, bound, 300, np.int64 if info.min else np.uint64, endpoint=True)
+        multiples = np.concatenate([k.astype(object) * world + e for e in (-1, 0, 1)])
+        multiples = multiples[(multiples >= int(info.min)) & (multiples <= int(info.max))].astype(st)
+        acc = np.concatenate([rng.integers(info.min, info.max, 517, dtype=st, endpoint=True), multiples,
+                              extremes])
+        out = np.full_like(acc, 99)
+        _native.store(acc, out, int(dtype), int(ReduceOp.AVG), world)
+        wide = acc.astype(np.int64) if st.itemsize < 8 else acc  # world fits: the reference's type
+        np.testing.assert_array_equal(out, trunc_div(wide, world).astype(st), err_msg=f"world {world}")
+
+
 # ------------------------------------------------------------------------------------------
 # Float semantics
 
