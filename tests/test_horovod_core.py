@@ -218,3 +218,30 @@ def test_cycle_time_from_the_environment():
     assert cycle_time({"HOROVOD_CYCLE_TIME": "5", "RS_CYCLE_TIME": "0.5"}) == 0.0005
     with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME='fast'"):
         cycle_time({"HOROVOD_CYCLE_TIME": "fast"})
+
+
+def test_timeline_shows_tensors_not_negotiation(group, tmp_path, monkeypatch):
+    """RS_TIMELINE: each fused collective is one event named after its tensors, with how long
+    negotiation took; the negotiation's own collectives (every cycle) stay off it."""
+    import json
+
+    monkeypatch.setenv("RS_TIMELINE", str(tmp_path / "trace.json"))
+
+    def body(coord, rank):
+        futures = [submit(coord, f"w{i}", np.ones(4, np.float32)) for i in range(5)]
+        for f in futures:
+            f.result(10)
+        time.sleep(0.05)  # idle cycles, which must not show
+
+    run(2, group, body, cycle_seconds=0.2)
+    for rank in range(2):
+        events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())
+        collectives = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("tensors")]
+        # Usually one fused event ("allreduce w0, w1, w2 +2"); a loaded machine may split the
+        # submissions over two cycles.
+        assert [t for e in collectives for t in e["args"]["tensors"]] == [f"w{i}" for i in range(5)], events
+        for e in collectives:
+            shown = ", ".join(e["args"]["tensors"][:3])
+            assert e["name"].startswith(f"allreduce {shown}"), e
+            assert e["args"]["negotiation_us"] > 0
+        assert not [e for e in events if e.get("name", "").startswith("all_reduce")], "negotiation was traced"

@@ -3,21 +3,21 @@ real rank processes: collectives matched by name across ranks that submit in dif
 DistributedOptimizer training equal to a single process on the concatenated batch, the initial
 broadcast, and the example under the launcher."""
 import json
-import subprocess
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
-from cluster import ROOT, SCRIPTS, child_env, reducers, run_workers  # noqa: E402
+from cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
 
 # Training configurations each rank runs, by name (see horovod_torch_worker.py).
 CONFIGS = {"plain": {}, "momentum": {"momentum": 0.9}, "accumulate": {"passes": 2},
-           "predivide": {"predivide": 2.0}, "fp16": {"fp16": True}}
+           "predivide": {"predivide": 2.0}, "fp16": {"fp16": True}, "sum": {"op": "sum"},
+           "explicit_sync": {"explicit_sync": True}}
 _results = {}
 
 
@@ -105,8 +105,5 @@ def test_collectives_matched_by_name(job):
 
 
 def test_example_runs_under_the_launcher(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
-                           sys.executable, str(ROOT / "examples" / "horovod_torch.py"), "--steps", "3"],
-                          env=child_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "weights identical on all ranks: True" in proc.stdout, proc.stdout
+    out = run_example("horovod_torch.py", "--steps", "3", "--fp16-allreduce", cwd=tmp_path)
+    assert "weights identical on all ranks: True" in out, out

@@ -38,9 +38,10 @@ from reduction_server.log import get_logger
 from reduction_server.protocol import DType, ReduceOp
 from reduction_server.settings import DEFAULT_TIMEOUT, env_number
 
-from ..buffers import WireBuffer
+from ..buffers import WireBuffer, wire_view
 from ..communicator import Communicator
 from ..fusion import fusion_threshold
+from ..timeline import Trace
 
 log = get_logger("horovod")
 
@@ -103,6 +104,7 @@ class _Mine:
     send: Optional[WireBuffer]
     out: Optional[WireBuffer]
     future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class Coordinator:
         self.stall_timeout = (env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float)
                               if stall_timeout is None else stall_timeout)
         self._owns = owns_communicator
+        self._timeline = comm._engine.timeline  # None unless RS_TIMELINE is set
         self._lock = threading.Lock()
         self._wake = threading.Event()  # cuts a cycle's wait short at shutdown
         self._new: List[_Mine] = []  # submitted, not yet announced
@@ -230,11 +233,11 @@ class Coordinator:
         payload = json.dumps([m.request.encode() for m in new], separators=(",", ":")).encode() if new else b""
         table = np.zeros((self.size, 3), np.int64)
         table[self.rank] = (len(payload), stopping, int(time.monotonic() * 1e6) if self.rank == 0 else 0)
-        self.comm.all_reduce(table, out=table)
+        _sum(self.comm, table, traced=False)  # every cycle: kept off the timeline
         clock = table[0, 2] / 1e6
         ready: List[Tuple[str, Dict[int, Request]]] = []
         if table[:, 0].any():
-            for r, blob in enumerate(exchange_bytes(self.comm, payload, table[:, 0])):
+            for r, blob in enumerate(exchange_bytes(self.comm, payload, table[:, 0], traced=False)):
                 for item in json.loads(blob) if blob else ():
                     self._arrived(r, Request.decode(item), clock, ready)
         self._launch(ready)
@@ -307,16 +310,20 @@ class Coordinator:
         if len(batch) == 1:
             self._start(batch, batch[0].send, batch[0].out, req.op, 0)
             return
+        trace = self._trace(batch)
         size = req.dtype.itemsize
         total = sum(m.request.count for m in batch)
         fused = self._buffer(total * size)
         offset = 0
+        copy_started = time.perf_counter()
         for m in batch:
             n = m.request.count * size
             fused[offset:offset + n] = m.send.data
             offset += n
+        if trace is not None:
+            trace.copied(copy_started)
         wire = WireBuffer(req.dtype, total, memoryview(fused[:total * size]))
-        self._start(batch, wire, wire, req.op, 0, fused)
+        self._start(batch, wire, wire, req.op, 0, fused, trace=trace)
 
     def _allgather(self, mine: _Mine, requests: Dict[int, Request]) -> None:
         """Each rank's rows at its offset in a zero buffer, summed as bytes: exact for any dtype."""
@@ -331,12 +338,27 @@ class Coordinator:
         wire = WireBuffer(DType.UINT8, len(out), memoryview(out))
         self._start([mine], wire, wire, ReduceOp.SUM, 0, result=(out, shape))
 
+    def _trace(self, batch: List[_Mine]) -> Optional[Trace]:
+        """The timeline record of a batch's collective, named after its tensors, begun now that
+        negotiation has agreed on it; `negotiation_us` is how long its first tensor waited."""
+        if self._timeline is None:
+            return None
+        names = [m.request.name for m in batch]
+        shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
+        waited = time.perf_counter() - min(m.submitted for m in batch)
+        return self._timeline.begin(f"{batch[0].request.kind} {shown}",
+                                    {"tensors": names, "negotiation_us": round(waited * 1e6)})
+
     def _start(self, batch: List[_Mine], send: Optional[WireBuffer], out: WireBuffer, op: ReduceOp, root: int,
-               fused: Optional[np.ndarray] = None, result: Any = None) -> None:
+               fused: Optional[np.ndarray] = None, result: Any = None, trace: Optional[Trace] = None) -> None:
+        if trace is None and len(batch) == 1:
+            trace = self._trace(batch)
         try:
             handle = self.comm._start(send if op is not ReduceOp.BROADCAST or self.rank == root else None,
-                                      out, op, root, None)
+                                      out, op, root, None, trace=trace)
         except BaseException as exc:  # noqa: BLE001 - e.g. the communicator has failed
+            if trace is not None:
+                self._timeline.finish(trace, str(exc))
             for m in batch:
                 m.future.set_exception(exc)
             return
@@ -397,14 +419,20 @@ class Coordinator:
                 m.future.set_exception(exc)
 
 
-def exchange_bytes(comm: Communicator, payload: bytes, lengths: Sequence[int]) -> List[bytes]:
+def _sum(comm: Communicator, array: np.ndarray, traced: bool = True) -> None:
+    """In-place sum of `array` over every rank."""
+    wire = wire_view(array, writable=True)
+    comm._start(wire, wire, ReduceOp.SUM, 0, None, traced=traced).wait()
+
+
+def exchange_bytes(comm: Communicator, payload: bytes, lengths: Sequence[int], traced: bool = True) -> List[bytes]:
     """Every rank's payload, given every rank's length: each rank fills its own slice of a zero
     buffer and the buffer is summed as bytes (exact: the other ranks add zeros)."""
     ends = np.cumsum(np.asarray(lengths, np.int64))
     buf = np.zeros(int(ends[-1]), np.uint8)
     start = int(ends[comm.rank]) - len(payload)
     buf[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
-    comm.all_reduce(buf, out=buf)
+    _sum(comm, buf, traced)
     raw = buf.tobytes()
     return [raw[int(e - n):int(e)] for e, n in zip(ends, lengths)]
 
@@ -413,7 +441,7 @@ def gather_bytes(comm: Communicator, payload: bytes) -> List[bytes]:
     """Every rank's payload, in rank order (two all-reduces; call on every rank in the same order)."""
     lengths = np.zeros(comm.world_size, np.int64)
     lengths[comm.rank] = len(payload)
-    comm.all_reduce(lengths, out=lengths)
+    _sum(comm, lengths)
     return exchange_bytes(comm, payload, lengths) if lengths.any() else [b""] * comm.world_size
 
 

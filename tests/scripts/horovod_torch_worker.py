@@ -69,7 +69,8 @@ def train(rank, world, config):
     model = make_model(seed=1000 + rank)  # a different start on every rank
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     initial = flat(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=config.get("momentum", 0.0))
+    summing = config.get("op") == "sum"  # summed gradients with the rate divided by W: the same steps
+    opt = torch.optim.SGD(model.parameters(), lr=LR / world if summing else LR, momentum=config.get("momentum", 0.0))
     passes = config.get("passes", 1)
     started = []  # per backward: the all-reduces already started when the first layer's grads arrive
     for p in model.a.parameters():  # registered before the optimizer's hooks: these run first
@@ -78,7 +79,7 @@ def train(rank, world, config):
     opt = dist_opt = hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
         compression=hvd.Compression.fp16 if config.get("fp16") else hvd.Compression.none,
-        gradient_predivide_factor=config.get("predivide", 1.0))
+        op=hvd.Sum if summing else hvd.Average, gradient_predivide_factor=config.get("predivide", 1.0))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     x, y = batch(world)
     per = x.shape[0] // world
@@ -89,7 +90,13 @@ def train(rank, world, config):
             rows = slice(part * per // passes, (part + 1) * per // passes)
             loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes
             loss.backward()
-        opt.step()
+        if config.get("explicit_sync"):  # e.g. to clip the reduced gradients before stepping
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
     return {"initial": initial, "final": flat(model), "started_before_first_layer": started}
 
 

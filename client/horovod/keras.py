@@ -1,0 +1,19 @@
+"""Horovod's Keras API (horovod.tensorflow.keras) over the reduction server.
+
+    import reduction_server.client.horovod.keras as hvd
+
+    hvd.init()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())),
+                  loss="mse", jit_compile=False)
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback(),
+                               hvd.callbacks.LearningRateWarmupCallback(0.01 * hvd.size(), warmup_epochs=3)])
+
+Everything in reduction_server.client.horovod.tensorflow is here too; ``callbacks`` holds the
+Keras callbacks (keras_callbacks.py).
+"""
+from . import keras_callbacks as callbacks
+from .tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API
+from .tensorflow import __all__ as _tensorflow_all
+
+__all__ = ["callbacks", *_tensorflow_all]

@@ -1,0 +1,101 @@
+"""One rank of a Horovod-style TensorFlow/Keras job (reduction_server.client.horovod.keras):
+a custom loop with hvd.DistributedGradientTape, model.fit with hvd.DistributedOptimizer and
+hvd.callbacks, and the collectives. Prints one JSON line."""
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_fit  # noqa: E402
+import reduction_server.client.horovod.keras as hvd  # noqa: E402
+import tf_custom_loop  # noqa: E402
+
+
+def custom_loop(rank, world, steps, per, lr, predivide):
+    model = tf_custom_loop.make_model(seed=rank)  # different on every rank
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    initial = tf_custom_loop.weights(model)
+    optimizer = keras.optimizers.SGD(lr)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function(jit_compile=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=predivide)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    for s in range(steps):
+        x, y = tf_custom_loop.global_batch(s, world * per)
+        step(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    return {"initial": initial.tolist(), "final": tf_custom_loop.weights(model).tolist()}
+
+
+def fit(rank, world, steps, per, lr, epochs, warmup=None):
+    model = keras_fit.make_model(seed=rank)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    if warmup:
+        callbacks.append(hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=warmup))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse", jit_compile=False)
+    x, y = keras_fit.dataset(steps, per, world)
+    history = model.fit(keras_fit.shard(x, per, rank, world), keras_fit.shard(y, per, rank, world),
+                        batch_size=per, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    return {"final": keras_fit.weights(model).tolist(), "history": history.history}
+
+
+def collectives(rank, world):
+    out = {}
+    for name, op in (("sum", hvd.Sum), ("average", hvd.Average), ("min", hvd.Min), ("max", hvd.Max),
+                     ("product", hvd.Product)):
+        out[name] = hvd.allreduce(tf.constant([1.0, 2.0]) * (rank + 1), op=op, name=f"op.{name}").numpy().tolist()
+    out["scaled"] = hvd.allreduce(tf.ones(2), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).numpy().tolist()
+    out["fp16"] = hvd.allreduce(tf.fill([3], 0.5 + rank), op=hvd.Sum, compression=hvd.Compression.fp16)
+    out["fp16"] = [out["fp16"].dtype.name, out["fp16"].numpy().tolist()]
+    out["grouped"] = [t.numpy().tolist() for t in
+                      hvd.grouped_allreduce([tf.ones(2) * rank, tf.ones(3, tf.float64)], op=hvd.Sum)]
+    out["broadcast"] = hvd.broadcast(tf.fill([2], float(rank)), root_rank=world - 1).numpy().tolist()
+    out["allgather"] = hvd.allgather(tf.fill([rank + 1, 2], rank)).numpy().tolist()
+
+    @tf.function(jit_compile=False)
+    def in_graph(x):
+        return hvd.allreduce(x, op=hvd.Sum, name="in_graph"), hvd.allgather(x, name="gather_in_graph")
+
+    summed, gathered = in_graph(tf.constant([float(rank)]))
+    out["in_graph"] = [summed.numpy().tolist(), gathered.numpy().tolist()]
+    out["object"] = hvd.broadcast_object({"from": rank}, root_rank=1)
+    out["objects"] = hvd.allgather_object(rank * 10)
+    try:
+        hvd.allreduce(tf.zeros([rank + 1]), name="mismatch")
+        out["mismatch"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    try:
+        tf.function(lambda x: hvd.allreduce(x, name="xla"), jit_compile=True)(tf.ones(1))
+        out["xla"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["xla"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "collectives": collectives(rank, world),
+              "loop": custom_loop(rank, world, **spec["loop"]), "fit": fit(rank, world, **spec["fit"]),
+              "warmup": fit(rank, world, **spec["warmup"])["history"]}
+    hvd.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
