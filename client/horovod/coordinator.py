@@ -6,9 +6,10 @@ gradients in a different order on each rank), and a background cycle matches the
 module does the same over the reducers.
 
 Every HOROVOD_CYCLE_TIME milliseconds a background thread exchanges each rank's newly submitted
-requests with every other rank: an all-reduce of a small table of lengths and flags, then, when
-any rank has something new, an all-reduce of a byte buffer in which each rank fills its own
-slice (an integer sum with zeros elsewhere, so exact). Every rank then holds the same table of
+requests with every other rank: an all-reduce of a small table in which each rank fills its own
+row (its payload's length, a stopping flag and, when they fit in 512 bytes, the requests
+themselves; an integer sum with zeros elsewhere, so exact), and only for longer payloads a second
+all-reduce of a byte buffer filled the same way. Every rank then holds the same table of
 who asked for what, and computes the same list of names that every rank has asked for, in the
 same order. Those run in that order; consecutive all-reduces of one dtype and op are fused into
 one collective of up to the fusion threshold (HOROVOD_FUSION_THRESHOLD). A name whose kind, dtype,
@@ -49,6 +50,8 @@ log = get_logger("horovod")
 DEFAULT_CYCLE_TIME_MS = 1.0
 #: an idle job backs off to at most this many cycle times between negotiations
 _IDLE_BACKOFF = 8
+#: request bytes a rank sends inside the per-cycle table (more take a second exchange)
+_INLINE_BYTES = 512
 
 ALLREDUCE, ALLGATHER, BROADCAST = "allreduce", "allgather", "broadcast"
 
@@ -231,13 +234,20 @@ class Coordinator:
             new, self._new = self._new, []
             stopping = self._stopping
         payload = json.dumps([m.request.encode() for m in new], separators=(",", ":")).encode() if new else b""
-        table = np.zeros((self.size, 3), np.int64)
-        table[self.rank] = (len(payload), stopping, int(time.monotonic() * 1e6) if self.rank == 0 else 0)
+        # Each rank's row: payload length, stopping flag, rank 0's clock, and the payload itself when
+        # it fits (a few requests): one collective per cycle, a second only for a longer payload.
+        table = np.zeros((self.size, 3 + _INLINE_BYTES // 8), np.int64)
+        table[self.rank, :3] = (len(payload), stopping, int(time.monotonic() * 1e6) if self.rank == 0 else 0)
+        if len(payload) <= _INLINE_BYTES:
+            table[self.rank, 3:].view(np.uint8)[:len(payload)] = np.frombuffer(payload, np.uint8)
         _sum(self.comm, table, traced=False)  # every cycle: kept off the timeline
         clock = table[0, 2] / 1e6
+        lengths = table[:, 0]
         ready: List[Tuple[str, Dict[int, Request]]] = []
-        if table[:, 0].any():
-            for r, blob in enumerate(exchange_bytes(self.comm, payload, table[:, 0], traced=False)):
+        if lengths.any():
+            blobs = (exchange_bytes(self.comm, payload, lengths, traced=False) if lengths.max() > _INLINE_BYTES
+                     else [row[3:].view(np.uint8)[:n].tobytes() for row, n in zip(table, lengths)])
+            for r, blob in enumerate(blobs):
                 for item in json.loads(blob) if blob else ():
                     self._arrived(r, Request.decode(item), clock, ready)
         self._launch(ready)
@@ -247,7 +257,7 @@ class Coordinator:
             self._fail_all(CollectiveError(f"rank {self.rank}: ranks {leaving} shut down before this "
                                            "collective completed"), f"ranks {leaving} have shut down")
             return False, True
-        return bool(ready or self._pending or table[:, 0].any()), False
+        return bool(ready or self._pending or lengths.any()), False
 
     def _arrived(self, rank: int, request: Request, clock: float,
                  ready: List[Tuple[str, Dict[int, Request]]]) -> None:
