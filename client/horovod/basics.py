@@ -10,6 +10,7 @@ import atexit
 import pickle
 import socket
 import threading
+from concurrent.futures import Future
 from typing import Any, List, Optional
 
 import numpy as np
@@ -125,11 +126,17 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     return [pickle.loads(joined[e - n:e].tobytes()) for e, n in zip(ends, lengths)]
 
 
-def run(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
-        op: ReduceOp = ReduceOp.SUM, root: int = 0) -> Any:
-    """One named collective of NumPy arrays, waited for: allgather returns the gathered array,
-    the others leave their result in `out`."""
+def submit(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
+           op: ReduceOp = ReduceOp.SUM, root: int = 0) -> Future:
+    """Start one named collective of NumPy arrays: the Future's value is the gathered array for
+    allgather; the others leave their result in `out`."""
     wire = wire_view(send, what=f"tensor {name!r}")
     request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, root)
     dst = None if out is None else wire_view(out, writable=True, what=f"output of {name!r}")
-    return coordinator().submit(request, wire, dst).result()
+    return coordinator().submit(request, wire, dst)
+
+
+def run(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
+        op: ReduceOp = ReduceOp.SUM, root: int = 0) -> Any:
+    """submit(), waited for."""
+    return submit(kind, name, send, out, op=op, root=root).result()

@@ -22,13 +22,12 @@ import tensorflow as tf  # the real tensorflow: absolute import
 from reduction_server.protocol import ReduceOp
 
 from .. import tensorflow as rstf
-from ..buffers import wire_view
 from . import basics
 from .basics import (allgather_object, broadcast_object, cross_rank, cross_size, is_initialized, local_rank,
                      local_size, rank, shutdown, size)
 from .compression import Compression
-from .coordinator import ALLGATHER, ALLREDUCE, BROADCAST, Request, name_counter
-from .ops import Adasum, Average, Max, Min, Product, Sum, resolve_op
+from .coordinator import ALLGATHER, ALLREDUCE, BROADCAST, name_counter
+from .ops import Adasum, Average, Max, Min, Product, Sum, check_process_set, resolve_op
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max", "Min",
            "Product", "Sum", "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_object",
@@ -63,11 +62,7 @@ def _negotiate(kind: str, arrays: Sequence[np.ndarray], names: Sequence[str], op
     if len(set(names)) != len(names):
         raise ValueError(f"tensor names repeat within one call: {sorted({n for n in names if names.count(n) > 1})}")
     outs = [np.array(a, order="C", copy=True) for a in arrays]
-    futures = []
-    for name, out in zip(names, outs):
-        wire = wire_view(out, writable=True, what=f"tensor {name!r}")
-        request = Request(name, kind, wire.dtype, out.shape, op, root)
-        futures.append(basics.coordinator().submit(request, wire, wire))
+    futures = [basics.submit(kind, name, out, out, op=op, root=root) for name, out in zip(names, outs)]
     for future in futures:
         future.result()
     return outs
@@ -80,12 +75,6 @@ def init(comm: Any = None) -> None:
     rstf.use_collectives(NegotiatedCollectives())
 
 
-def _check_set(process_set: Any) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("process sets are not supported by the reduction server; every collective spans "
-                         "all ranks")
-
-
 def _scaled(tensor: Any, factor: float) -> Any:
     return tensor if tensor is None or factor == 1.0 else tensor * tf.cast(factor, tensor.dtype)
 
@@ -96,7 +85,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       process_set: Any = None) -> List[Any]:
     """The reductions of `tensors` over all ranks, negotiated and fused together. IndexedSlices
     are made dense first (Horovod's sparse_as_dense)."""
-    _check_set(process_set)
+    check_process_set(process_set)
     rop = resolve_op(op, average)
     name = name or _names[ALLREDUCE]()
     tensors = [_scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
@@ -115,7 +104,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
 
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, process_set: Any = None) -> tf.Tensor:
     """root_rank's `tensor` on every rank."""
-    _check_set(process_set)
+    check_process_set(process_set)
     name = name or _names[BROADCAST]()
     value = tf.convert_to_tensor(tensor)
     rstf.refuse_xla("broadcast")
@@ -130,13 +119,13 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, process_s
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_set: Any = None) -> None:
     """Overwrite every variable with root_rank's value."""
-    _check_set(process_set)
+    check_process_set(process_set)
     rstf.broadcast_variables(variables, root_rank)
 
 
 def allgather(tensor: Any, name: Optional[str] = None, process_set: Any = None) -> tf.Tensor:
     """Every rank's `tensor` concatenated along the first dimension (which may differ by rank)."""
-    _check_set(process_set)
+    check_process_set(process_set)
     name = name or _names[ALLGATHER]()
     value = tf.convert_to_tensor(tensor)
     rstf.refuse_xla("allgather")
@@ -155,7 +144,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                             process_set: Any = None) -> rstf.DistributedGradientTape:
     """`gradtape`, whose gradient() returns the gradients reduced (averaged) over all ranks."""
-    _check_set(process_set)
+    check_process_set(process_set)
     return rstf.DistributedGradientTape(gradtape, resolve_op(op), compression,
                                         gradient_predivide_factor=gradient_predivide_factor)
 
@@ -168,7 +157,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     """A Keras 3 optimizer whose apply()/apply_gradients() (and so model.fit) average the
     gradients over all ranks first. backward_passes_per_step > 1 uses Keras's own gradient
     accumulation (gradient_accumulation_steps)."""
-    _check_set(process_set)
+    check_process_set(process_set)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
     if backward_passes_per_step > 1:

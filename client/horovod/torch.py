@@ -33,7 +33,7 @@ from .basics import (allgather_object, broadcast_object, coordinator, cross_rank
                      is_initialized, local_rank, local_size, rank, shutdown, size)
 from .compression import Compression
 from .coordinator import ALLGATHER, ALLREDUCE, BROADCAST, Request, name_counter
-from .ops import Adasum, Average, Max, Min, Product, Sum, resolve_op
+from .ops import Adasum, Average, Max, Min, Product, Sum, check_process_set, resolve_op
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
            "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
@@ -102,7 +102,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> int:
     """Start an in-place all-reduce of `tensor`; a handle for synchronize()/poll()."""
-    _global_set_only(process_set)
+    check_process_set(process_set)
     rop = resolve_op(op, average)
     name = name or _names[ALLREDUCE]()
     if prescale_factor != 1.0:
@@ -192,7 +192,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = None) -> int:
     """Start overwriting `tensor` on every rank with root_rank's."""
-    _global_set_only(process_set)
+    check_process_set(process_set)
     name = name or _names[BROADCAST]()
     staged = Staged(tensor, f"broadcast tensor {name!r}", load=rank() == root_rank)
     wire = wire_view(staged.wire(None), writable=True, what=f"tensor {name!r}")
@@ -227,7 +227,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> int:
     """Start concatenating every rank's `tensor` along the first dimension (which may differ
     across ranks; the others must match)."""
-    _global_set_only(process_set)
+    check_process_set(process_set)
     name = name or _names[ALLGATHER]()
     staged = Staged(tensor, f"allgather tensor {name!r}")
     raw = _bytes(staged.host)
@@ -245,12 +245,6 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
     return synchronize(allgather_async(tensor, name, process_set))
-
-
-def _global_set_only(process_set: Any) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("process sets are not supported by the reduction server; every collective spans "
-                         "all ranks")
 
 
 # -- model and optimizer state ---------------------------------------------------------------------
@@ -402,7 +396,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     """`optimizer`, whose step() first averages (op) the gradients over all ranks. Each
     gradient's all-reduce starts as soon as backward has produced it, fused with its neighbours
     up to HOROVOD_FUSION_THRESHOLD."""
-    _global_set_only(process_set)
+    check_process_set(process_set)
     if num_groups or groups:
         warnings.warn("num_groups/groups are ignored: the reduction server fuses by the fusion threshold",
                       stacklevel=2)
