@@ -82,6 +82,21 @@ class Workers:
                 assert time.monotonic() < deadline, f"ranks {pending} did not say {key!r}"
                 self.changed.wait(0.2)
 
+    def wait_until_still(self, ranks, quiet: float, timeout: float) -> None:
+        """Until no rank in `ranks` has printed a line for `quiet` seconds (they all wait)."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                seen = [len(self.lines[r]) for r in ranks]
+                still_since = time.monotonic()
+                while time.monotonic() - still_since < quiet:
+                    self.changed.wait(quiet)
+                    if [len(self.lines[r]) for r in ranks] != seen:
+                        break
+                else:
+                    return
+                assert time.monotonic() < deadline, f"ranks {list(ranks)} kept making progress"
+
     def stderr(self, rank: int) -> str:
         self.errs[rank].seek(0)
         return self.errs[rank].read()[-3000:]
@@ -205,13 +220,21 @@ def restart_reducer(group: Reducers, index: int, env: Dict[str, str]) -> None:
 
 
 def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used_again(tmp_path: Path):
+    """Killed in the middle of a collective: every rank's collective fails at once, naming it.
+
+    To land the kill inside a collective on every rank (not between two, where a collective waits
+    for the reducer to come back: the next test), the reducer is first stopped (SIGSTOP) until no
+    rank makes progress, then killed."""
     env = {**FAST, "RS_TIMEOUT": "30"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5}, env)
+        workers = Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5,
+                                     "progress": True}, env)
         try:
             workers.wait_for("ready", range(3))
-            time.sleep(0.3)
+            stopped = psutil.Process(group.procs[1].pid)
+            stopped.suspend()
+            workers.wait_until_still(range(3), quiet=1.0, timeout=QUIET / 2)
             killed_at = time.time()
             group.procs[1].kill()
             group.procs[1].wait()
@@ -228,10 +251,47 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
             print(f"rank {r}: error {latency:.3f} s after the kill: {res['error']}")
             assert res["error"] == errors[r]
             assert "reducer 1" in res["error"] and group.addresses[1] in res["error"], res["error"]
-            assert "was lost" in res["error"], res["error"]
+            assert "was lost" in res["error"] and "did not come back" not in res["error"], res["error"]
             assert latency < DETECT, latency
             assert res["after"] == 5  # the same processes used the restarted reducer
         assert group.alive()
+
+
+@pytest.mark.parametrize("comes_back", [True, False], ids=["restarted", "gone"])
+def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_liveness_timeout(
+        tmp_path: Path, comes_back: bool):
+    """Killed between collectives (a training step's compute phase): the next collective waits
+    for the reducer; restarted in time, it is used and nothing fails; otherwise the collective
+    fails after RS_LIVENESS_TIMEOUT, naming it."""
+    liveness = QUIET if comes_back else LIVENESS
+    env = {**FAST, "RS_LIVENESS_TIMEOUT": str(liveness), "RS_TIMEOUT": "30"}
+    go = tmp_path / "go"
+    with reducers(2, extra_env=env) as group:
+        workers = Workers(3, group, {"mode": "between", "count": 1 << 20, "go": str(go)}, env)
+        try:
+            workers.wait_for("ready", range(3))
+            group.procs[1].kill()
+            group.procs[1].wait()
+            time.sleep(0.5)  # every worker has seen its connection close before it starts the collective
+            go.touch()
+            if comes_back:
+                time.sleep(1.0)  # the collectives are waiting by now
+                restart_reducer(group, 1, env)
+            results = workers.finish(range(3))
+        finally:
+            workers.kill_all()
+        for r in range(3):
+            res = results[r]
+            print(f"rank {r}: took {res['took']:.3f} s: {res['error']}")
+            if comes_back:
+                assert res["error"] is None
+                assert res["took"] >= 0.9  # it waited for the restart
+            else:
+                assert "reducer 1" in res["error"] and group.addresses[1] in res["error"], res["error"]
+                assert f"did not come back within {liveness:g} s" in res["error"], res["error"]
+                assert liveness - 0.1 <= res["took"] < liveness + SLACK, res["took"]
+        if comes_back:
+            assert group.alive()
 
 
 def test_a_reducer_that_is_silent_is_declared_lost_after_the_liveness_timeout():

@@ -4,9 +4,12 @@ Every mode prints progress lines ("ready", ...) as JSON as it goes and one JSON 
 last. Times are wall-clock (time.time()), to compare with the test's own clock on this machine.
 
 - loop: all-reduce a large buffer until a collective fails (a worker or reducer was killed);
-  then try one more collective (it must fail too, at once). {"count", "ready_after"}
+  then try one more collective (it must fail too, at once). {"count", "ready_after", "progress":
+  say {"done": i} after each collective}
 - restart: like loop (without the one more), then wait for the file "go" to exist and run "after" collectives, which
   must succeed on the same communicator (the reducer was restarted at the same address).
+- between: run "before" collectives, say ready, wait for the file "go" (a reducer is killed, and
+  maybe restarted, in between), then run one more collective; report whether it worked and how long it took.
 - straggler: rank "slow" sleeps "delay" seconds first; every rank then all-reduces once.
 - close: every rank runs "before" collectives; rank "closer" then closes its communicator and
   exits; the others start one more collective, which must fail naming the closer.
@@ -38,6 +41,14 @@ def step(comm, x: np.ndarray, i: int) -> None:
         raise AssertionError(f"collective {i}: got {y[0]}, {y[-1]}, expected {expected}")
 
 
+def wait_for_go(go: Path) -> None:
+    deadline = time.time() + 60
+    while not go.exists():
+        if time.time() > deadline:
+            raise AssertionError("the test never said go")
+        time.sleep(0.05)
+
+
 def fail_loop(comm, spec) -> dict:
     x = np.zeros(spec.get("count", 1 << 20), np.float32)
     i = 0
@@ -49,6 +60,8 @@ def fail_loop(comm, spec) -> dict:
         i += 1
         if i == spec.get("ready_after", 3):
             say(rank=comm.rank, ready=True)
+        if spec.get("progress"):
+            say(rank=comm.rank, done=i)
         if i > 100000:
             raise AssertionError("no failure came")
 
@@ -71,16 +84,24 @@ def main() -> None:
             out["next_took"] = time.time() - start
         else:
             say(rank=rank, waiting=True, error=out["error"])
-            go = Path(spec["go"])
-            deadline = time.time() + 60
-            while not go.exists():
-                if time.time() > deadline:
-                    raise AssertionError("the test never said go")
-                time.sleep(0.05)
+            wait_for_go(Path(spec["go"]))
             x = np.zeros(spec.get("count", 1 << 20), np.float32)
             for i in range(spec.get("after", 5)):
                 step(comm, x, 100 + i)
             out["after"] = spec.get("after", 5)
+    elif mode == "between":
+        x = np.zeros(spec.get("count", 1 << 20), np.float32)
+        for i in range(spec.get("before", 3)):
+            step(comm, x, i)
+        say(rank=rank, ready=True)
+        wait_for_go(Path(spec["go"]))
+        start = time.time()
+        try:
+            step(comm, x, 50)
+            out["error"] = None
+        except CollectiveError as exc:
+            out["error"] = str(exc)
+        out["took"] = time.time() - start
     elif mode == "straggler":
         t0 = time.time()
         if rank == spec["slow"]:
