@@ -130,12 +130,16 @@ class EmulatedNetwork:
 
 
 _PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: settings of this project that the emulated hosts inherit: `RS_PIPELINE_DEPTH=24 reduction-server
+#: bench netem` measures that depth
+TUNING = ("RS_PIPELINE_DEPTH", "RS_WINDOW", "RS_CHUNK_BYTES")
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
-    """This machine's environment without any rank placement of its own, plus `extra`; one
-    thread per process, as many processes share few cores."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RS_") and k not in _PLACEMENT}
+    """This machine's environment without any rank placement of its own (but with its TUNING),
+    plus `extra`; one thread per process, as many processes share few cores."""
+    env = {k: v for k, v in os.environ.items()
+           if (not k.startswith("RS_") or k in TUNING) and k not in _PLACEMENT}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 

@@ -1,32 +1,30 @@
 """How a collective is cut into chunks and which reducer sums each chunk.
 
-The plan depends only on the element count, the item size, the number of reducers and the
-chunk size, so every rank computes the same one without talking (a rank configured with another
-chunk size is caught by the reducer as a mismatch). Chunk k of collective seq goes to reducer
+The plan depends only on the element count, the item size, the number of reducers, the chunk
+size and the pipeline depth, so every rank computes the same one without talking (a rank
+configured with another chunk size or depth is caught by the reducer as a mismatch). Chunk k of collective seq goes to reducer
 (seq + k) mod R: large buffers spread evenly, and small ones rotate over the reducers.
 """
 from __future__ import annotations
 
 from typing import List, Tuple
 
+from reduction_server.settings import DEFAULT_PIPELINE_DEPTH
+
 #: below this, a chunk is not split further to use more reducers (per-message cost dominates)
 MIN_SPLIT_BYTES = 64 * 1024
-#: chunks per reducer a buffer is cut into at least (when that keeps them >= MIN_SPLIT_BYTES):
-#: a reducer answers a chunk only once every rank's copy of it has arrived, so with one chunk
-#: per reducer the upload and the download of a collective cannot overlap and a link-bound
-#: all-reduce takes twice as long (measured on the emulated network: 0.5 of the link bound)
-PIPELINE_DEPTH = 8
 _ALIGN_ELEMENTS = 64
 
 
-def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
+                depth: int = DEFAULT_PIPELINE_DEPTH) -> List[Tuple[int, int]]:
     """[(offset, count), ...] in elements, covering 0..total in order."""
     if total <= 0:
         return []
     largest = max(1, chunk_bytes // itemsize)
     # A buffer a little over one chunk would leave reducers idle and unpipelined: give every
-    # reducer PIPELINE_DEPTH chunks, but not pieces smaller than MIN_SPLIT_BYTES.
-    even = -(-total // (num_reducers * PIPELINE_DEPTH))
+    # reducer `depth` chunks, but not pieces smaller than MIN_SPLIT_BYTES.
+    even = -(-total // (num_reducers * depth))
     size = min(largest, max(even, MIN_SPLIT_BYTES // itemsize))
     if size > _ALIGN_ELEMENTS:
         size -= size % _ALIGN_ELEMENTS  # chunk starts stay cache-line aligned

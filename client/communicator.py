@@ -19,8 +19,9 @@ import numpy as np
 from reduction_server.discovery import discover_worker, job_id_from, parse_address
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
-from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT,
-                                       DEFAULT_WINDOW, MAX_WINDOW, env_flag, env_number)
+from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PIPELINE_DEPTH,
+                                       DEFAULT_TIMEOUT, DEFAULT_WINDOW, MAX_PIPELINE_DEPTH, MAX_WINDOW,
+                                       env_flag, env_number)
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan_chunks
@@ -38,12 +39,13 @@ def _integer(value: Any) -> Any:
         return value
 
 
-def _window(window: Optional[int]) -> int:
-    if window is None:
-        return int(env_number("RS_WINDOW", DEFAULT_WINDOW, minimum=1, maximum=MAX_WINDOW))
-    if not 1 <= window <= MAX_WINDOW:
-        raise ConfigError(f"window must be in 1..{MAX_WINDOW}, got {window}")
-    return window
+def _bounded(value: Optional[int], name: str, variable: str, default: int, most: int) -> int:
+    """value, or the environment's `variable`, or `default`; an integer in 1..most."""
+    if value is None:
+        return int(env_number(variable, default, minimum=1, maximum=most))
+    if not 1 <= value <= most:
+        raise ConfigError(f"{name} must be in 1..{most}, got {value}")
+    return value
 
 
 class Handle:
@@ -64,6 +66,7 @@ class Communicator:
     def __init__(self, reducers: Sequence[str], rank: int, world_size: int, *,
                  job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
                  chunk_bytes: Optional[int] = None, window: Optional[int] = None,
+                 pipeline_depth: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None) -> None:
         if isinstance(reducers, str):
@@ -89,11 +92,13 @@ class Communicator:
         self.job_id = job_id_from(job_token) if job_id is None else job_id
         self.generation = generation
         self.chunk_bytes = chunk_bytes or int(env_number("RS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, minimum=64))
+        self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH",
+                                       DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH)
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()  # seq order == submission order
         self._engine = Engine(
             self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
-            window=_window(window),
+            window=_bounded(window, "window", "RS_WINDOW", DEFAULT_WINDOW, MAX_WINDOW),
             timeout=timeout or env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float),
             connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
                                                           minimum=0.01, kind=float),
@@ -150,7 +155,8 @@ class Communicator:
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
         limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
-        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit))
+        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
+                             self.pipeline_depth)
         with self._submit_lock:
             coll = Collective(next(self._seq), dst.dtype, op, root, src.data if src else None, dst.data,
                               dst.count, chunks, result, trace=trace, traced=traced)

@@ -15,7 +15,7 @@ import operator
 import struct
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import numpy as np
 import zmq
@@ -142,6 +142,11 @@ class DType(enum.IntEnum):
 
 _FROM_NUMPY: dict = {}  # numpy dtype -> DType, filled by DType.from_numpy
 
+# Code -> member, for the per-message paths: calling an IntEnum costs about 1 us, a dict lookup 30 ns.
+MSG_TYPES: Dict[int, MsgType] = {int(m): m for m in MsgType}
+DTYPES: Dict[int, DType] = {int(m): m for m in DType}
+OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
+
 
 _ITEMSIZE = {
     DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
@@ -170,11 +175,7 @@ class Header:
     nbytes: int = 0  # bytes in the payload frame (0: no payload frame)
 
     def pack(self) -> bytes:
-        return HEADER.pack(
-            MAGIC, VERSION, int(self.type), self.dtype, self.op, self.rank, self.world,
-            self.generation, self.chunk, self.nchunks, self.aux, self.job, self.seq,
-            self.offset, self.count, self.total, self.nbytes,
-        )
+        return pack_as(self, self.type, self.rank, self.nbytes)
 
     @property
     def key(self) -> tuple:
@@ -197,10 +198,10 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
         raise ProtocolError(f"bad magic number {magic:#010x}, expected {MAGIC:#010x}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    try:
-        mtype = MsgType(mtype)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {mtype}") from None
+    known = MSG_TYPES.get(mtype)
+    if known is None:
+        raise ProtocolError(f"unknown message type {mtype}")
+    mtype = known
     header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
                     offset, count, total, nbytes)
     if mtype in (MsgType.DATA, MsgType.RESULT):
@@ -212,14 +213,11 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
 
 def validate_data(h: Header) -> None:
     """Field checks for DATA/RESULT headers that need no state."""
-    try:
-        dtype = DType(h.dtype)
-    except ValueError:
-        raise ProtocolError(f"unknown dtype code {h.dtype}") from None
-    try:
-        op = ReduceOp(h.op)
-    except ValueError:
-        raise ProtocolError(f"unknown op code {h.op}") from None
+    dtype, op = DTYPES.get(h.dtype), OPS.get(h.op)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype code {h.dtype}")
+    if op is None:
+        raise ProtocolError(f"unknown op code {h.op}")
     if not 0 < h.world <= MAX_WORLD_SIZE:
         raise ProtocolError(f"world size {h.world} out of range 1..{MAX_WORLD_SIZE}")
     if h.type is MsgType.DATA and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
@@ -245,6 +243,12 @@ def data_header(
 ) -> bytes:
     return Header(mtype, int(dtype), int(op), rank, world, generation, chunk, nchunks, aux, job,
                   seq, offset, count, total, nbytes).pack()
+
+
+def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int) -> bytes:
+    """h packed, with its type, rank and payload size replaced (a reducer's RESULT for a DATA)."""
+    return HEADER.pack(MAGIC, VERSION, int(mtype), h.dtype, h.op, rank, h.world, h.generation, h.chunk,
+                       h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total, nbytes)
 
 
 def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:

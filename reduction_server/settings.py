@@ -16,6 +16,15 @@ MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 4 * MiB
 #: chunks a worker keeps in flight per reducer: overlap of send, reduce and receive
 DEFAULT_WINDOW = 4
+#: chunks per reducer a collective is cut into at least (RS_PIPELINE_DEPTH; chunks stay >= 64 KiB
+#: and <= RS_CHUNK_BYTES). A reducer answers a chunk once every rank's copy has arrived, so the
+#: download of a collective trails its upload by about one chunk per reducer (with one chunk per
+#: reducer a link-bound all-reduce takes twice as long). Deeper pipelines trail less but cost
+#: more messages: on the emulated network 16-32 suit one large collective at a time on slow links
+#: (0.80-0.88 of the link bound, against 0.66 at 8), while 8 suits DDP's back-to-back buckets, whose
+#: pipeline spans collectives, on CPU-bound hosts (bench/RESULTS.md)
+DEFAULT_PIPELINE_DEPTH = 8
+MAX_PIPELINE_DEPTH = 1024
 #: the reducer never blocks on one peer (its sends are non-blocking), so a worker's unanswered
 #: chunks must stay well under libzmq's per-peer queue of 1000 messages
 MAX_WINDOW = 256

@@ -108,13 +108,21 @@ def test_reducer_of_rotates():
 
 
 @pytest.mark.parametrize("num_reducers", [1, 2, 3, 8])
-def test_each_reducer_gets_several_chunks_to_pipeline(num_reducers):
+@pytest.mark.parametrize("depth", [None, 1, 3, 16, 32])
+def test_each_reducer_gets_pipeline_depth_chunks(num_reducers, depth):
     """Upload and download of a collective overlap only if each reducer has several chunks."""
     from collections import Counter
 
-    from reduction_server.client.chunking import PIPELINE_DEPTH, reducer_of
+    from reduction_server.client.chunking import reducer_of
+    from reduction_server.settings import DEFAULT_PIPELINE_DEPTH
 
-    plan = plan_chunks((16 << 20) // 4, 4, num_reducers, 4 << 20)
+    total = (16 << 20) // 4
+    plan = plan_chunks(total, 4, num_reducers, 4 << 20, *([depth] if depth else []))
+    assert_exact_cover(plan, total)
     per_reducer = Counter(reducer_of(0, k, num_reducers) for k in range(len(plan)))
     assert len(per_reducer) == num_reducers
-    assert min(per_reducer.values()) >= PIPELINE_DEPTH
+    wanted = depth or DEFAULT_PIPELINE_DEPTH
+    # as deep as asked, unless that would cut below MIN_SPLIT_BYTES
+    assert min(per_reducer.values()) >= min(wanted, (16 << 20) // (num_reducers * MIN_SPLIT_BYTES))
+    # and no deeper than the 4 MiB chunk limit or the alignment makes it
+    assert max(per_reducer.values()) <= max(wanted + 1, -(-4 // num_reducers) + 1)

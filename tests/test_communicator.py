@@ -18,6 +18,7 @@ import pytest
 import reduction_server
 import reduction_server.client as rs
 import cluster
+from reduction_server.client.chunking import plan_chunks
 from cluster import reducers
 from reduction_server.discovery import job_id_from
 
@@ -105,6 +106,46 @@ def test_rank_and_world_validation(rank, world, match):
 def test_reducer_list_validation(reducers, match):
     with pytest.raises(rs.ConfigError, match=match):
         rs.Communicator(reducers, 0, 1, timeout=1, connect_timeout=1)
+
+
+@pytest.mark.parametrize("variable,value,match", [
+    ("RS_PIPELINE_DEPTH", "0", "RS_PIPELINE_DEPTH"), ("RS_PIPELINE_DEPTH", "deep", "RS_PIPELINE_DEPTH"),
+    ("RS_PIPELINE_DEPTH", "1025", "RS_PIPELINE_DEPTH"), ("RS_WINDOW", "257", "RS_WINDOW"),
+])
+def test_tuning_variables_are_validated(monkeypatch, variable, value, match):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(rs.ConfigError, match=match):
+        rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1)
+
+
+@pytest.mark.parametrize("option,value", [("pipeline_depth", 0), ("window", 0), ("window", 257)])
+def test_tuning_arguments_are_validated(option, value):
+    with pytest.raises(rs.ConfigError, match=option):
+        rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1, **{option: value})
+
+
+def test_pipeline_depth_sets_the_chunks_and_ranks_that_disagree_fail_naming_the_mismatch(group, monkeypatch):
+    """Deeper pipelines cut the same buffer into more chunks, summed exactly; a rank configured
+    with another depth than the others is caught by the reducers, on every rank, not summed."""
+    x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB over 2 reducers: 16 chunks at depth 8, 64 at 32
+    assert len(plan_chunks(x.size, 4, 2, 4 << 20, 8)) == 16 and len(plan_chunks(x.size, 4, 2, 4 << 20, 32)) == 64
+    for depth in (8, 32):
+        for y in run_ranks(2, lambda comm, rank: comm.all_reduce(x * (rank + 1)), group=group, pipeline_depth=depth):
+            np.testing.assert_array_equal(y, x * 3)
+    monkeypatch.setenv("RS_PIPELINE_DEPTH", "32")
+    with connect(group, 0, 1, new_job()) as comm:
+        assert comm.pipeline_depth == 32
+
+    def body(comm, rank):
+        with pytest.raises(rs.CollectiveError, match="disagree") as info:
+            comm.all_reduce(x)
+        return str(info.value)
+
+    job = new_job()
+    errors = run_ranks(2, body, make=lambda rank: connect(group, rank, 2, job, pipeline_depth=32 if rank else 8))
+    for e in errors:  # each rank names both plans
+        assert "ranks [0] sent" in e and "count=65536" in e and "nchunks=16" in e, e
+        assert "ranks [1] sent" in e and "count=16384" in e and "nchunks=64" in e, e
 
 
 def test_numpy_integer_rank_and_world(group):

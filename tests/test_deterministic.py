@@ -30,6 +30,7 @@ from reduction_server import protocol
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import Reducer
 
+from capture import CapturingSocket
 from cluster import child_env, reducers, run_ranks
 from test_reducer_errors import Peer, data
 
@@ -131,21 +132,10 @@ def test_16_bit_floats_are_summed_in_rank_order_in_float32_and_rounded_once():
             assert np.array_equal(bits(y), bits(want))
 
 
-class _CapturingSocket:
-    """The ROUTER socket of an in-process Reducer: keeps the RESULT payloads it sends."""
-
-    def __init__(self) -> None:
-        self.results: List[bytes] = []
-
-    def send_multipart(self, frames, flags=0, copy=True) -> None:
-        if protocol.unpack(bytes(frames[1])).type is MsgType.RESULT:
-            self.results.append(bytes(frames[2].bytes if isinstance(frames[2], zmq.Frame) else frames[2]))
-
-
 def fold_in_order(deterministic: bool, order, inputs: List[np.ndarray]) -> bytes:
     """The result an in-process Reducer sends when the W contributions arrive in `order`
     (exactly that order: no network in between)."""
-    sock = _CapturingSocket()
+    sock = CapturingSocket()
     reducer = Reducer(sock, world_size=WORLD, job_token="", deterministic=deterministic)
     info = b"{}"
     for rank in range(WORLD):
@@ -157,10 +147,11 @@ def fold_in_order(deterministic: bool, order, inputs: List[np.ndarray]) -> bytes
     for rank in order:
         reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(data(rank, WORLD, job=9, seq=1, count=count)),
                         zmq.Frame(inputs[rank].tobytes())])
-    assert len(sock.results) == WORLD, "every rank gets the result"
-    assert len(set(sock.results)) == 1
+    results = [m[2] for m in sock.sent if protocol.unpack(m[1]).type is MsgType.RESULT]
+    assert len(results) == WORLD, "every rank gets the result"
+    assert len(set(results)) == 1
     assert reducer.pool.held_bytes == 0 and not reducer.rounds
-    return sock.results[0]
+    return results[0]
 
 
 def test_every_arrival_order_gives_the_same_bits_only_in_deterministic_mode():

@@ -25,6 +25,7 @@ from reduction_server import CollectiveError, auth, protocol
 from reduction_server.discovery import job_id_from
 from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
+from capture import CapturingSocket
 from cluster import reducers
 
 pytestmark = pytest.mark.timeout(90)
@@ -683,16 +684,6 @@ def test_error_texts_always_fit_the_protocol():
         peer.close()
 
 
-class _CapturingSocket:
-    """Stands in for the ROUTER socket of an in-process Reducer: keeps what it sends."""
-
-    def __init__(self) -> None:
-        self.sent: List[list] = []
-
-    def send_multipart(self, frames, flags=0, copy=True) -> None:
-        self.sent.append([bytes(f.bytes if isinstance(f, zmq.Frame) else f) for f in frames])
-
-
 def test_a_mismatch_among_thousands_of_ranks_still_fits_an_error_frame():
     """In process (a real network of 30,000 peers is too slow for a unit test): half the ranks
     of a 30,000-rank world contribute, every other rank, then one disagrees. The MISMATCH text
@@ -700,7 +691,7 @@ def test_a_mismatch_among_thousands_of_ranks_still_fits_an_error_frame():
     from reduction_server.reducer import Reducer
 
     world = 30_000
-    sock = _CapturingSocket()
+    sock = CapturingSocket()
     reducer = Reducer(sock, world_size=world, job_token="")
     payload = zmq.Frame(b"\0" * 16)
 

@@ -29,6 +29,7 @@ from reduction_server import protocol, reducer as reducer_module
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 
+from capture import CapturingSocket
 from cluster import SCRIPTS, child_env, collect, reducers, run_ranks
 
 SOAK_SECONDS = float(os.environ.get("RS_SOAK_SECONDS", "20"))
@@ -97,20 +98,8 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
         assert "internal error" not in log and "round_failed" not in log, log[-3000:]
 
 
-class _Socket:
-    """The ROUTER socket of an in-process Reducer; sends to identities in `gone` fail as libzmq's
-    do for a peer whose connection has closed."""
-
-    def __init__(self) -> None:
-        self.gone: set = set()
-
-    def send_multipart(self, frames, flags=0, copy=True) -> None:
-        if bytes(frames[0]) in self.gone:
-            raise zmq.ZMQError(zmq.EHOSTUNREACH)
-
-
 def test_what_a_reducer_keeps_about_strangers_is_dropped_when_they_go(monkeypatch):
-    sock = _Socket()
+    sock = CapturingSocket()
     reducer = Reducer(sock, world_size=2, job_token="token")
     hello = protocol.text_header(MsgType.HELLO, b"{}", rank=0, world=2, job=5)
     strangers = [b"s%d" % i for i in range(3000)]

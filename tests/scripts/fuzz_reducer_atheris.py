@@ -18,8 +18,13 @@ import os
 import sys
 import time
 
+from pathlib import Path
+
 import atheris
 import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from capture import CapturingSocket  # noqa: E402
 
 os.environ.setdefault("RS_LOG_LEVEL", "ERROR")  # a warning per rejected input would drown the fuzzer's output
 
@@ -33,16 +38,6 @@ WORLD = 2
 JOB = 0xF0
 RANKS = [b"rank0", b"rank1"]
 OPS = [int(op) for op in ReduceOp]
-
-
-class Capture:
-    """The reducer's ROUTER socket: keeps what it sends."""
-
-    def __init__(self) -> None:
-        self.sent = []
-
-    def send_multipart(self, frames, flags=0, copy=True) -> None:
-        self.sent.append([bytes(f.bytes if isinstance(f, zmq.Frame) else f) for f in frames])
 
 
 def deliver(reducer: Reducer, identity: bytes, *frames: bytes) -> None:
@@ -135,7 +130,7 @@ def check(reducer: Reducer, seen: dict) -> None:
 
 def main() -> None:
     seconds, artifacts = float(sys.argv[1]), sys.argv[2]
-    reducer = Reducer(Capture(), world_size=WORLD, job_token=TOKEN, max_chunk_bytes=1 << 16,
+    reducer = Reducer(CapturingSocket(), world_size=WORLD, job_token=TOKEN, max_chunk_bytes=1 << 16,
                       max_accumulator_bytes=1 << 20, max_peer_bytes=1 << 12, max_rounds=16,
                       deterministic=sys.argv[3:] == ["deterministic"])
     runs = [0]
