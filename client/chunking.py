@@ -2,8 +2,9 @@
 
 The plan depends only on the element count, the item size, the number of reducers, the chunk
 size and the pipeline depth, so every rank computes the same one without talking (a rank
-configured with another chunk size or depth is caught by the reducer as a mismatch). Chunk k of collective seq goes to reducer
-(seq + k) mod R: large buffers spread evenly, and small ones rotate over the reducers.
+configured with another chunk size or depth is caught by the reducer as a mismatch). Chunk k of
+collective seq goes to reducer (seq + k) mod R: large buffers spread evenly, and small ones
+rotate over the reducers.
 """
 from __future__ import annotations
 
