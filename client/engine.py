@@ -21,6 +21,7 @@ reducer an application PING every interval: it tells the reducer this worker can
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket as pysocket
 import threading
@@ -34,7 +35,7 @@ import zmq
 
 from reduction_server import __version__, auth, encryption, protocol
 from reduction_server.errors import CollectiveError, ProtocolError
-from reduction_server.log import get_logger
+from reduction_server.log import event, get_logger
 from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
 from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
                                        env_number)
@@ -337,8 +338,7 @@ class Engine:
         refused = self._security_failure(r)
         down = self._down.get(r)
         if down is not None and down[1] and refused:
-            self._down[r] = (f"{self._name(r)} came back but refused this worker: {refused}", False)
-            log.warning("rank %d: %s", self.rank, self._down[r][0])
+            self._refused(r, f"{self._name(r)} came back but refused this worker: {refused}")
         elif down is None:
             self._lose_reducer(r, "its connection closed (the process exited, stopped answering heartbeats for "
                                   f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); "
@@ -349,7 +349,7 @@ class Engine:
     def _lose_reducer(self, r: int, reason: str, *, reconnect: bool) -> None:
         """Reducer r is gone: every pending collective that needs it fails now, naming it."""
         text = f"{self._name(r)} was lost: {reason}"
-        log.warning("rank %d: %s", self.rank, text)
+        self._event("reducer_lost", r, reason=reason, reconnecting=reconnect)
         self._down[r] = (text, reconnect)
         num = len(self._sockets)
         for coll in list(self._active.values()):
@@ -373,15 +373,23 @@ class Engine:
         self._watch(r)
         self._hello(self._sockets[r], rejoin=True)  # queued until the connection is up
 
+    def _event(self, name: str, r: int, **fields: Any) -> None:
+        """A WARNING log line about reducer r, naming this rank and the reducer."""
+        event(log, logging.WARNING, name, rank=self.rank, reducer=r, address=self.reducers[r], **fields)
+
+    def _refused(self, r: int, reason: str) -> None:
+        """Reducer r came back but cannot be used again: collectives that need it fail with reason."""
+        self._down[r] = (reason, False)
+        self._event("reducer_refused", r, reason=reason)
+
     def _readmitted(self, r: int, welcome: dict) -> None:
         limit = int(welcome.get("max_chunk_bytes", self.max_chunk_bytes))
         if limit < self.max_chunk_bytes:  # the ranks' chunk plans would no longer agree
-            self._down[r] = (f"{self._name(r)} came back with a smaller chunk limit ({limit} < "
-                             f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job", False)
-            return
+            return self._refused(r, f"{self._name(r)} came back with a smaller chunk limit ({limit} < "
+                                    f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job")
         del self._down[r]
         self._handshake_failures[r] = (0, 0.0)
-        log.warning("rank %d: %s admitted this worker again", self.rank, self._name(r))
+        self._event("reducer_readmitted", r)
         try:
             self._sockets[r].send(protocol.text_header(MsgType.PING, b"", rank=self.rank, world=self.world,
                                                        job=self.job, generation=self.generation), zmq.NOBLOCK)
@@ -490,11 +498,10 @@ class Engine:
                         welcome = {}
                     self._readmitted(r, welcome if isinstance(welcome, dict) else {})
                 else:
-                    self._down[r] = (f"{self._name(r)} came back but refused this worker: "
-                                     f"{text.decode(errors='replace')}", False)
-                    log.warning("rank %d: %s", self.rank, self._down[r][0])
+                    self._refused(r, f"{self._name(r)} came back but refused this worker: "
+                                     f"{text.decode(errors='replace')}")
             else:
-                log.warning("rank %d: unexpected %s from %s", self.rank, h.type.name, self._name(r))
+                self._event("unexpected_message", r, type=h.type.name)
                 self._skip(sock, more)
 
     @staticmethod
@@ -538,7 +545,7 @@ class Engine:
         coll = self._pending_chunk(h)
         if coll is None:
             # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
-            log.warning("rank %d: %s reported: %s", self.rank, self._name(r), text)
+            self._event("reducer_error", r, key=h.describe(), reason=text)
             return
         self._chunk_done(coll, h.chunk, r, text)
 

@@ -278,11 +278,18 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
                 time.sleep(1.0)  # the collectives are waiting by now
                 restart_reducer(group, 1, env)
             results = workers.finish(range(3))
+            logs = [workers.stderr(r) for r in range(3)]
         finally:
             workers.kill_all()
         for r in range(3):
             res = results[r]
             print(f"rank {r}: took {res['took']:.3f} s: {res['error']}")
+            # The worker logs it as structured events naming the rank and the reducer.
+            named = rf"rank={r} reducer=1 address={re.escape(group.addresses[1])}"
+            assert re.search(rf"^\S+ \S+ WARNING reduction_server\.client reducer_lost {named} reason=.*"
+                             r"reconnecting=True$", logs[r], re.M), logs[r]
+            assert bool(re.search(rf"WARNING reduction_server\.client reducer_readmitted {named}$", logs[r], re.M)) \
+                == comes_back, logs[r]
             if comes_back:
                 assert res["error"] is None
                 assert res["took"] >= 0.9  # it waited for the restart
