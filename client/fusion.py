@@ -150,10 +150,8 @@ class FusedAllReduce:
         """The bucket's timeline record, begun at its first tensor: named after its tensors."""
         trace = self._traces[bucket.index]
         if trace is None:
-            names = [s.name for s in bucket.specs]
-            shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
-            trace = self._traces[bucket.index] = self._timeline.begin(
-                f"bucket {bucket.index}: {shown}", {"bucket": bucket.index, "tensors": names})
+            trace = self._traces[bucket.index] = self._timeline.begin_tensors(
+                f"bucket {bucket.index}: ", [s.name for s in bucket.specs], {"bucket": bucket.index})
         return trace
 
     def started(self) -> List[int]:

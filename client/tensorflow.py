@@ -369,8 +369,9 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
 
 # -- gradient tape and optimizer --------------------------------------------------------------
 
-def _scale(tensor: tf.Tensor, factor: float) -> tf.Tensor:
-    return tensor * tf.cast(factor, tensor.dtype)
+def scaled(tensor: Optional[tf.Tensor], factor: float) -> Optional[tf.Tensor]:
+    """tensor x factor in its own dtype (None and a factor of 1 pass through)."""
+    return tensor if tensor is None or factor == 1.0 else tensor * tf.cast(factor, tensor.dtype)
 
 
 class _GradientReduction:
@@ -392,10 +393,10 @@ class _GradientReduction:
     def __call__(self, grads: Sequence[Any]) -> List[Optional[tf.Tensor]]:
         if self.predivide == 1.0:
             return grouped_allreduce(grads, self.op, self.compression, name="gradient")
-        pre = [None if g is None else _scale(dense(g, f"gradient.{i}"), 1.0 / self.predivide)
+        pre = [None if g is None else scaled(dense(g, f"gradient.{i}"), 1.0 / self.predivide)
                for i, g in enumerate(grads)]
         post = self.predivide / size()
-        return [None if g is None else _scale(g, post)
+        return [None if g is None else scaled(g, post)
                 for g in grouped_allreduce(pre, ReduceOp.SUM, self.compression, name="gradient")]
 
 

@@ -128,6 +128,11 @@ class Timeline:
         # After taking the row: the collective that held it before has finished by now.
         return Trace(name, lane, time.perf_counter(), args)
 
+    def begin_tensors(self, prefix: str, names: List[str], args: Dict[str, Any]) -> Trace:
+        """begin() for a collective of named tensors: named after the first three, all in its args."""
+        shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
+        return self.begin(f"{prefix}{shown}", {**args, "tensors": names})
+
     def submitted(self, coll: "Collective") -> Trace:
         """A collective was handed to the engine; its trace is its bucket's (fusion), or new."""
         what = "broadcast" if coll.op is ReduceOp.BROADCAST else f"all_reduce {coll.op.name.lower()}"

@@ -122,6 +122,8 @@ class AccumulatorPool:
     def _trim(self, room: int) -> None:
         """Drop free buffers (of sizes no longer asked for) until they fit in `room` bytes."""
         room = max(room, 0)
+        if self.free_bytes <= room:
+            return  # nothing to drop (hold() calls this for every held frame)
         for size in sorted(self._free, reverse=True):
             free = self._free[size]
             while free and self.free_bytes > room:

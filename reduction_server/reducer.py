@@ -19,7 +19,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
 import zmq
 
@@ -485,27 +485,28 @@ class Reducer:
         if payload is None:
             raise ValueError("a contribution without a payload")
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, payload)
+            return self._fold_one(rnd, h, h.rank, payload.buffer)
+        data = payload.buffer  # a view that keeps the frame alive while it is held
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
-            if len(payload) < _SHARED_RECV_BYTES:
+            if len(data) < _SHARED_RECV_BYTES:
                 # libzmq receives small messages into shared batch buffers: holding the frame would
                 # pin a whole buffer while counting only the message, so keep a copy instead.
-                payload = zmq.Frame(payload.bytes)
-            self.pool.hold(len(payload), h.rank)
-        ready = rnd.in_rank_order(h.rank, payload)
-        for rank, frame in ready[1:]:
-            self.pool.unhold(len(frame), rank)
-        for rank, frame in ready:
-            self._fold_one(rnd, h, rank, frame)
+                data = payload.bytes
+            self.pool.hold(len(data), h.rank)
+        ready = rnd.in_rank_order(h.rank, data)
+        for rank, held in ready[1:]:
+            self.pool.unhold(len(held), rank)
+        for rank, held in ready:
+            self._fold_one(rnd, h, rank, held)
 
-    def _fold_one(self, rnd: Round, h: Header, rank: int, payload: zmq.Frame) -> None:
+    def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview]) -> None:
         if rnd.accumulator is None:  # the first contribution: loaded, later ones folded in
             nbytes = h.count * rnd.dtype.accumulator.itemsize
             rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
             rnd.owner, rnd.charged = rank, nbytes
-            _native.load(rnd.accumulator, payload.buffer, h.dtype)
+            _native.load(rnd.accumulator, data, h.dtype)
         else:
-            _native.accumulate(rnd.accumulator, payload.buffer, h.dtype, h.op)
+            _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
 
     def _finish(self, rnd: Round) -> None:
         h = rnd.first

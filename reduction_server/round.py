@@ -68,7 +68,7 @@ class Round:
     adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
-    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload frame
+    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame)
     next_rank: int = 0  # deterministic mode: the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     charged: int = 0  # accumulator bytes charged to owner's budget

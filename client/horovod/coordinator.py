@@ -353,11 +353,9 @@ class Coordinator:
         negotiation has agreed on it; `negotiation_us` is how long its first tensor waited."""
         if self._timeline is None:
             return None
-        names = [m.request.name for m in batch]
-        shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
         waited = time.perf_counter() - min(m.submitted for m in batch)
-        return self._timeline.begin(f"{batch[0].request.kind} {shown}",
-                                    {"tensors": names, "negotiation_us": round(waited * 1e6)})
+        return self._timeline.begin_tensors(f"{batch[0].request.kind} ", [m.request.name for m in batch],
+                                            {"negotiation_us": round(waited * 1e6)})
 
     def _start(self, batch: List[_Mine], send: Optional[WireBuffer], out: WireBuffer, op: ReduceOp, root: int,
                fused: Optional[np.ndarray] = None, result: Any = None, trace: Optional[Trace] = None) -> None:

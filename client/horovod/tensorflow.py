@@ -57,12 +57,14 @@ class NegotiatedCollectives:
 
 def _negotiate(kind: str, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp = ReduceOp.SUM,
                root: int = 0) -> List[np.ndarray]:
-    """Submit every array at once (so they are negotiated, and fused, together), then wait: the
-    results are copies (numpy_function's inputs are read-only views of the tensors)."""
+    """Submit every array at once (so they are negotiated, and fused, together), then wait. The
+    inputs (numpy_function's read-only views of the tensors) are sent as they are; the results
+    land in new arrays."""
     if len(set(names)) != len(names):
         raise ValueError(f"tensor names repeat within one call: {sorted({n for n in names if names.count(n) > 1})}")
-    outs = [np.array(a, order="C", copy=True) for a in arrays]
-    futures = [basics.submit(kind, name, out, out, op=op, root=root) for name, out in zip(names, outs)]
+    sends = [np.require(a, requirements="C") for a in arrays]
+    outs = [np.empty(s.shape, s.dtype) for s in sends]
+    futures = [basics.submit(kind, name, s, out, op=op, root=root) for name, s, out in zip(names, sends, outs)]
     for future in futures:
         future.result()
     return outs
@@ -75,10 +77,6 @@ def init(comm: Any = None) -> None:
     rstf.use_collectives(NegotiatedCollectives())
 
 
-def _scaled(tensor: Any, factor: float) -> Any:
-    return tensor if tensor is None or factor == 1.0 else tensor * tf.cast(factor, tensor.dtype)
-
-
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
                       device_sparse: str = "", compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: Optional[str] = None,
@@ -88,9 +86,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     check_process_set(process_set)
     rop = resolve_op(op, average)
     name = name or _names[ALLREDUCE]()
-    tensors = [_scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
+    tensors = [rstf.scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
     reduced = rstf.grouped_allreduce(tensors, rop, compression, name=name)
-    return [_scaled(t, postscale_factor) for t in reduced]
+    return [rstf.scaled(t, postscale_factor) for t in reduced]
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
@@ -131,7 +129,7 @@ def allgather(tensor: Any, name: Optional[str] = None, process_set: Any = None) 
     rstf.refuse_xla("allgather")
 
     def run(array: np.ndarray) -> np.ndarray:
-        return basics.run(ALLGATHER, name, np.array(array, order="C", copy=True))
+        return basics.run(ALLGATHER, name, np.require(array, requirements="C"))
 
     out = tf.numpy_function(run, [value], value.dtype, stateful=True, name="ReductionServerAllgather")
     out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]) if value.shape.rank else [None])
