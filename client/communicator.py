@@ -19,6 +19,7 @@ import numpy as np
 from reduction_server.discovery import discover_worker, job_id_from, parse_address
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
+from reduction_server.shared_memory import enabled as shared_memory_enabled
 from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PIPELINE_DEPTH,
                                        DEFAULT_TIMEOUT, DEFAULT_WINDOW, MAX_PIPELINE_DEPTH, MAX_WINDOW,
                                        env_flag, env_number)
@@ -68,7 +69,8 @@ class Communicator:
                  chunk_bytes: Optional[int] = None, window: Optional[int] = None,
                  pipeline_depth: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
-                 io_threads: Optional[int] = None, encrypt: Optional[bool] = None) -> None:
+                 io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
+                 shared_memory: Optional[bool] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
@@ -104,6 +106,9 @@ class Communicator:
                                                           minimum=0.01, kind=float),
             io_threads=io_threads or int(env_number("RS_IO_THREADS", 1, minimum=1)),
             encrypt=env_flag("RS_ENCRYPT") if encrypt is None else encrypt,
+            # Reducers on this host take chunks through shared memory (RS_SHM, on by default).
+            shared=shared_memory_enabled() if shared_memory is None else shared_memory,
+            slot_bytes=self.chunk_bytes,
         )
         self._engine.start()
         self._closed = False

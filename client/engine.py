@@ -17,6 +17,13 @@ socket monitor) is lost: every pending collective that needs it fails naming it,
 opens a fresh connection to the same address and redoes the handshake, and collectives started
 meanwhile wait for it (at most RS_LIVENESS_TIMEOUT) before failing. The engine also sends each
 reducer an application PING every interval: it tells the reducer this worker can be probed.
+
+Same host: with `shared` on (RS_SHM, the default), the HELLO to each reducer offers a segment of
+`window` payload slots (reduction_server/shared_memory.py). A reducer that can map it says so in
+its WELCOME; chunks of a reduction then go through a free slot (DATA_SHM) and come back in it
+(RESULT_SHM), which saves the socket copies. A slot is free again only once the reducer has
+answered its chunk, whatever became of the collective; a chunk that finds no free slot, or a
+reducer without the segment, travels as a frame.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import zmq
 
-from reduction_server import __version__, auth, encryption, protocol
+from reduction_server import __version__, auth, encryption, protocol, shared_memory
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import event, get_logger
 from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
@@ -82,7 +89,8 @@ class Engine:
     def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
                  job_id: int, generation: int, window: int, timeout: float,
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
-                 liveness_timeout: Optional[float] = None, encrypt: bool = False) -> None:
+                 liveness_timeout: Optional[float] = None, encrypt: bool = False,
+                 shared: bool = False, slot_bytes: int = shared_memory.DEFAULT_MAX_SLOT_BYTES) -> None:
         if encrypt:
             encryption.check(job_token)
         self.reducers = reducers
@@ -102,6 +110,14 @@ class Engine:
             "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
         self.connect_timeout = connect_timeout
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
+        self.shared = shared
+        self.slot_bytes = max(8, min(slot_bytes, shared_memory.DEFAULT_MAX_SLOT_BYTES))
+        # Per reducer: the segment offered in the last HELLO, its free slots (empty until the
+        # reducer accepts it), and which slot each unanswered chunk sent through it is in.
+        self._segments: List[Optional[shared_memory.Segment]] = [None] * len(reducers)
+        self._free_slots: List[List[int]] = [[] for _ in reducers]
+        self._slot_of: List[Dict[Tuple[int, int], int]] = [{} for _ in reducers]
+        self.chunks_shared = 0  # chunks that went through shared memory (both ways)
         # Failed security handshakes in a row per reducer: (count, when the first failed).
         self._handshake_failures: List[Tuple[int, float]] = [(0, 0.0)] * len(reducers)
         self._io_threads = io_threads
@@ -212,11 +228,19 @@ class Engine:
     def _name(self, r: int) -> str:
         return f"reducer {r} ({self.reducers[r]})"
 
-    def _hello(self, sock: zmq.Socket, rejoin: bool = False) -> None:
-        facts = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}
+    def _hello(self, r: int, rejoin: bool = False) -> None:
+        facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
+        self._drop_segment(r)  # a new connection gets a new segment: nothing old can reach it
+        if self.shared:
+            try:
+                self._segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
+                facts["shared_memory"] = self._segments[r].offer
+            except OSError as exc:  # no memfd here: frames only
+                log.debug("rank %d: no shared-memory segment for %s: %s", self.rank, self._name(r), exc)
         info = json.dumps(facts).encode()
+        sock = self._sockets[r]
         sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=self.rank, world=self.world,
                                                   job=self.job, generation=self.generation), info], zmq.NOBLOCK)
 
@@ -227,8 +251,8 @@ class Engine:
                                                   job=self.job, generation=self.generation), proof], zmq.NOBLOCK)
 
     def _handshake(self) -> None:
-        for sock in self._sockets:
-            self._hello(sock)
+        for r in range(len(self._sockets)):
+            self._hello(r)
         poller = zmq.Poller()
         for sock, monitor in zip(self._sockets, self._monitors):
             poller.register(sock, zmq.POLLIN)
@@ -264,6 +288,7 @@ class Engine:
                     self._handshake_failures[r] = (0, 0.0)
                     welcome = json.loads(text)
                     self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
+                    self._welcomed_segment(r, welcome)
                 elif h.type in (MsgType.REJECT, MsgType.ERROR):
                     raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
                                           f"{text.decode(errors='replace')}")
@@ -371,7 +396,7 @@ class Engine:
         self._sockets[r].close(linger=0)  # nothing queued for the old connection may reach the new one
         self._sockets[r], self._monitors[r] = self._open(self.reducers[r])
         self._watch(r)
-        self._hello(self._sockets[r], rejoin=True)  # queued until the connection is up
+        self._hello(r, rejoin=True)  # queued until the connection is up
 
     def _event(self, name: str, r: int, **fields: Any) -> None:
         """A WARNING log line about reducer r, naming this rank and the reducer."""
@@ -389,12 +414,38 @@ class Engine:
                                     f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job")
         del self._down[r]
         self._handshake_failures[r] = (0, 0.0)
+        self._welcomed_segment(r, welcome)
         self._event("reducer_readmitted", r)
         try:
             self._sockets[r].send(protocol.text_header(MsgType.PING, b"", rank=self.rank, world=self.world,
                                                        job=self.job, generation=self.generation), zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+    # -- shared memory -----------------------------------------------------------------------
+    def _welcomed_segment(self, r: int, welcome: dict) -> None:
+        """Reducer r admitted this worker: its slots are usable if it mapped the segment."""
+        if welcome.get("shared_memory") is True and self._segments[r] is not None:
+            self._free_slots[r] = list(range(self._segments[r].slots))
+        else:
+            self._drop_segment(r)
+
+    def _drop_segment(self, r: int) -> None:
+        if self._segments[r] is not None:
+            self._segments[r].close()
+            self._segments[r] = None
+        self._free_slots[r] = []
+        self._slot_of[r] = {}
+
+    def _release_slot(self, r: int, h: protocol.Header) -> Optional[int]:
+        """The slot of the chunk reducer r has answered with h, now free again; None if that
+        chunk did not go through shared memory."""
+        if (h.job, h.generation) != (self.job, self.generation):
+            return None
+        slot = self._slot_of[r].pop((h.seq, h.chunk), None)
+        if slot is not None:
+            self._free_slots[r].append(slot)
+        return slot
 
     def _startable(self, coll: Collective) -> bool:
         """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
@@ -446,10 +497,19 @@ class Engine:
         offset, count = coll.chunks[k]
         size = coll.dtype.itemsize
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
+        nbytes = len(payload) if payload is not None else 0
+        free = self._free_slots[r]
+        mtype, aux = MsgType.DATA, coll.root
+        if payload is not None and free and coll.op is not ReduceOp.BROADCAST and nbytes <= self.slot_bytes:
+            mtype, aux = MsgType.DATA_SHM, free.pop()
+            self._segments[r].slot(aux, nbytes)[:] = payload
+            self._slot_of[r][coll.seq, k] = aux
+            self.chunks_shared += 1
+            payload = None  # only the header goes out
         header = protocol.data_header(
-            MsgType.DATA, dtype=coll.dtype, op=coll.op, rank=self.rank, world=self.world, job=self.job,
+            mtype, dtype=coll.dtype, op=coll.op, rank=self.rank, world=self.world, job=self.job,
             generation=self.generation, seq=coll.seq, chunk=k, nchunks=len(coll.chunks), offset=offset,
-            count=count, total=coll.total, nbytes=len(payload) if payload is not None else 0, aux=coll.root)
+            count=count, total=coll.total, nbytes=nbytes, aux=aux)
         sock = self._sockets[r]
         if payload is None:
             sock.send(header)
@@ -479,10 +539,15 @@ class Engine:
             if self._sockets[r] is not sock:
                 return  # it was lost and replaced while this message was handled
             if h.type is MsgType.RESULT:
+                self._release_slot(r, h)
                 self._on_result(r, sock, h, more)
+            elif h.type is MsgType.RESULT_SHM:
+                self._skip(sock, more)
+                self._on_shared_result(r, h, self._release_slot(r, h))
             elif h.type is MsgType.ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
                 self._skip(sock, sock.getsockopt(zmq.RCVMORE))
+                self._release_slot(r, h)
                 self._on_error(r, h, text)
             elif h.type is MsgType.PING:
                 self._skip(sock, more)
@@ -534,6 +599,24 @@ class Engine:
         if received != len(view):
             error = f"{self._name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
         self._skip(sock, sock.getsockopt(zmq.RCVMORE))
+        self._chunk_done(coll, h.chunk, r, error)
+
+    def _on_shared_result(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
+        coll = self._pending_chunk(h)
+        if coll is None:
+            return  # late: its slot is free again all the same
+        offset, count = coll.chunks[h.chunk]
+        size = coll.dtype.itemsize
+        error = None
+        if slot is None or slot != h.aux:
+            error = (f"{self._name(r)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was sent "
+                     + ("as a frame" if slot is None else f"in slot {slot}"))
+        elif (h.offset, h.count, h.dtype) != (offset, count, int(coll.dtype)):
+            error = (f"{self._name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+                     f"(dtype code {h.dtype}), expected {count} at {offset}")
+        else:
+            coll.recv[offset * size:(offset + count) * size] = self._segments[r].slot(slot, count * size)
+            self.chunks_shared += 1
         self._chunk_done(coll, h.chunk, r, error)
 
     def _on_error(self, r: int, h: protocol.Header, text: str) -> None:
@@ -616,6 +699,8 @@ class Engine:
             self._fail(coll, reason)
 
     def _shutdown_sockets(self, bye: bool) -> None:
+        for r in range(len(self._segments)):
+            self._drop_segment(r)
         for sock, monitor in zip(self._sockets, self._monitors):
             sock.disable_monitor()
             monitor.close(linger=0)

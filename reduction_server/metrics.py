@@ -64,6 +64,8 @@ class _ReducerCollector:
         yield counter("received_bytes", "Payload bytes of chunk contributions (DATA) received from workers.",
                       r.bytes_in)
         yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.bytes_out)
+        yield counter("shared_memory_bytes", "Of the received and sent bytes, those that went through "
+                      "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM).", r.bytes_shared)
         yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
                       "rank and sent back to all of them.", r.completed)
         failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "

@@ -45,6 +45,9 @@ class MsgType(enum.IntEnum):
     ERROR = 8  # either way: a collective or frame failed (aux: ErrorCode, text payload)
     BYE = 9  # worker -> reducer: leaving cleanly
     PING = 10  # either way: a heartbeat (no payload); any message is a sign of life
+    # Same host (shared_memory.py): the payload lies in slot `aux` of the worker's segment.
+    DATA_SHM = 11  # worker -> reducer: DATA whose chunk is in the slot (no payload frame)
+    RESULT_SHM = 12  # reducer -> worker: RESULT written into the slot the chunk came in
 
 
 class ErrorCode(enum.IntEnum):
@@ -148,6 +151,11 @@ DTYPES: Dict[int, DType] = {int(m): m for m in DType}
 OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 
 
+#: message types that carry (or point at) a chunk
+DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.RESULT_SHM))
+_FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM))
+_SHARED = frozenset((MsgType.DATA_SHM, MsgType.RESULT_SHM))
+
 _ITEMSIZE = {
     DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
     DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
@@ -166,13 +174,13 @@ class Header:
     generation: int = 0
     chunk: int = 0
     nchunks: int = 0
-    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode
+    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot
     job: int = 0
     seq: int = 0
     offset: int = 0  # element offset of this chunk in the collective's buffer
     count: int = 0  # elements in this chunk
     total: int = 0  # elements in the whole collective
-    nbytes: int = 0  # bytes in the payload frame (0: no payload frame)
+    nbytes: int = 0  # bytes in the payload frame (0: no payload frame), or in the slot (*_SHM)
 
     def pack(self) -> bytes:
         return pack_as(self, self.type, self.rank, self.nbytes)
@@ -204,7 +212,7 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
     mtype = known
     header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
                     offset, count, total, nbytes)
-    if mtype in (MsgType.DATA, MsgType.RESULT):
+    if mtype in DATA_TYPES:
         validate_data(header)
     elif nbytes > MAX_TEXT_PAYLOAD:
         raise ProtocolError(f"{mtype.name} payload of {nbytes} bytes exceeds {MAX_TEXT_PAYLOAD}")
@@ -220,8 +228,10 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(f"unknown op code {h.op}")
     if not 0 < h.world <= MAX_WORLD_SIZE:
         raise ProtocolError(f"world size {h.world} out of range 1..{MAX_WORLD_SIZE}")
-    if h.type is MsgType.DATA and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
+    if h.type in _FROM_WORKER and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
         raise ProtocolError(f"rank {h.rank} out of range for world size {h.world}")
+    if op is ReduceOp.BROADCAST and h.type in _SHARED:
+        raise ProtocolError(f"{h.type.name} cannot carry a broadcast (its payload travels as a frame)")
     if op is ReduceOp.BROADCAST and h.aux >= h.world:
         raise ProtocolError(f"broadcast root {h.aux} out of range for world size {h.world}")
     if h.nchunks == 0 or h.chunk >= h.nchunks:
@@ -245,10 +255,11 @@ def data_header(
                   seq, offset, count, total, nbytes).pack()
 
 
-def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int) -> bytes:
-    """h packed, with its type, rank and payload size replaced (a reducer's RESULT for a DATA)."""
+def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int, aux: Optional[int] = None) -> bytes:
+    """h packed, with its type, rank, payload size (and aux, when given) replaced: a reducer's
+    RESULT for a DATA, or its RESULT_SHM naming the rank's slot."""
     return HEADER.pack(MAGIC, VERSION, int(mtype), h.dtype, h.op, rank, h.world, h.generation, h.chunk,
-                       h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total, nbytes)
+                       h.nchunks, h.aux if aux is None else aux, h.job, h.seq, h.offset, h.count, h.total, nbytes)
 
 
 def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:

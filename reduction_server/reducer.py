@@ -7,6 +7,9 @@ from a reusable pool, the others are folded in by the native kernel (GIL release
 ranks have contributed, the result goes back to every rank zero-copy and the accumulator returns
 to the pool once libzmq has released it. In deterministic mode (RS_DETERMINISTIC=1) the
 contributions are folded in rank order (round.py), so a sum does not depend on arrival order.
+A worker on the reducer's own host may offer shared-memory slots (shared_memory.py): its chunks
+then arrive as DATA_SHM headers and are summed straight from the slot, and the result is written
+back into the same slot (RESULT_SHM) instead of being sent as a frame.
 Every message gets an answer: a RESULT, or an ERROR that
 names the ranks involved; nothing a client sends can take the reducer down.
 """
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
 import zmq
 
-from . import _native, auth, encryption, protocol
+from . import _native, auth, encryption, protocol, shared_memory
 from .accumulator import AccumulatorPool, PoolExhausted
 from .errors import ConfigError, ProtocolError
 from .log import NOTICE, event, get_logger
@@ -82,6 +85,7 @@ class Peer:
     heartbeats: bool = False  # it sends PINGs: silence longer than the liveness timeout is a loss
     max_seq: int = -1  # highest seq it contributed to (a rank sends collectives in seq order)
     hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
+    segment: Optional[shared_memory.Segment] = None  # its shared-memory slots, when it shares this host
 
     def describe(self) -> str:
         info = self.info if isinstance(self.info, dict) else {}
@@ -98,7 +102,7 @@ class Reducer:
                  round_timeout: float = DEFAULT_TIMEOUT,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
                  liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
-                 encrypt: bool = False) -> None:
+                 encrypt: bool = False, shared: bool = False) -> None:
         self.socket = socket
         self.index = index
         self.name = f"reducer {index}" + (f" ({address})" if address else "")
@@ -111,6 +115,8 @@ class Reducer:
         self.liveness_timeout = liveness_timeout
         self.deterministic = deterministic
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
+        self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
+        self.bytes_shared = 0  # of bytes_in and bytes_out, those that went through shared memory
         self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
         self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
@@ -225,6 +231,8 @@ class Reducer:
         except ProtocolError as exc:
             return self._malformed(identity, str(exc))
         payload = frames[2] if len(frames) == 3 else None
+        if h.type is MsgType.DATA_SHM:
+            return self._shared_data(identity, h, payload)
         size = len(payload) if payload is not None else 0
         if size != h.nbytes:
             reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
@@ -247,6 +255,27 @@ class Reducer:
             self._ping(identity)
         else:
             self._malformed(identity, f"a worker does not send {h.type.name} messages")
+
+    def _shared_data(self, identity: bytes, h: Header, frame: Optional[zmq.Frame]) -> None:
+        """A DATA_SHM: the contribution is in slot h.aux of the sender's segment."""
+        peer = self.peers.get(identity)
+        slot, h.type, h.aux = h.aux, MsgType.DATA, 0  # from here on it is a DATA like any other
+        view, bad = None, None
+        if peer is None or not peer.admitted:
+            pass  # _data answers NOT_ADMITTED
+        elif frame is not None:
+            bad = "a DATA_SHM message carries its payload in a shared-memory slot, not in a frame"
+        elif peer.segment is None:
+            bad = f"rank {peer.rank} sent DATA_SHM but has no shared-memory segment with {self.name}"
+        else:
+            try:
+                view = peer.segment.slot(slot, h.nbytes)
+            except ValueError as exc:
+                bad = f"rank {peer.rank}: {exc}"
+        if view is not None:
+            self.bytes_in += h.nbytes
+            self.bytes_shared += h.nbytes
+        self._data(identity, h, view, bad_payload=bad, slot=slot)
 
     # -- handshake -----------------------------------------------------------------------
     def _hello(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
@@ -302,9 +331,16 @@ class Reducer:
         self.rank_identity[peer.rank] = identity
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
+        offer = peer.info.get("shared_memory") if isinstance(peer.info, dict) else None
+        if offer is not None and self.shared:
+            try:
+                peer.segment = shared_memory.Segment.attach(offer)
+            except shared_memory.Unavailable as exc:
+                event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
         welcome = json.dumps({"index": self.index, "world_size": self.world,
                               "max_chunk_bytes": self.max_chunk_bytes,
-                              "deterministic": self.deterministic, "encrypted": self.encrypt}).encode()
+                              "deterministic": self.deterministic, "encrypted": self.encrypt,
+                              "shared_memory": peer.segment is not None}).encode()
         self._send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=self.world or 0,
                                                    job=peer.job, generation=peer.generation), welcome])
         event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
@@ -422,8 +458,8 @@ class Reducer:
                     f"{format_ranks(rnd.contributed)} contributed"))
 
     # -- data ----------------------------------------------------------------------------
-    def _data(self, identity: bytes, h: Header, payload: Optional[zmq.Frame],
-              bad_payload: Optional[str] = None) -> None:
+    def _data(self, identity: bytes, h: Header, payload: Union[zmq.Frame, memoryview, None],
+              bad_payload: Optional[str] = None, slot: Optional[int] = None) -> None:
         peer = self.peers.get(identity)
         if peer is None or not peer.admitted:
             return self._send_error(identity, ErrorCode.NOT_ADMITTED,
@@ -470,12 +506,14 @@ class Reducer:
         except ValueError as exc:
             return self._fail_round(rnd, ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}", extra=h)
         rnd.contributed[h.rank] = h
+        if slot is not None:  # its result goes back into the same slot of the same segment
+            rnd.slots[h.rank] = (peer.segment, slot)
         if self.metrics is not None:
             self.metrics.contributed(h.rank, self.round_started[key], arrived)
         if rnd.complete:
             self._finish(rnd)
 
-    def _fold(self, rnd: Round, h: Header, payload: Optional[zmq.Frame]) -> None:
+    def _fold(self, rnd: Round, h: Header, payload: Union[zmq.Frame, memoryview, None]) -> None:
         if rnd.op is ReduceOp.BROADCAST:
             if h.rank == h.aux:
                 if payload is None:
@@ -484,11 +522,13 @@ class Reducer:
             return
         if payload is None:
             raise ValueError("a contribution without a payload")
+        # A frame's view keeps the frame alive while it is held; a slot stays the worker's until
+        # it is answered, so its view needs nothing more.
+        data = payload if isinstance(payload, memoryview) else payload.buffer
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, payload.buffer)
-        data = payload.buffer  # a view that keeps the frame alive while it is held
+            return self._fold_one(rnd, h, h.rank, data)
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
-            if len(data) < _SHARED_RECV_BYTES:
+            if len(data) < _SHARED_RECV_BYTES and not isinstance(payload, memoryview):
                 # libzmq receives small messages into shared batch buffers: holding the frame would
                 # pin a whole buffer while counting only the message, so keep a copy instead.
                 data = payload.bytes
@@ -527,14 +567,25 @@ class Reducer:
                 out = acc
                 if rnd.op is ReduceOp.AVG:
                     _native.store(acc, acc, h.dtype, h.op, rnd.world)
-        frame = out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=False, track=True)
-        header = protocol.pack_as(h, MsgType.RESULT, self.index, h.count * rnd.dtype.itemsize)
+        nbytes = h.count * rnd.dtype.itemsize
+        header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
+        frame = None  # made once some rank needs the result as a frame
         for rank in range(rnd.world):
             identity = self.rank_identity.get(rank)
             if identity is None:
                 event(log, logging.INFO if rank in self.lost else logging.ERROR, "result_undeliverable",
                       reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
                 continue
+            segment, slot = rnd.slots.get(rank, (None, 0))
+            peer = self.peers.get(identity)
+            if segment is not None and peer is not None and segment is peer.segment:
+                segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
+                if self._send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
+                    self.bytes_out += nbytes
+                    self.bytes_shared += nbytes
+                continue
+            if frame is None:
+                frame = out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=False, track=True)
             if self._send(identity, [header, frame]):
                 self.bytes_out += len(frame)
         if self.metrics is not None:
@@ -543,7 +594,7 @@ class Reducer:
         rnd.accumulator = None
         self._discharge(rnd)
         if buffers:
-            self.pool.release(buffers, frame.tracker)
+            self.pool.release(buffers, frame.tracker if frame is not None else None)
         self.completed += 1
 
     # -- failures ------------------------------------------------------------------------
@@ -628,6 +679,7 @@ class Reducer:
         for rank, frame in rnd.held.items():
             self.pool.unhold(len(frame), rank)
         rnd.held.clear()
+        rnd.slots.clear()
         rnd.adopted = None
 
     def _discharge(self, rnd: Round) -> None:
@@ -753,6 +805,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         liveness_timeout=liveness,
         deterministic=deterministic,
         encrypt=encrypt,
+        shared=shared_memory.enabled(),
     )
     if metrics_port is None:
         metrics_port = int(env_number("RS_METRICS_PORT", 0, minimum=0, maximum=65535))
@@ -785,6 +838,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     failed = ",".join(f"{code}:{n}" for code, n in sorted(reducer.failed_codes.items()))
     event(log, NOTICE, "stopped", reducer=index, completed=reducer.completed, failed=reducer.failed,
           failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=reducer.bytes_out,
+          bytes_shared_memory=reducer.bytes_shared,
           peers_admitted=reducer.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
           open_rounds=len(reducer.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
     return 0

@@ -69,6 +69,7 @@ class Round:
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
     held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame)
+    slots: Dict[int, Tuple[Any, int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
     next_rank: int = 0  # deterministic mode: the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     charged: int = 0  # accumulator bytes charged to owner's budget

@@ -129,7 +129,8 @@ def test_the_bytes_on_the_wire_are_encrypted(encrypt):
     with reducers(1, extra_env=ENCRYPT if encrypt else {}) as group:
         tap = Tap(group.addresses[0])
         try:
-            results = run_ranks(2, lambda r: communicator([tap.address], r, 2, encrypt=encrypt),
+            # Frames, not shared-memory slots: the payload must cross the (tapped) wire.
+            results = run_ranks(2, lambda r: communicator([tap.address], r, 2, encrypt=encrypt, shared_memory=False),
                                 lambda comm, r: comm.all_reduce(payload, "max"), limit=30)
         finally:
             tap.close()

@@ -81,6 +81,8 @@ def test_metrics_show_what_the_job_did():
     mismatched = 10 * 4 + 20 * 4  # both ranks' payloads arrived; neither made a result
     assert value(live, "reduction_server_received_bytes_total") == WORLD * (payload + barrier) + mismatched
     assert value(live, "reduction_server_sent_bytes_total") == WORLD * (payload + barrier)
+    # the ranks share the reducer's host: every chunk went both ways through shared memory
+    assert value(live, "reduction_server_shared_memory_bytes_total") == 2 * WORLD * (payload + barrier) + mismatched
     assert value(live, "reduction_server_rounds_completed_total") == rounds
     assert value(live, "reduction_server_rounds_failed_total", code="MISMATCH") == 1
     assert value(live, "reduction_server_peers_connected") == WORLD

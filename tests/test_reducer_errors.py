@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, auth, protocol
+from reduction_server import CollectiveError, auth, protocol, shared_memory
 from reduction_server.discovery import job_id_from
 from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
@@ -101,7 +101,7 @@ class Peer:
         assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
         header = protocol.unpack(frames[0])  # what the reducer sends must parse
         payload = frames[1] if len(frames) == 2 else b""
-        assert len(payload) == header.nbytes
+        assert len(payload) == (0 if header.type is MsgType.RESULT_SHM else header.nbytes)  # a slot's bytes are not in a frame
         return header, payload
 
     def expect_error(self, code: ErrorCode, *words: str, timeout: float = 5.0) -> Tuple[Header, str]:
@@ -120,8 +120,8 @@ class Peer:
         assert reply is None, f"unexpected answer: {reply[0].type.name} {reply[1][:200]!r}"
 
     def handshake(self, rank: int, world: int, *, job: int = JOB, generation: int = 0,
-                  token: str = TOKEN) -> dict:
-        info = json.dumps({"host": "test", "pid": os.getpid(), "version": "test"}).encode()
+                  token: str = TOKEN, **facts) -> dict:
+        info = json.dumps({"host": "test", "pid": os.getpid(), "version": "test", **facts}).encode()
         ident = dict(rank=rank, world=world, job=job, generation=generation)
         self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
         reply = self.recv()
@@ -139,9 +139,9 @@ class Peer:
 def data(rank: int = 0, world: int = 2, *, job: int = JOB, generation: int = 0, seq: int = 1000,
          chunk: int = 0, nchunks: int = 1, offset: int = 0, count: int = 4, total: Optional[int] = None,
          dtype: DType = DType.FLOAT32, op: ReduceOp = ReduceOp.SUM, nbytes: Optional[int] = None,
-         aux: int = 0) -> bytes:
+         aux: int = 0, mtype: MsgType = MsgType.DATA) -> bytes:
     return protocol.data_header(
-        MsgType.DATA, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq,
+        mtype, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq,
         chunk=chunk, nchunks=nchunks, offset=offset, count=count, total=count if total is None else total,
         nbytes=count * dtype.itemsize if nbytes is None else nbytes, aux=aux)
 
@@ -665,6 +665,42 @@ def test_bad_payloads_and_impersonation_are_answered_to_the_sender():
         assert group.alive()
         peer.close()
         other.close()
+
+
+def test_shared_memory_contributions_that_do_not_check_out_fail_naming_what_is_wrong():
+    """DATA_SHM from a peer without a segment, for a slot that does not exist, for more bytes
+    than a slot holds, with a frame besides, or for a broadcast: each is answered to the sender,
+    and the reducer goes on summing from (and into) the slots of the peers that offered them."""
+    segment = shared_memory.Segment.create(2, 64)
+    with reducers(1, workers=2) as group:
+        offered, plain = Peer(group.addresses[0]), Peer(group.addresses[0])
+        assert offered.handshake(0, 2, job=0xC0, shared_memory=segment.offer)["shared_memory"] is True
+        assert plain.handshake(1, 2, job=0xC0)["shared_memory"] is False
+        shm = dict(job=0xC0, mtype=MsgType.DATA_SHM)
+        for peer, header, frames, words in [
+                (plain, data(rank=1, seq=1, **shm), [], ["rank 1 sent DATA_SHM", "no shared-memory segment"]),
+                (offered, data(seq=2, aux=2, **shm), [], ["slot 2 out of range (0..1)"]),
+                (offered, data(seq=3, count=32, **shm), [], ["128 bytes do not fit", "slot of 64"]),
+                (offered, data(seq=4, **shm), [b"\0" * 16], ["payload in a shared-memory slot, not in a frame"])]:
+            peer.send(header, *frames)
+            peer.expect_error(ErrorCode.BAD_PAYLOAD, *words)
+        offered.send(data(seq=5, op=ReduceOp.BROADCAST, **shm))
+        offered.expect_error(ErrorCode.MALFORMED, "DATA_SHM cannot carry a broadcast")
+        # a good round: rank 0 through slot 1, rank 1 as a frame; each gets the sum its own way
+        segment.slot(1, 16)[:] = np.arange(4, dtype=np.float32).tobytes()
+        offered.send(data(seq=6, aux=1, **shm))
+        plain.send(data(rank=1, job=0xC0, seq=6), np.full(4, 10, np.float32).tobytes())
+        expected = np.arange(4, dtype=np.float32) + 10
+        header, _ = offered.recv()
+        assert (header.type, header.seq, header.aux) == (MsgType.RESULT_SHM, 6, 1), header
+        np.testing.assert_array_equal(np.frombuffer(segment.slot(1, 16), np.float32), expected)
+        header, result = plain.recv()
+        assert header.type is MsgType.RESULT and header.seq == 6, header
+        np.testing.assert_array_equal(np.frombuffer(result, np.float32), expected)
+        assert group.alive()
+        offered.close()
+        plain.close()
+    segment.close()
 
 
 def test_error_texts_always_fit_the_protocol():

@@ -1,0 +1,153 @@
+"""Shared-memory payload slots between a worker and a reducer on the same host.
+
+Over loopback, ZeroMQ copies every chunk four times (into the kernel and out of it, both ways)
+and the worker copies each result once more out of libzmq's buffer. When a reducer shares the
+worker's host, the worker offers it a segment of `slots` payload slots instead: it copies a
+chunk into a free slot and sends only the header (DATA_SHM, slot in `aux`); the reducer sums
+straight from the slot and writes the result back into the same slot (RESULT_SHM). Control
+messages, errors and broadcasts still travel over ZeroMQ.
+
+Safety, because the reducer must never crash or read another job's memory:
+- The segment is a memfd sealed against shrinking and growing, so a worker cannot truncate it
+  under the reducer's mapping (which would kill the reducer with SIGBUS). The reducer checks
+  the seals itself.
+- The reducer opens it through /proc/<pid>/fd/<fd> only after the worker has authenticated,
+  only when boot id, network and pid namespaces are its own (so emulated hosts in separate
+  network namespaces keep using their links), and only when the random nonce written at the
+  segment's start matches the one in the HELLO.
+- Anything that does not check out means "no shared memory": the worker falls back to frames.
+- A slot is reused only after the reducer has answered the chunk in it (RESULT_SHM, RESULT or
+  ERROR for that key), so a late result can never overwrite a newer chunk.
+Nothing is left behind: a memfd has no name, and its memory goes with the last process to close
+or unmap it.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+from typing import Any, Dict, Optional
+
+from .errors import ReductionServerError
+from .settings import env_flag
+
+_MAGIC = b"RSSHM1\0\0"
+_NONCE_BYTES = 16
+_HEADER_BYTES = 4096  # the first page holds magic and nonce; slots start page-aligned
+_SLOT_ALIGN = 4096
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+MAX_SLOTS = 1024
+MAX_SLOT_BYTES = 1 << 31
+#: larger slots than this are not offered: bigger chunks simply travel as frames
+DEFAULT_MAX_SLOT_BYTES = 64 << 20
+
+
+class Unavailable(ReductionServerError):
+    """A segment offer that cannot be used here; the reason says why (payloads go as frames)."""
+
+
+def enabled() -> bool:
+    """RS_SHM (default on): offer (worker) or accept (reducer) shared-memory slots."""
+    return env_flag("RS_SHM", default=True)
+
+
+def _host_identity() -> Dict[str, Any]:
+    """What must match for two processes to share memory through /proc: the same boot of the
+    same machine, and the same network and pid namespaces."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    ident: Dict[str, Any] = {"boot_id": boot}
+    for ns in ("net", "pid"):
+        st = os.stat(f"/proc/self/ns/{ns}")
+        ident[f"{ns}_namespace"] = [st.st_dev, st.st_ino]
+    return ident
+
+
+class Segment:
+    """`slots` payload slots of `slot_bytes` each, mapped into this process."""
+
+    def __init__(self, mapping: mmap.mmap, slots: int, slot_bytes: int, offer: Optional[dict] = None) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self._view = memoryview(mapping)
+        #: what the worker puts in its HELLO (None on the reducer's side)
+        self.offer = offer
+        self._fd: Optional[int] = None  # the worker's memfd, open until close()
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> "Segment":
+        """A new sealed segment (the worker's side). Raises OSError where memfd is missing."""
+        stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        size = _HEADER_BYTES + slots * stride
+        fd = os.memfd_create("reduction-server", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        mapping[:len(_MAGIC) + _NONCE_BYTES] = _MAGIC + nonce
+        offer = {"pid": os.getpid(), "fd": fd, "slots": slots, "slot_bytes": slot_bytes,
+                 "nonce": nonce.hex(), **_host_identity()}
+        segment = cls(mapping, slots, slot_bytes, offer)
+        segment._fd = fd  # the reducer opens it through /proc/<pid>/fd/<fd>
+        return segment
+
+    @classmethod
+    def attach(cls, offer: Any) -> "Segment":
+        """Map a worker's segment (the reducer's side), or raise Unavailable saying why."""
+        if not isinstance(offer, dict):
+            raise Unavailable("the offer is not a JSON object")
+        try:
+            pid, fd, slots, slot_bytes = (int(offer[k]) for k in ("pid", "fd", "slots", "slot_bytes"))
+            nonce = bytes.fromhex(offer["nonce"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Unavailable(f"malformed offer: {exc!r}") from None
+        if not (0 < slots <= MAX_SLOTS and 0 < slot_bytes <= MAX_SLOT_BYTES and len(nonce) == _NONCE_BYTES):
+            raise Unavailable(f"offer out of range: {slots} slots of {slot_bytes} bytes")
+        here = _host_identity()
+        for key, value in here.items():
+            if offer.get(key) != value:
+                raise Unavailable(f"not the same host ({key.replace('_', ' ')} differs)")
+        try:
+            fd_here = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise Unavailable(f"cannot open the worker's segment: {exc.strerror}") from None
+        try:
+            try:
+                seals = fcntl.fcntl(fd_here, fcntl.F_GET_SEALS)
+            except OSError:
+                raise Unavailable("the worker's descriptor is not a sealable memfd") from None
+            if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+                raise Unavailable("the worker's segment is not sealed against resizing")
+            stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+            size = _HEADER_BYTES + slots * stride
+            if os.fstat(fd_here).st_size != size:
+                raise Unavailable(f"the segment is {os.fstat(fd_here).st_size} bytes, expected {size}")
+            mapping = mmap.mmap(fd_here, size)
+        finally:
+            os.close(fd_here)  # the mapping stays valid without it
+        if mapping[:len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
+            mapping.close()
+            raise Unavailable("the segment's nonce does not match the offer (another process's descriptor)")
+        return cls(mapping, slots, slot_bytes)
+
+    def slot(self, index: int, nbytes: int) -> memoryview:
+        """The first nbytes of slot `index`, writable; ValueError naming what is out of range."""
+        if not 0 <= index < self.slots:
+            raise ValueError(f"shared-memory slot {index} out of range (0..{self.slots - 1})")
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a shared-memory slot of {self.slot_bytes}")
+        start = _HEADER_BYTES + index * self._stride
+        return self._view[start:start + nbytes]
+
+    def close(self) -> None:
+        """Drop this side's descriptor and view; the memory is unmapped once no slot view is alive."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._view = memoryview(b"")

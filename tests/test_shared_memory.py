@@ -1,0 +1,232 @@
+"""Shared-memory slots between workers and reducers on one host (reduction_server/shared_memory.py).
+
+The segment: what a reducer accepts and what it refuses (another boot, namespace, nonce, an
+unsealed or foreign descriptor), and that a worker cannot shrink it under the reducer. Then real
+reducer processes and Communicators in threads: sums through the slots equal NumPy's for every
+dtype and op, ranks with and without slots mix in one job, a reducer with RS_SHM=0 gets frames,
+and slots come back after a failed collective.
+"""
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import reduction_server.client as rs
+from reduction_server import CollectiveError
+from reduction_server.client.chunking import plan_chunks
+from reduction_server.shared_memory import Segment, Unavailable
+
+import cluster
+from cluster import reducers
+
+pytestmark = pytest.mark.timeout(60)
+
+OPTIONS = {"job_token": "test-token", "timeout": 5, "connect_timeout": 5, "chunk_bytes": 1 << 16}
+
+
+# -- the segment ---------------------------------------------------------------------------
+@pytest.fixture
+def segment():
+    seg = Segment.create(3, 1000)
+    yield seg
+    seg.close()
+
+
+def test_a_segment_attached_elsewhere_shares_its_slots(segment):
+    other = Segment.attach(segment.offer)
+    segment.slot(2, 1000)[:] = bytes(range(200)) * 5
+    assert bytes(other.slot(2, 1000)) == bytes(range(200)) * 5
+    other.slot(0, 4)[:] = b"sums"
+    assert bytes(segment.slot(0, 4)) == b"sums"
+    other.close()
+
+
+def test_another_process_attaches_through_proc(segment):
+    """What a reducer process does: open /proc/<pid>/fd/<fd> of the worker and check the nonce."""
+    segment.slot(1, 5)[:] = b"hello"
+    code = ("import json, sys; from reduction_server.shared_memory import Segment; "
+            "s = Segment.attach(json.loads(sys.argv[1])); print(bytes(s.slot(1, 5)).decode()); "
+            "s.slot(1, 5)[:] = b'world'")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(segment.offer)], capture_output=True,
+                         text=True, timeout=30, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hello"
+    assert bytes(segment.slot(1, 5)) == b"world"
+
+
+def test_the_worker_cannot_resize_its_segment(segment):
+    """Shrinking it under a reducer's mapping would kill the reducer with SIGBUS: it is sealed."""
+    fd = segment.offer["fd"]
+    size = os.fstat(fd).st_size
+    for new in (0, size // 2, size * 2):
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, new)
+    assert os.fstat(fd).st_size == size
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda o: o.update(boot_id="0" * 36), "boot id differs"),
+    (lambda o: o.update(net_namespace=[0, 1]), "net namespace differs"),
+    (lambda o: o.update(pid_namespace=[0, 1]), "pid namespace differs"),
+    (lambda o: o.update(nonce="00" * 16), "nonce does not match"),
+    (lambda o: o.update(slots=4), "bytes, expected"),
+    (lambda o: o.update(fd=o["fd"] + 1000), "cannot open the worker's segment"),
+    (lambda o: o.update(pid=0x3FFFFFFF), "cannot open the worker's segment"),
+    (lambda o: o.pop("nonce"), "malformed offer"),
+    (lambda o: o.update(slots="many"), "malformed offer"),
+    (lambda o: o.update(slots=0), "out of range"),
+    (lambda o: o.update(slot_bytes=1 << 40), "out of range"),
+])
+def test_an_offer_that_does_not_check_out_is_declined_saying_why(segment, change, words):
+    offer = dict(segment.offer)
+    change(offer)
+    with pytest.raises(Unavailable, match=words):
+        Segment.attach(offer)
+
+
+def test_descriptors_that_are_not_sealed_memfds_are_declined(segment):
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    with tempfile.TemporaryFile() as plain:
+        try:
+            for fd, words in [(unsealed, "not sealed against resizing"), (plain.fileno(), "not a sealable memfd")]:
+                os.ftruncate(fd, os.fstat(segment.offer["fd"]).st_size)
+                with pytest.raises(Unavailable, match=words):
+                    Segment.attach({**segment.offer, "fd": fd})
+        finally:
+            os.close(unsealed)
+    with pytest.raises(Unavailable, match="not a JSON object"):
+        Segment.attach(["not", "a", "dict"])
+
+
+def test_slot_bounds_are_checked(segment):
+    assert len(segment.slot(2, 1000)) == 1000
+    with pytest.raises(ValueError, match="slot 3 out of range"):
+        segment.slot(3, 1)
+    with pytest.raises(ValueError, match="slot -1 out of range"):
+        segment.slot(-1, 1)
+    with pytest.raises(ValueError, match="1001 bytes do not fit"):
+        segment.slot(0, 1001)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="needs root and iproute2 to make a network namespace")
+def test_a_process_in_another_network_namespace_declines(segment):
+    """Emulated hosts (bench netem) are namespaces of one machine: they must use their links."""
+    name = f"rs-shm-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        code = ("import json, sys\nfrom reduction_server.shared_memory import Segment, Unavailable\n"
+                "try:\n    Segment.attach(json.loads(sys.argv[1]))\nexcept Unavailable as e:\n    print(e)")
+        out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", code, json.dumps(segment.offer)],
+                             capture_output=True, text=True, timeout=30, cwd="/")
+        assert out.returncode == 0, out.stderr
+        assert "net namespace differs" in out.stdout
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=True)
+
+
+# -- real reducers ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def group():
+    with reducers(2) as g:
+        yield g
+        assert g.alive(), "a reducer died during the tests"
+
+
+def run_ranks(group, world, body, shared=(True,), **options):
+    """body(comm, rank) on every rank (threads); rank r uses slots when shared[r % len(shared)]."""
+    job = secrets.randbits(63)
+
+    def make(rank):
+        return rs.Communicator(group.addresses, rank, world, job_id=job, **{**OPTIONS, **options},
+                               shared_memory=shared[rank % len(shared)])
+
+    return cluster.run_ranks(world, make, body, 30.0)
+
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int32, np.int64]
+
+
+def _inputs(dtype, rank, count=40_000):
+    rng = np.random.default_rng([rank, count])
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(0, 5, count).astype(dtype)
+    return (rng.integers(-64, 64, count) / 4).astype(dtype)  # exact in every float type
+
+
+@pytest.mark.parametrize("shared", [(True,), (False, True, True)], ids=["every-rank", "mixed"])
+def test_sums_through_the_slots_equal_numpys_for_every_dtype_and_op(group, shared):
+    world = 4  # avg divides by a power of two: exact in every float type
+
+    def body(comm, rank):
+        for dtype in DTYPES:
+            for op in ("sum", "max", "min", "avg"):
+                x = _inputs(dtype, rank)
+                y = comm.all_reduce(x, op)
+                xs = [_inputs(dtype, r).astype(np.float64) for r in range(world)]
+                want = {"sum": np.sum, "max": np.max, "min": np.min}.get(op, np.mean)(xs, axis=0)
+                if op == "avg" and np.dtype(dtype).kind in "iu":
+                    want = np.trunc(want)
+                np.testing.assert_array_equal(y.astype(np.float64), want, err_msg=f"{dtype} {op}")
+        x = np.full(1000, rank, np.float32)
+        comm.broadcast(x, root=2)  # broadcasts travel as frames, beside the slots
+        np.testing.assert_array_equal(x, 2)
+        return comm._engine.chunks_shared
+
+    shared_chunks = run_ranks(group, world, body, shared=shared)
+    # every chunk of every reduction, out and back, went through the slots (the broadcast did not)
+    chunks = sum(len(plan_chunks(40_000, np.dtype(d).itemsize, 2, OPTIONS["chunk_bytes"])) for d in DTYPES)
+    assert shared_chunks == [2 * 4 * chunks if shared[r % len(shared)] else 0 for r in range(world)]
+
+
+def test_a_reducer_with_rs_shm_off_answers_with_frames():
+    with reducers(1, extra_env={"RS_SHM": "0"}) as group:
+        def body(comm, rank):
+            y = comm.all_reduce(np.full(50_000, rank + 1, np.float32))
+            np.testing.assert_array_equal(y, 3)
+            return comm._engine.chunks_shared
+
+        assert run_ranks(group, 2, body) == [0, 0]
+
+
+def test_slots_come_back_after_a_failed_collective_and_are_used_again(group):
+    """Ranks that disagree fail on every rank; every slot is freed by the reducers' answers,
+    and the next collectives go through the slots again."""
+    window = 4
+
+    def body(comm, rank):
+        engine = comm._engine
+        with pytest.raises(CollectiveError, match="disagree"):
+            comm.all_reduce(np.ones(100_000 + rank * 64, np.float32))
+        deadline = time.monotonic() + 5
+        while any(len(free) < window for free in engine._free_slots) and time.monotonic() < deadline:
+            time.sleep(0.01)  # late answers free the last slots on the engine thread
+        assert [len(free) for free in engine._free_slots] == [window, window]
+        before = engine.chunks_shared
+        for _ in range(3):
+            np.testing.assert_array_equal(comm.all_reduce(np.ones(100_000, np.float32)), 2)
+        return engine.chunks_shared - before
+
+    for used in run_ranks(group, 2, body, window=window):
+        assert used >= 3 * 2 * 2  # at least two chunks per collective, out and back
+
+
+def test_ranks_offer_no_segment_with_rs_shm_off(group, monkeypatch):
+    monkeypatch.setenv("RS_SHM", "0")
+
+    def body(comm, rank):
+        np.testing.assert_array_equal(comm.all_reduce(np.ones(10, np.int32)), 2)
+        return comm._engine.chunks_shared, comm._engine._segments
+
+    job = secrets.randbits(63)
+    results = cluster.run_ranks(2, lambda rank: rs.Communicator(group.addresses, rank, 2, job_id=job, **OPTIONS),
+                                body, 30.0)
+    assert results == [(0, [None, None])] * 2
