@@ -90,7 +90,7 @@ class Engine:
                  job_id: int, generation: int, window: int, timeout: float,
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
                  liveness_timeout: Optional[float] = None, encrypt: bool = False,
-                 shared: bool = False, slot_bytes: int = shared_memory.DEFAULT_MAX_SLOT_BYTES) -> None:
+                 shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES) -> None:
         if encrypt:
             encryption.check(job_token)
         self.reducers = reducers
@@ -111,7 +111,8 @@ class Engine:
         self.connect_timeout = connect_timeout
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
         self.shared = shared
-        self.slot_bytes = max(8, min(slot_bytes, shared_memory.DEFAULT_MAX_SLOT_BYTES))
+        # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
+        self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
         # Per reducer: the segment offered in the last HELLO, its free slots (empty until the
         # reducer accepts it), and which slot each unanswered chunk sent through it is in.
         self._segments: List[Optional[shared_memory.Segment]] = [None] * len(reducers)
@@ -440,8 +441,8 @@ class Engine:
     def _release_slot(self, r: int, h: protocol.Header) -> Optional[int]:
         """The slot of the chunk reducer r has answered with h, now free again; None if that
         chunk did not go through shared memory."""
-        if (h.job, h.generation) != (self.job, self.generation):
-            return None
+        if h.nchunks == 0 or (h.job, h.generation) != (self.job, self.generation):
+            return None  # an answer about no chunk (an ERROR about a frame, not a key)
         slot = self._slot_of[r].pop((h.seq, h.chunk), None)
         if slot is not None:
             self._free_slots[r].append(slot)

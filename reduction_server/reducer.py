@@ -34,7 +34,7 @@ from .protocol import DTYPES, ErrorCode, Header, MsgType, ReduceOp
 from .round import Round, format_ranks
 from .settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT,
                        DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES,
-                       DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT, env_flag, env_number)
+                       DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT, MAX_WINDOW, env_flag, env_number)
 
 if TYPE_CHECKING:
     from .metrics import ReducerMetrics
@@ -61,7 +61,7 @@ PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
 
 
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-_SHARED_RECV_BYTES = 64 << 10  # below this, a received frame may share libzmq's receive buffer
+_BATCHED_RECV_BYTES = 64 << 10  # below this, a received frame may share libzmq's receive buffer
 
 
 def _clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
@@ -334,7 +334,8 @@ class Reducer:
         offer = peer.info.get("shared_memory") if isinstance(peer.info, dict) else None
         if offer is not None and self.shared:
             try:
-                peer.segment = shared_memory.Segment.attach(offer)
+                peer.segment = shared_memory.Segment.attach(offer, max_slots=MAX_WINDOW,
+                                                            max_slot_bytes=self.max_chunk_bytes)
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
         welcome = json.dumps({"index": self.index, "world_size": self.world,
@@ -528,10 +529,12 @@ class Reducer:
         if not self.deterministic:
             return self._fold_one(rnd, h, h.rank, data)
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
-            if len(data) < _SHARED_RECV_BYTES and not isinstance(payload, memoryview):
+            if len(data) < _BATCHED_RECV_BYTES and not isinstance(payload, memoryview):
                 # libzmq receives small messages into shared batch buffers: holding the frame would
                 # pin a whole buffer while counting only the message, so keep a copy instead.
                 data = payload.bytes
+            # Charged like a frame even when it is a slot (worker memory): the per-rank budget
+            # bounds what one rank can make the reducer keep, whichever way it came.
             self.pool.hold(len(data), h.rank)
         ready = rnd.in_rank_order(h.rank, data)
         for rank, held in ready[1:]:

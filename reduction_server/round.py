@@ -9,17 +9,21 @@ answered.
 
 In deterministic mode (RS_DETERMINISTIC=1) contributions are folded in rank order whatever
 their arrival order: rank k is folded once ranks 0..k have arrived, and a contribution that
-arrives before its turn is held (its received frame, no copy) until then.
+arrives before its turn is held (a view of its received frame or of its shared-memory slot, no
+copy) until then.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .protocol import DTYPES, OPS, DType, ErrorCode, Header, ReduceOp
+
+if TYPE_CHECKING:
+    from .shared_memory import Segment
 
 # Header fields that every contribution to one key must agree on.
 AGREED_FIELDS = ("dtype", "op", "count", "offset", "total", "nchunks", "aux", "world")
@@ -68,8 +72,8 @@ class Round:
     adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
-    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame)
-    slots: Dict[int, Tuple[Any, int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
+    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame or slot)
+    slots: Dict[int, Tuple["Segment", int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
     next_rank: int = 0  # deterministic mode: the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     charged: int = 0  # accumulator bytes charged to owner's budget

@@ -27,7 +27,8 @@ import fcntl
 import mmap
 import os
 import secrets
-from typing import Any, Dict, Optional
+import stat
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import ReductionServerError
 from .settings import env_flag
@@ -37,10 +38,8 @@ _NONCE_BYTES = 16
 _HEADER_BYTES = 4096  # the first page holds magic and nonce; slots start page-aligned
 _SLOT_ALIGN = 4096
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-MAX_SLOTS = 1024
-MAX_SLOT_BYTES = 1 << 31
 #: larger slots than this are not offered: bigger chunks simply travel as frames
-DEFAULT_MAX_SLOT_BYTES = 64 << 20
+MAX_OFFERED_SLOT_BYTES = 64 << 20
 
 
 class Unavailable(ReductionServerError):
@@ -64,13 +63,21 @@ def _host_identity() -> Dict[str, Any]:
     return ident
 
 
+def _layout(slots: int, slot_bytes: int) -> Tuple[int, int]:
+    """(stride between slots, size of the whole segment)."""
+    stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+    return stride, _HEADER_BYTES + slots * stride
+
+
 class Segment:
-    """`slots` payload slots of `slot_bytes` each, mapped into this process."""
+    """`slots` payload slots of `slot_bytes` each, mapped into this process. Nothing unmaps it
+    explicitly: the mapping goes when the last view of it does (a reducer may still hold views
+    of a departed peer's slots in rounds that are being failed)."""
 
     def __init__(self, mapping: mmap.mmap, slots: int, slot_bytes: int, offer: Optional[dict] = None) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self._stride = _layout(slots, slot_bytes)[0]
         self._view = memoryview(mapping)
         #: what the worker puts in its HELLO (None on the reducer's side)
         self.offer = offer
@@ -79,8 +86,8 @@ class Segment:
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> "Segment":
         """A new sealed segment (the worker's side). Raises OSError where memfd is missing."""
-        stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
-        size = _HEADER_BYTES + slots * stride
+        identity = _host_identity()
+        size = _layout(slots, slot_bytes)[1]
         fd = os.memfd_create("reduction-server", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -92,14 +99,16 @@ class Segment:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         mapping[:len(_MAGIC) + _NONCE_BYTES] = _MAGIC + nonce
         offer = {"pid": os.getpid(), "fd": fd, "slots": slots, "slot_bytes": slot_bytes,
-                 "nonce": nonce.hex(), **_host_identity()}
+                 "nonce": nonce.hex(), **identity}
         segment = cls(mapping, slots, slot_bytes, offer)
         segment._fd = fd  # the reducer opens it through /proc/<pid>/fd/<fd>
         return segment
 
     @classmethod
-    def attach(cls, offer: Any) -> "Segment":
-        """Map a worker's segment (the reducer's side), or raise Unavailable saying why."""
+    def attach(cls, offer: Any, *, max_slots: int, max_slot_bytes: int) -> "Segment":
+        """Map a worker's segment (the reducer's side), or raise Unavailable saying why. Offers
+        of more slots or larger ones than the reducer can use are declined: a peer cannot make
+        it map more than its window of its largest chunks."""
         if not isinstance(offer, dict):
             raise Unavailable("the offer is not a JSON object")
         try:
@@ -107,30 +116,42 @@ class Segment:
             nonce = bytes.fromhex(offer["nonce"])
         except (KeyError, TypeError, ValueError) as exc:
             raise Unavailable(f"malformed offer: {exc!r}") from None
-        if not (0 < slots <= MAX_SLOTS and 0 < slot_bytes <= MAX_SLOT_BYTES and len(nonce) == _NONCE_BYTES):
-            raise Unavailable(f"offer out of range: {slots} slots of {slot_bytes} bytes")
-        here = _host_identity()
-        for key, value in here.items():
+        if not (0 < slots <= max_slots and 0 < slot_bytes <= max_slot_bytes and len(nonce) == _NONCE_BYTES):
+            raise Unavailable(f"offer of {slots} slots of {slot_bytes} bytes is out of range (at most "
+                              f"{max_slots} slots of {max_slot_bytes} bytes, RS_MAX_CHUNK_BYTES)")
+        try:
+            return cls._map(pid, fd, slots, slot_bytes, nonce, offer)
+        except OSError as exc:  # /proc hidden, an address space or map count used up, ...
+            raise Unavailable(f"cannot map the worker's segment: {exc}") from None
+
+    @classmethod
+    def _map(cls, pid: int, fd: int, slots: int, slot_bytes: int, nonce: bytes, offer: dict) -> "Segment":
+        for key, value in _host_identity().items():
             if offer.get(key) != value:
                 raise Unavailable(f"not the same host ({key.replace('_', ' ')} differs)")
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            fd_here = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            st = os.stat(path)
         except OSError as exc:
             raise Unavailable(f"cannot open the worker's segment: {exc.strerror}") from None
+        # A client names the descriptor: only a regular file is opened (a tty, a FIFO or a device
+        # could block the reducer or become its terminal), and never in a blocking mode.
+        if not stat.S_ISREG(st.st_mode):
+            raise Unavailable("the worker's descriptor is not a regular file")
+        size = _layout(slots, slot_bytes)[1]
+        if st.st_size != size:
+            raise Unavailable(f"the segment is {st.st_size} bytes, expected {size}")
+        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             try:
-                seals = fcntl.fcntl(fd_here, fcntl.F_GET_SEALS)
+                seals = fcntl.fcntl(opened, fcntl.F_GET_SEALS)
             except OSError:
                 raise Unavailable("the worker's descriptor is not a sealable memfd") from None
             if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
                 raise Unavailable("the worker's segment is not sealed against resizing")
-            stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
-            size = _HEADER_BYTES + slots * stride
-            if os.fstat(fd_here).st_size != size:
-                raise Unavailable(f"the segment is {os.fstat(fd_here).st_size} bytes, expected {size}")
-            mapping = mmap.mmap(fd_here, size)
+            mapping = mmap.mmap(opened, size)
         finally:
-            os.close(fd_here)  # the mapping stays valid without it
+            os.close(opened)  # the mapping stays valid without it
         if mapping[:len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
             mapping.close()
             raise Unavailable("the segment's nonce does not match the offer (another process's descriptor)")

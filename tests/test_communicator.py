@@ -1,6 +1,6 @@
 """The Communicator against real reducer processes, with ranks as threads of this process.
 
-One pair of reducers serves the whole module. They learn the world size from the first HELLO of
+One pair of reducers serves the whole module (once per transport). They learn the world size from the first HELLO of
 each job, and every test runs its own job (a fresh job id), so tests with different world sizes
 follow one another on the same reducers.
 """
@@ -28,9 +28,11 @@ TOKEN = "test-token"
 OPTIONS = {"job_token": TOKEN, "timeout": 5, "connect_timeout": 5}
 
 
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2) as g:
+@pytest.fixture(scope="module", params=["shared-memory", "frames"])
+def group(request):
+    """Every test runs twice: with chunks in shared-memory slots (the reducers share this host),
+    and with RS_SHM=0 on the reducers, through the sockets as between hosts."""
+    with reducers(2, extra_env={"RS_SHM": "0"} if request.param == "frames" else None) as g:
         yield g
         assert g.alive(), "a reducer died during the tests"
 

@@ -7,6 +7,7 @@ Everything is bounded in time: every receive polls with a timeout, every thread 
 one, and Communicators use short timeouts."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -672,7 +673,7 @@ def test_shared_memory_contributions_that_do_not_check_out_fail_naming_what_is_w
     than a slot holds, with a frame besides, or for a broadcast: each is answered to the sender,
     and the reducer goes on summing from (and into) the slots of the peers that offered them."""
     segment = shared_memory.Segment.create(2, 64)
-    with reducers(1, workers=2) as group:
+    with reducers(1, workers=2) as group, contextlib.closing(segment):
         offered, plain = Peer(group.addresses[0]), Peer(group.addresses[0])
         assert offered.handshake(0, 2, job=0xC0, shared_memory=segment.offer)["shared_memory"] is True
         assert plain.handshake(1, 2, job=0xC0)["shared_memory"] is False
@@ -700,7 +701,6 @@ def test_shared_memory_contributions_that_do_not_check_out_fail_naming_what_is_w
         assert group.alive()
         offered.close()
         plain.close()
-    segment.close()
 
 
 def test_error_texts_always_fit_the_protocol():

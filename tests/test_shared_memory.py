@@ -22,6 +22,9 @@ import pytest
 import reduction_server.client as rs
 from reduction_server import CollectiveError
 from reduction_server.client.chunking import plan_chunks
+from reduction_server import protocol, shared_memory
+from reduction_server.client.engine import Engine
+from reduction_server.protocol import ErrorCode, Header, MsgType
 from reduction_server.shared_memory import Segment, Unavailable
 
 import cluster
@@ -33,6 +36,11 @@ OPTIONS = {"job_token": "test-token", "timeout": 5, "connect_timeout": 5, "chunk
 
 
 # -- the segment ---------------------------------------------------------------------------
+def attach(offer):
+    """What a reducer with RS_WINDOW <= 4 and RS_MAX_CHUNK_BYTES=4096 does with an offer."""
+    return Segment.attach(offer, max_slots=4, max_slot_bytes=4096)
+
+
 @pytest.fixture
 def segment():
     seg = Segment.create(3, 1000)
@@ -41,7 +49,7 @@ def segment():
 
 
 def test_a_segment_attached_elsewhere_shares_its_slots(segment):
-    other = Segment.attach(segment.offer)
+    other = attach(segment.offer)
     segment.slot(2, 1000)[:] = bytes(range(200)) * 5
     assert bytes(other.slot(2, 1000)) == bytes(range(200)) * 5
     other.slot(0, 4)[:] = b"sums"
@@ -53,7 +61,7 @@ def test_another_process_attaches_through_proc(segment):
     """What a reducer process does: open /proc/<pid>/fd/<fd> of the worker and check the nonce."""
     segment.slot(1, 5)[:] = b"hello"
     code = ("import json, sys; from reduction_server.shared_memory import Segment; "
-            "s = Segment.attach(json.loads(sys.argv[1])); print(bytes(s.slot(1, 5)).decode()); "
+            "s = Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20); print(bytes(s.slot(1, 5)).decode()); "
             "s.slot(1, 5)[:] = b'world'")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(segment.offer)], capture_output=True,
                          text=True, timeout=30, cwd="/")
@@ -83,27 +91,43 @@ def test_the_worker_cannot_resize_its_segment(segment):
     (lambda o: o.pop("nonce"), "malformed offer"),
     (lambda o: o.update(slots="many"), "malformed offer"),
     (lambda o: o.update(slots=0), "out of range"),
-    (lambda o: o.update(slot_bytes=1 << 40), "out of range"),
+    (lambda o: o.update(slots=5), "offer of 5 slots of 1000 bytes is out of range"),
+    (lambda o: o.update(slot_bytes=1 << 40), "out of range .at most 4 slots of 4096 bytes, RS_MAX_CHUNK_BYTES"),
 ])
 def test_an_offer_that_does_not_check_out_is_declined_saying_why(segment, change, words):
     offer = dict(segment.offer)
     change(offer)
     with pytest.raises(Unavailable, match=words):
-        Segment.attach(offer)
+        attach(offer)
 
 
 def test_descriptors_that_are_not_sealed_memfds_are_declined(segment):
     unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    read, write = os.pipe()
     with tempfile.TemporaryFile() as plain:
         try:
-            for fd, words in [(unsealed, "not sealed against resizing"), (plain.fileno(), "not a sealable memfd")]:
-                os.ftruncate(fd, os.fstat(segment.offer["fd"]).st_size)
+            for fd, words in [(unsealed, "not sealed against resizing"), (plain.fileno(), "not a sealable memfd"),
+                              (read, "not a regular file")]:  # a pipe could block the reducer's open
+                if fd != read:
+                    os.ftruncate(fd, os.fstat(segment.offer["fd"]).st_size)
                 with pytest.raises(Unavailable, match=words):
-                    Segment.attach({**segment.offer, "fd": fd})
+                    attach({**segment.offer, "fd": fd})
         finally:
-            os.close(unsealed)
+            for fd in (unsealed, read, write):
+                os.close(fd)
     with pytest.raises(Unavailable, match="not a JSON object"):
-        Segment.attach(["not", "a", "dict"])
+        attach(["not", "a", "dict"])
+
+
+def test_a_segment_that_cannot_be_mapped_is_declined_not_raised(segment, monkeypatch):
+    """An OSError while mapping (address space or map count used up) means frames, never an
+    exception out of the reducer's handshake."""
+    def no_room(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shared_memory.mmap, "mmap", no_room)
+    with pytest.raises(Unavailable, match="cannot map the worker's segment: .*Cannot allocate memory"):
+        attach(segment.offer)
 
 
 def test_slot_bounds_are_checked(segment):
@@ -124,13 +148,30 @@ def test_a_process_in_another_network_namespace_declines(segment):
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         code = ("import json, sys\nfrom reduction_server.shared_memory import Segment, Unavailable\n"
-                "try:\n    Segment.attach(json.loads(sys.argv[1]))\nexcept Unavailable as e:\n    print(e)")
+                "try:\n    Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20)\nexcept Unavailable as e:\n    print(e)")
         out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", code, json.dumps(segment.offer)],
                              capture_output=True, text=True, timeout=30, cwd="/")
         assert out.returncode == 0, out.stderr
         assert "net namespace differs" in out.stdout
     finally:
         subprocess.run(["ip", "netns", "delete", name], check=True)
+
+
+def test_an_answer_about_no_chunk_frees_no_slot():
+    """An ERROR about a frame rather than a key has job, generation, seq and chunk all 0: it must
+    not free the slot of job 0's first chunk, which a reducer may still write its result into."""
+    engine = Engine(("127.0.0.1:1",), 0, 1, job_token="", job_id=0, generation=0, window=2, timeout=1,
+                    connect_timeout=1, io_threads=1, shared=True)
+    try:
+        engine._free_slots[0], engine._slot_of[0] = [1], {(0, 0): 0}  # slot 0 holds (seq 0, chunk 0)
+        keyless = protocol.unpack(protocol.error_header(ErrorCode.INTERNAL, b"internal error"))
+        assert engine._release_slot(0, keyless) is None
+        assert engine._slot_of[0] == {(0, 0): 0} and engine._free_slots[0] == [1]
+        answer = Header(MsgType.RESULT_SHM, dtype=7, world=1, nchunks=1, count=1, total=1, nbytes=4)
+        assert engine._release_slot(0, answer) == 0
+        assert engine._slot_of[0] == {} and sorted(engine._free_slots[0]) == [0, 1]
+    finally:
+        engine.close()  # never started: this only closes its wake-up pipe
 
 
 # -- real reducers ---------------------------------------------------------------------------
