@@ -24,6 +24,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
+import numpy as np
 import zmq
 
 from . import _native, auth, encryption, protocol, shared_memory
@@ -527,7 +528,7 @@ class Reducer:
         # it is answered, so its view needs nothing more.
         data = payload if isinstance(payload, memoryview) else payload.buffer
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, data)
+            return self._fold_one(rnd, h, h.rank, data, in_slot=isinstance(payload, memoryview))
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
             if len(data) < _BATCHED_RECV_BYTES and not isinstance(payload, memoryview):
                 # libzmq receives small messages into shared batch buffers: holding the frame would
@@ -542,8 +543,14 @@ class Reducer:
         for rank, held in ready:
             self._fold_one(rnd, h, rank, held)
 
-    def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview]) -> None:
+    def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
+                  in_slot: bool = False) -> None:
         if rnd.accumulator is None:  # the first contribution: loaded, later ones folded in
+            if in_slot and rnd.dtype.accumulator is rnd.dtype:
+                # Its shared-memory slot becomes the accumulator: the rank leaves the slot alone
+                # until it is answered, so nothing is copied in and its result ends up in place.
+                rnd.accumulator, rnd.in_slot, rnd.owner = np.frombuffer(data, np.uint8), True, rank
+                return
             nbytes = h.count * rnd.dtype.accumulator.itemsize
             rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
             rnd.owner, rnd.charged = rank, nbytes
@@ -558,7 +565,8 @@ class Reducer:
             out = rnd.adopted
         else:
             acc = rnd.accumulator
-            buffers.append(acc)
+            if not rnd.in_slot:
+                buffers.append(acc)
             if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
                 try:
                     out = self.pool.acquire(h.count * rnd.dtype.itemsize)
@@ -573,7 +581,10 @@ class Reducer:
         nbytes = h.count * rnd.dtype.itemsize
         header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
         frame = None  # made once some rank needs the result as a frame
-        for rank in range(rnd.world):
+        # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
+        # after every copy out of its slot.
+        order = range(rnd.world) if not rnd.in_slot else [*(r for r in range(rnd.world) if r != rnd.owner), rnd.owner]
+        for rank in order:
             identity = self.rank_identity.get(rank)
             if identity is None:
                 event(log, logging.INFO if rank in self.lost else logging.ERROR, "result_undeliverable",
@@ -582,13 +593,16 @@ class Reducer:
             segment, slot = rnd.slots.get(rank, (None, 0))
             peer = self.peers.get(identity)
             if segment is not None and peer is not None and segment is peer.segment:
-                segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
+                if not (rnd.in_slot and rank == rnd.owner):  # the owner's slot holds the sum already
+                    segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
                 if self._send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
                     self.bytes_out += nbytes
                     self.bytes_shared += nbytes
                 continue
             if frame is None:
-                frame = out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=False, track=True)
+                # A slot is copied: libzmq sends later, when its owner may be using it again.
+                frame = (out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=True) if rnd.in_slot
+                         else zmq.Frame(out, copy=False, track=True))
             if self._send(identity, [header, frame]):
                 self.bytes_out += len(frame)
         if self.metrics is not None:
@@ -676,7 +690,8 @@ class Reducer:
 
     def _free(self, rnd: Round) -> None:
         if rnd.accumulator is not None:
-            self.pool.release([rnd.accumulator])
+            if not rnd.in_slot:  # a slot goes back to its worker with the ERROR, not to the pool
+                self.pool.release([rnd.accumulator])
             rnd.accumulator = None
         self._discharge(rnd)
         for rank, frame in rnd.held.items():

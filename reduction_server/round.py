@@ -76,6 +76,7 @@ class Round:
     slots: Dict[int, Tuple["Segment", int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
     next_rank: int = 0  # deterministic mode: the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
+    in_slot: bool = False  # the accumulator is the owner's shared-memory slot, not pool memory
     charged: int = 0  # accumulator bytes charged to owner's budget
 
     @property

@@ -91,7 +91,7 @@ def shuffled_job(addresses: List[str], passes: int, seed: int) -> List[List[List
     return run_ranks(WORLD, make, body, limit=90)
 
 
-def test_results_are_bitwise_identical_over_runs_and_reducer_counts_and_equal_the_rank_ordered_sum():
+def test_results_are_bitwise_identical_over_runs_reducer_counts_and_transports_and_equal_the_rank_ordered_sum():
     inputs = [[mixed(count, i, r) for r in range(WORLD)] for i, count in enumerate(SIZES)]
     expected = [ordered_sum(xs, range(WORLD)) for xs in inputs]
     assert order_sensitive(inputs[2]) > 1000  # the order really shows in these inputs
@@ -99,7 +99,8 @@ def test_results_are_bitwise_identical_over_runs_and_reducer_counts_and_equal_th
     with reducers(2, extra_env=DETERMINISTIC) as group:
         runs += [res for rank_results in shuffled_job(group.addresses, passes=3, seed=1) for res in rank_results]
         assert group.alive()
-    with reducers(1, extra_env=DETERMINISTIC) as group:
+    # ... and over both transports: R=2 sums from shared-memory slots, R=1 (RS_SHM=0) from frames
+    with reducers(1, extra_env={**DETERMINISTIC, "RS_SHM": "0"}) as group:
         runs += [res for rank_results in shuffled_job(group.addresses, passes=1, seed=2) for res in rank_results]
         assert group.alive()
     assert len(runs) == WORLD * 4  # every rank of 3 passes on R=2 and 1 pass on R=1
