@@ -9,6 +9,7 @@ reducer process can sum, which `--measure` finds out on this host.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -90,7 +91,10 @@ def measure(workers: int = 2, mib: float = 64, iters: int = 5, timeout: float = 
                           f"(got {workers}, {mib}, {iters})")
     command = [sys.executable, "-m", "reduction_server", "run", "-np", str(workers), "--reducers", "1", "--",
                sys.executable, "-c", _WORKER, str(mib), str(iters)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd="/")
+    # RS_SHM=0: reducers serve workers on other hosts, so their chunks must come through the
+    # sockets here too; shared memory would spare the reducer the very work being measured.
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd="/",
+                          env={**os.environ, "RS_SHM": "0"})
     steps = [float(v) for v in re.findall(r"\] seconds_per_step=([0-9.eE+-]+)", proc.stdout)]
     if proc.returncode != 0 or len(steps) != workers:
         raise RuntimeError(f"the measuring job failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
