@@ -112,8 +112,11 @@ def test_ddp_suite(tmp_path):
 
 @needs_root
 def test_netem_cleans_up_when_interrupted(tmp_path):
+    # SIGINT as a terminal sends it: not inherited as ignored, as it is when the tests themselves
+    # run in the background of a non-interactive shell (Python then never raises KeyboardInterrupt).
     proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out",
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tag = f"rs{proc.pid}-"
     deadline = time.monotonic() + 60
     while tag not in _namespaces() and time.monotonic() < deadline and proc.poll() is None:
