@@ -37,7 +37,9 @@ _MAGIC = b"RSSHM1\0\0"
 _NONCE_BYTES = 16
 _HEADER_BYTES = 4096  # the first page holds magic and nonce; slots start page-aligned
 _SLOT_ALIGN = 4096
-_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: memfd sealing is Linux's (3.17+); elsewhere payloads always travel as frames
+SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+_REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 #: larger slots than this are not offered: bigger chunks simply travel as frames
 MAX_OFFERED_SLOT_BYTES = 64 << 20
 
@@ -47,8 +49,8 @@ class Unavailable(ReductionServerError):
 
 
 def enabled() -> bool:
-    """RS_SHM (default on): offer (worker) or accept (reducer) shared-memory slots."""
-    return env_flag("RS_SHM", default=True)
+    """RS_SHM (default on where supported): offer (worker) or accept (reducer) shared-memory slots."""
+    return env_flag("RS_SHM", default=True) and SUPPORTED
 
 
 def _host_identity() -> Dict[str, Any]:
@@ -86,6 +88,8 @@ class Segment:
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> "Segment":
         """A new sealed segment (the worker's side). Raises OSError where memfd is missing."""
+        if not SUPPORTED:
+            raise OSError("shared-memory slots need Linux's sealed memfds")
         identity = _host_identity()
         size = _layout(slots, slot_bytes)[1]
         fd = os.memfd_create("reduction-server", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
