@@ -163,7 +163,7 @@ class Reducer:
                     # Drain a batch before housekeeping: under load, messages come in bursts.
                     for _ in range(256):
                         try:
-                            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = self._recv()
                         except zmq.Again:
                             break
                         self.handle(frames)
@@ -188,6 +188,16 @@ class Reducer:
         finally:
             self.socket.disable_monitor()
             monitor.close(linger=0)
+
+    def _recv(self) -> List[zmq.Frame]:
+        """One message's frames, without copies. Each frame's own `more` flag ends the loop:
+        recv_multipart asks the socket (getsockopt) after every frame, twice the cost."""
+        frame = self.socket.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self.socket.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
 
     def _drain_monitor(self, monitor: zmq.Socket) -> bool:
         """Read the socket's events; True if a connection closed that may be a worker's (a
