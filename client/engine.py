@@ -241,9 +241,15 @@ class Engine:
             except OSError as exc:  # no memfd here: frames only
                 log.debug("rank %d: no shared-memory segment for %s: %s", self.rank, self._name(r), exc)
         info = json.dumps(facts).encode()
-        sock = self._sockets[r]
-        sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=self.rank, world=self.world,
-                                                  job=self.job, generation=self.generation), info], zmq.NOBLOCK)
+        try:
+            self._sockets[r].send_multipart([protocol.text_header(
+                MsgType.HELLO, info, rank=self.rank, world=self.world, job=self.job, generation=self.generation),
+                info], zmq.NOBLOCK)
+        except zmq.Again:
+            # The new connection already failed (its security handshake was refused) and libzmq
+            # dropped its pipe: the monitor reports that, and _on_disconnect opens another one
+            # with a new HELLO, or gives the reducer up.
+            log.debug("rank %d: HELLO to %s not queued: its connection already failed", self.rank, self._name(r))
 
     def _auth(self, sock: zmq.Socket, nonce: bytes) -> None:
         proof = auth.proof(self.job_token, nonce, job=self.job, generation=self.generation,
