@@ -240,22 +240,22 @@ class Engine:
                 facts["shared_memory"] = self._segments[r].offer
             except OSError as exc:  # no memfd here: frames only
                 log.debug("rank %d: no shared-memory segment for %s: %s", self.rank, self._name(r), exc)
-        info = json.dumps(facts).encode()
-        try:
-            self._sockets[r].send_multipart([protocol.text_header(
-                MsgType.HELLO, info, rank=self.rank, world=self.world, job=self.job, generation=self.generation),
-                info], zmq.NOBLOCK)
-        except zmq.Again:
-            # The new connection already failed (its security handshake was refused) and libzmq
-            # dropped its pipe: the monitor reports that, and _on_disconnect opens another one
-            # with a new HELLO, or gives the reducer up.
-            log.debug("rank %d: HELLO to %s not queued: its connection already failed", self.rank, self._name(r))
+        self._send_handshake(self._sockets[r], MsgType.HELLO, json.dumps(facts).encode())
 
     def _auth(self, sock: zmq.Socket, nonce: bytes) -> None:
-        proof = auth.proof(self.job_token, nonce, job=self.job, generation=self.generation,
-                           rank=self.rank, world=self.world)
-        sock.send_multipart([protocol.text_header(MsgType.AUTH, proof, rank=self.rank, world=self.world,
-                                                  job=self.job, generation=self.generation), proof], zmq.NOBLOCK)
+        self._send_handshake(sock, MsgType.AUTH, auth.proof(self.job_token, nonce, job=self.job,
+                                                            generation=self.generation, rank=self.rank,
+                                                            world=self.world))
+
+    def _send_handshake(self, sock: zmq.Socket, mtype: MsgType, payload: bytes) -> None:
+        try:
+            sock.send_multipart([protocol.text_header(mtype, payload, rank=self.rank, world=self.world, job=self.job,
+                                                      generation=self.generation), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            # The connection already failed (its security handshake was refused, or it dropped)
+            # and libzmq discarded its pipe: the monitor reports that, and _on_disconnect opens
+            # another one with a new HELLO, or gives the reducer up.
+            log.debug("rank %d: %s not queued: its connection already failed", self.rank, mtype.name)
 
     def _handshake(self) -> None:
         for r in range(len(self._sockets)):
