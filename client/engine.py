@@ -595,11 +595,9 @@ class Engine:
             return self._skip(sock, more)
         offset, count = coll.chunks[h.chunk]
         size = coll.dtype.itemsize
-        if (h.offset, h.count, h.dtype) != (offset, count, int(coll.dtype)) or not more:
+        if not more or self._misshapen(h, coll):
             self._skip(sock, more)
-            return self._chunk_done(coll, h.chunk, r, (
-                f"{self._name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
-                f"(dtype code {h.dtype}), expected {count} at {offset}"))
+            return self._chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))
         view = coll.recv[offset * size:(offset + count) * size]
         received = sock.recv_into(view)
         error = None
@@ -607,6 +605,16 @@ class Engine:
             error = f"{self._name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
         self._skip(sock, sock.getsockopt(zmq.RCVMORE))
         self._chunk_done(coll, h.chunk, r, error)
+
+    @staticmethod
+    def _misshapen(h: protocol.Header, coll: Collective) -> bool:
+        """Whether an answer's offset, count or dtype differ from its chunk's."""
+        return (h.offset, h.count, h.dtype) != (*coll.chunks[h.chunk], int(coll.dtype))
+
+    def _shape_error(self, r: int, h: protocol.Header, coll: Collective) -> str:
+        offset, count = coll.chunks[h.chunk]
+        return (f"{self._name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+                f"(dtype code {h.dtype}), expected {count} at {offset}")
 
     def _on_shared_result(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
         coll = self._pending_chunk(h)
@@ -618,9 +626,8 @@ class Engine:
         if slot is None or slot != h.aux:
             error = (f"{self._name(r)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was sent "
                      + ("as a frame" if slot is None else f"in slot {slot}"))
-        elif (h.offset, h.count, h.dtype) != (offset, count, int(coll.dtype)):
-            error = (f"{self._name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
-                     f"(dtype code {h.dtype}), expected {count} at {offset}")
+        elif self._misshapen(h, coll):
+            error = self._shape_error(r, h, coll)
         else:
             coll.recv[offset * size:(offset + count) * size] = self._segments[r].slot(slot, count * size)
             self.chunks_shared += 1

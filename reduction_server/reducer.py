@@ -536,11 +536,12 @@ class Reducer:
             raise ValueError("a contribution without a payload")
         # A frame's view keeps the frame alive while it is held; a slot stays the worker's until
         # it is answered, so its view needs nothing more.
-        data = payload if isinstance(payload, memoryview) else payload.buffer
+        in_slot = isinstance(payload, memoryview)
+        data = payload if in_slot else payload.buffer
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, data, in_slot=isinstance(payload, memoryview))
+            return self._fold_one(rnd, h, h.rank, data, in_slot=in_slot)
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
-            if len(data) < _BATCHED_RECV_BYTES and not isinstance(payload, memoryview):
+            if len(data) < _BATCHED_RECV_BYTES and not in_slot:
                 # libzmq receives small messages into shared batch buffers: holding the frame would
                 # pin a whole buffer while counting only the message, so keep a copy instead.
                 data = payload.bytes
@@ -610,9 +611,7 @@ class Reducer:
                     self.bytes_shared += nbytes
                 continue
             if frame is None:
-                # A slot is copied: libzmq sends later, when its owner may be using it again.
-                frame = (out if isinstance(out, zmq.Frame) else zmq.Frame(out, copy=True) if rnd.in_slot
-                         else zmq.Frame(out, copy=False, track=True))
+                frame = self._result_frame(rnd, out)
             if self._send(identity, [header, frame]):
                 self.bytes_out += len(frame)
         if self.metrics is not None:
@@ -623,6 +622,17 @@ class Reducer:
         if buffers:
             self.pool.release(buffers, frame.tracker if frame is not None else None)
         self.completed += 1
+
+    @staticmethod
+    def _result_frame(rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> zmq.Frame:
+        """The result as a frame: a broadcast root's as it came; a pool buffer without a copy,
+        tracked so it returns to the pool once sent; a slot copied, since libzmq sends later,
+        when the slot's owner may be using it again."""
+        if isinstance(out, zmq.Frame):
+            return out
+        if rnd.in_slot:
+            return zmq.Frame(out, copy=True)
+        return zmq.Frame(out, copy=False, track=True)
 
     # -- failures ------------------------------------------------------------------------
     def _fail_contribution(self, peer: Peer, h: Header, code: ErrorCode, reason: str) -> None:
