@@ -5,8 +5,9 @@ after the first step no buffer is allocated (a fresh multi-MiB allocation per me
 page-faulted and zeroed by the kernel, which halves throughput). A buffer that went out as a
 zero-copy result frame comes back only when libzmq has released every copy of it.
 
-The budget also counts memory the pool does not own but the reducer keeps on purpose: received
-frames held for a rank-ordered (deterministic) fold. Besides the total budget, each rank has its
+The budget also counts memory the pool does not own but the reducer keeps on purpose (hold()):
+received frames adopted as accumulators (summed into in place, then sent back as the result)
+and frames held for a rank-ordered (deterministic) fold. Besides the total budget, each rank has its
 own: each accumulator is charged to the rank whose contribution was loaded into it (the first to
 arrive; rank 0 in deterministic mode), each held frame to its sender, so one misbehaving rank
 runs out of its budget long before it can starve the others.
@@ -37,7 +38,7 @@ class AccumulatorPool:
         self._pending: List[Tuple[zmq.MessageTracker, List[np.ndarray]]] = []
         self.in_use_bytes = 0  # lent out, or waiting for libzmq
         self.free_bytes = 0
-        self.held_bytes = 0  # received frames the reducer keeps (deterministic mode)
+        self.held_bytes = 0  # received frames the reducer keeps: adopted accumulators, held contributions
 
     def acquire(self, nbytes: int, rank: Optional[int] = None) -> np.ndarray:
         """A uint8 buffer of exactly nbytes, reused when one of that size is free; charged to

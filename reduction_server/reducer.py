@@ -539,7 +539,7 @@ class Reducer:
         in_slot = isinstance(payload, memoryview)
         data = payload if in_slot else payload.buffer
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, data, in_slot=in_slot)
+            return self._fold_one(rnd, h, h.rank, data, payload)
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
             if len(data) < _BATCHED_RECV_BYTES and not in_slot:
                 # libzmq receives small messages into shared batch buffers: holding the frame would
@@ -555,19 +555,26 @@ class Reducer:
             self._fold_one(rnd, h, rank, held)
 
     def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
-                  in_slot: bool = False) -> None:
-        if rnd.accumulator is None:  # the first contribution: loaded, later ones folded in
-            if in_slot and rnd.dtype.accumulator is rnd.dtype:
-                # Its shared-memory slot becomes the accumulator: the rank leaves the slot alone
-                # until it is answered, so nothing is copied in and its result ends up in place.
+                  payload: Union[zmq.Frame, memoryview, None] = None) -> None:
+        """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
+        if rnd.accumulator is not None:
+            return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
+        # The first contribution. When the dtype accumulates in itself its memory becomes the
+        # accumulator, so nothing is copied in and the sum ends up in place: a shared-memory slot
+        # (the rank leaves it alone until it is answered) or a received frame of its own (not
+        # in a shared receive buffer), which then goes back out as the result.
+        if payload is not None and rnd.dtype.accumulator is rnd.dtype:
+            if isinstance(payload, memoryview):
                 rnd.accumulator, rnd.in_slot, rnd.owner = np.frombuffer(data, np.uint8), True, rank
                 return
-            nbytes = h.count * rnd.dtype.accumulator.itemsize
-            rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
-            rnd.owner, rnd.charged = rank, nbytes
-            _native.load(rnd.accumulator, data, h.dtype)
-        else:
-            _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
+            if len(data) >= _BATCHED_RECV_BYTES:
+                self.pool.hold(len(data), rank)  # memory kept on purpose, like a held frame
+                rnd.accumulator, rnd.adopted, rnd.owner, rnd.charged = np.frombuffer(data, np.uint8), payload, rank, len(data)
+                return
+        nbytes = h.count * rnd.dtype.accumulator.itemsize
+        rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
+        rnd.owner, rnd.charged = rank, nbytes
+        _native.load(rnd.accumulator, data, h.dtype)
 
     def _finish(self, rnd: Round) -> None:
         h = rnd.first
@@ -576,7 +583,7 @@ class Reducer:
             out = rnd.adopted
         else:
             acc = rnd.accumulator
-            if not rnd.in_slot:
+            if not rnd.in_slot and rnd.adopted is None:  # pool memory
                 buffers.append(acc)
             if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
                 try:
@@ -625,11 +632,11 @@ class Reducer:
 
     @staticmethod
     def _result_frame(rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> zmq.Frame:
-        """The result as a frame: a broadcast root's as it came; a pool buffer without a copy,
-        tracked so it returns to the pool once sent; a slot copied, since libzmq sends later,
-        when the slot's owner may be using it again."""
-        if isinstance(out, zmq.Frame):
-            return out
+        """The result as a frame: an adopted frame (a broadcast root's, or the accumulator) as it
+        is; a pool buffer without a copy, tracked so it returns to the pool once sent; a slot
+        copied, since libzmq sends later, when the slot's owner may be using it again."""
+        if rnd.adopted is not None:
+            return rnd.adopted
         if rnd.in_slot:
             return zmq.Frame(out, copy=True)
         return zmq.Frame(out, copy=False, track=True)
@@ -710,7 +717,7 @@ class Reducer:
 
     def _free(self, rnd: Round) -> None:
         if rnd.accumulator is not None:
-            if not rnd.in_slot:  # a slot goes back to its worker with the ERROR, not to the pool
+            if not rnd.in_slot and rnd.adopted is None:  # a slot or frame is not the pool's
                 self.pool.release([rnd.accumulator])
             rnd.accumulator = None
         self._discharge(rnd)
@@ -723,7 +730,10 @@ class Reducer:
     def _discharge(self, rnd: Round) -> None:
         """The rank charged for rnd's accumulator no longer accounts for it."""
         if rnd.charged:
-            self.pool.discharge(rnd.owner, rnd.charged)
+            if rnd.adopted is not None:  # an adopted frame was held, not taken from the pool
+                self.pool.unhold(rnd.charged, rnd.owner)
+            else:
+                self.pool.discharge(rnd.owner, rnd.charged)
             rnd.charged = 0
 
     def _forget(self, key: tuple) -> None:

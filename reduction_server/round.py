@@ -69,7 +69,7 @@ class Round:
     contributed: Dict[int, Header] = field(default_factory=dict)  # rank -> header
     error: Optional[str] = None  # set once the round has failed
     answered: List[int] = field(default_factory=list)  # ranks sent an ERROR already
-    adopted: Any = None  # BROADCAST: the root's payload frame, sent back as it came
+    adopted: Any = None  # a received frame that goes back out as the result: a broadcast root's, or the accumulator
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     failed_at: float = 0.0  # monotonic time it failed
     held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame or slot)

@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from reduction_server.protocol import DType, ErrorCode, MsgType
+from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
 
-from cluster import child_env, reducers
+from cluster import child_env, free_port_range, reducers
+from test_metrics import scrape, value
 from test_reducer_errors import Peer, check_sum_works, communicator, data
 
 pytestmark = pytest.mark.timeout(90)
@@ -161,4 +162,44 @@ def test_a_16_bit_result_that_does_not_fit_fails_every_rank_at_once():
             header, body = peer.recv()
             assert header.type is MsgType.RESULT, body[:200]
             np.testing.assert_array_equal(np.frombuffer(body, np.float32), np.full(count, 2, np.float32))
+        assert group.alive()
+
+
+def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round_ends():
+    """A contribution of a dtype that accumulates in itself, large enough to have a receive
+    buffer of its own, is summed into in place and sent back as the result: nothing is taken
+    from the pool, and its bytes count against the budgets (as held) until the round is
+    answered or fails. 16-bit floats and small frames still go through pool accumulators."""
+    port = free_port_range(1)
+    held = lambda: value(scrape(port), "reduction_server_accumulator_bytes", state="held")  # noqa: E731
+    pool = lambda: [value(scrape(port), "reduction_server_accumulator_bytes", state=s) for s in ("in_use", "free")]  # noqa: E731
+    with reducers(1, workers=2, extra_env={"RS_METRICS_PORT": str(port)}) as group:
+        a, b = peers(group, 2, job=0xAD0)
+        for seq, op, expected in ((1, ReduceOp.SUM, 3), (2, ReduceOp.AVG, 1.5), (3, ReduceOp.MAX, 2)):
+            a.send(data(0, job=0xAD0, seq=seq, count=COUNT, op=op), payload(1))
+            a.expect_silence(0.3)
+            assert held() == COUNT * 4 and pool() == [0, 0]
+            b.send(data(1, job=0xAD0, seq=seq, count=COUNT, op=op), payload(2))
+            for peer in (a, b):
+                expect_result(peer, seq, expected)
+            assert held() == 0 and pool() == [0, 0]
+        # A round that fails gives the adopted frame back too.
+        a.send(data(0, job=0xAD0, seq=4, count=COUNT), payload(1))
+        a.expect_silence(0.3)
+        b.send(data(1, job=0xAD0, seq=4, count=COUNT // 2), payload(2, COUNT // 2))
+        for peer in (a, b):
+            peer.expect_error(ErrorCode.MISMATCH, "disagree")
+        assert held() == 0 and pool() == [0, 0]
+        # float16 accumulates in float32, and a small frame may share libzmq's receive buffer:
+        # both are loaded into pool memory, which stays pooled for reuse.
+        for seq, dtype, count in ((5, DType.FLOAT16, COUNT), (6, DType.FLOAT32, 1000)):
+            ones = np.ones(count, np.float16 if dtype is DType.FLOAT16 else np.float32).tobytes()
+            a.send(data(0, job=0xAD0, seq=seq, count=count, dtype=dtype), ones)
+            a.expect_silence(0.3)
+            assert held() == 0 and pool()[0] == count * 4
+            b.send(data(1, job=0xAD0, seq=seq, count=count, dtype=dtype), ones)
+            for peer in (a, b):
+                header, body = peer.recv()
+                assert header.type is MsgType.RESULT and header.seq == seq, body[:200]
+                assert np.all(np.frombuffer(body, np.float16 if dtype is DType.FLOAT16 else np.float32) == 2)
         assert group.alive()
