@@ -551,8 +551,8 @@ class Reducer:
         ready = rnd.in_rank_order(h.rank, data)
         for rank, held in ready[1:]:
             self.pool.unhold(len(held), rank)
-        for rank, held in ready:
-            self._fold_one(rnd, h, rank, held)
+        for i, (rank, held) in enumerate(ready):  # the first is this very contribution: adoptable
+            self._fold_one(rnd, h, rank, held, payload if i == 0 else None)
 
     def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
                   payload: Union[zmq.Frame, memoryview, None] = None) -> None:

@@ -165,34 +165,41 @@ def test_a_16_bit_result_that_does_not_fit_fails_every_rank_at_once():
         assert group.alive()
 
 
-def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round_ends():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round_ends(deterministic):
     """A contribution of a dtype that accumulates in itself, large enough to have a receive
     buffer of its own, is summed into in place and sent back as the result: nothing is taken
     from the pool, and its bytes count against the budgets (as held) until the round is
-    answered or fails. 16-bit floats and small frames still go through pool accumulators."""
+    answered or fails. In deterministic mode that is rank 0's, whenever it arrives (a rank
+    ahead of it is held meanwhile). 16-bit floats and small frames still go through pool
+    accumulators."""
     port = free_port_range(1)
     held = lambda: value(scrape(port), "reduction_server_accumulator_bytes", state="held")  # noqa: E731
     pool = lambda: [value(scrape(port), "reduction_server_accumulator_bytes", state=s) for s in ("in_use", "free")]  # noqa: E731
-    with reducers(1, workers=2, extra_env={"RS_METRICS_PORT": str(port)}) as group:
+    env = {"RS_METRICS_PORT": str(port), "RS_DETERMINISTIC": str(int(deterministic))}
+    with reducers(1, workers=2, extra_env=env) as group:
         a, b = peers(group, 2, job=0xAD0)
-        for seq, op, expected in ((1, ReduceOp.SUM, 3), (2, ReduceOp.AVG, 1.5), (3, ReduceOp.MAX, 2)):
-            a.send(data(0, job=0xAD0, seq=seq, count=COUNT, op=op), payload(1))
-            a.expect_silence(0.3)
-            assert held() == COUNT * 4 and pool() == [0, 0]
-            b.send(data(1, job=0xAD0, seq=seq, count=COUNT, op=op), payload(2))
+        for seq, op, expected, order in ((1, ReduceOp.SUM, 3, "ab"), (2, ReduceOp.AVG, 1.5, "ab"),
+                                         (3, ReduceOp.MAX, 2, "ab"), (4, ReduceOp.SUM, 3, "ba")):
+            for i, name in enumerate(order):
+                rank = "ab".index(name)
+                (a, b)[rank].send(data(rank, job=0xAD0, seq=seq, count=COUNT, op=op), payload(rank + 1))
+                if i == 0:
+                    a.expect_silence(0.3)
+                    assert held() == COUNT * 4 and pool() == [0, 0]
             for peer in (a, b):
                 expect_result(peer, seq, expected)
             assert held() == 0 and pool() == [0, 0]
         # A round that fails gives the adopted frame back too.
-        a.send(data(0, job=0xAD0, seq=4, count=COUNT), payload(1))
+        a.send(data(0, job=0xAD0, seq=5, count=COUNT), payload(1))
         a.expect_silence(0.3)
-        b.send(data(1, job=0xAD0, seq=4, count=COUNT // 2), payload(2, COUNT // 2))
+        b.send(data(1, job=0xAD0, seq=5, count=COUNT // 2), payload(2, COUNT // 2))
         for peer in (a, b):
             peer.expect_error(ErrorCode.MISMATCH, "disagree")
         assert held() == 0 and pool() == [0, 0]
         # float16 accumulates in float32, and a small frame may share libzmq's receive buffer:
         # both are loaded into pool memory, which stays pooled for reuse.
-        for seq, dtype, count in ((5, DType.FLOAT16, COUNT), (6, DType.FLOAT32, 1000)):
+        for seq, dtype, count in ((6, DType.FLOAT16, COUNT), (7, DType.FLOAT32, 1000)):
             ones = np.ones(count, np.float16 if dtype is DType.FLOAT16 else np.float32).tobytes()
             a.send(data(0, job=0xAD0, seq=seq, count=count, dtype=dtype), ones)
             a.expect_silence(0.3)
