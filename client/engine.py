@@ -18,8 +18,8 @@ opens a fresh connection to the same address and redoes the handshake, and colle
 meanwhile wait for it (at most RS_LIVENESS_TIMEOUT) before failing. The engine also sends each
 reducer an application PING every interval: it tells the reducer this worker can be probed.
 
-Same host: with `shared` on (RS_SHM, the default), the HELLO to each reducer offers a segment of
-`window` payload slots (reduction_server/shared_memory.py). A reducer that can map it says so in
+Same host: with `shared` on (RS_SHM, the default), the HELLO to each reducer whose address is
+one of this host's offers a segment of `window` payload slots (reduction_server/shared_memory.py). A reducer that can map it says so in
 its WELCOME; chunks of a reduction then go through a free slot (DATA_SHM) and come back in it
 (RESULT_SHM), which saves the socket copies. A slot is free again only once the reducer has
 answered its chunk, whatever became of the collective; a chunk that finds no free slot, or a
@@ -110,7 +110,8 @@ class Engine:
             "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
         self.connect_timeout = connect_timeout
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
-        self.shared = shared
+        # Per reducer: whether its HELLO offers a segment (only a reducer on this host can map one)
+        self._offers = [shared and shared_memory.is_local(address) for address in reducers]
         # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
         self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
         # Per reducer: the segment offered in the last HELLO, its free slots (empty until the
@@ -234,7 +235,7 @@ class Engine:
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
         self._drop_segment(r)  # a new connection gets a new segment: nothing old can reach it
-        if self.shared:
+        if self._offers[r]:
             try:
                 self._segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
                 facts["shared_memory"] = self._segments[r].offer

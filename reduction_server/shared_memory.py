@@ -27,6 +27,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import socket
 import stat
 from typing import Any, Dict, Optional, Tuple
 
@@ -51,6 +52,26 @@ class Unavailable(ReductionServerError):
 def enabled() -> bool:
     """RS_SHM (default on where supported): offer (worker) or accept (reducer) shared-memory slots."""
     return env_flag("RS_SHM", default=True) and SUPPORTED
+
+
+def is_local(address: str) -> bool:
+    """Whether `host:port` names an address of this host, in this network namespace: only a
+    reducer there can map a segment, so only it is offered one (an offer names a pid, an fd, the
+    boot id and namespaces). A name that does not resolve now counts as local: the reducer's own
+    checks still decide."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return True
+    for family, kind, _, _, sockaddr in infos:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))  # only this host's own addresses bind
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def _host_identity() -> Dict[str, Any]:

@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -271,3 +272,49 @@ def test_ranks_offer_no_segment_with_rs_shm_off(group, monkeypatch):
     results = cluster.run_ranks(2, lambda rank: rs.Communicator(group.addresses, rank, 2, job_id=job, **OPTIONS),
                                 body, 30.0)
     assert results == [(0, [None, None])] * 2
+
+
+def test_only_this_hosts_addresses_are_local():
+    for address in ("127.0.0.1:5555", "localhost:1", "[::1]:80", f"{socket.gethostname()}:1"):
+        assert shared_memory.is_local(address), address
+    for address in ("198.18.255.254:5555", "[2001:db8::1]:1"):  # assigned nowhere here
+        assert not shared_memory.is_local(address), address
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="needs root and iproute2 to make a network namespace")
+def test_a_reducer_across_a_link_is_offered_no_segment():
+    """Only a reducer at one of this host's addresses is offered a segment: one across a link
+    (a network namespace behind a veth pair here) never learns the worker's pid, fd or boot id."""
+    tag = secrets.token_hex(3)
+    ns, here, there = f"rs-shm-{tag}", f"rsa{tag}", f"rsb{tag}"
+    subnet = f"198.19.{secrets.randbelow(250)}"
+    reducer = None
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        for command in (["link", "add", here, "type", "veth", "peer", "name", there],
+                        ["link", "set", there, "netns", ns], ["addr", "add", f"{subnet}.1/30", "dev", here],
+                        ["link", "set", here, "up"], ["-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
+                        ["-n", ns, "link", "set", there, "up"], ["-n", ns, "link", "set", "lo", "up"]):
+            subprocess.run(["ip", *command], check=True, capture_output=True)
+        reducer = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "reduction_server", "serve", "--host", f"{subnet}.2",
+             "--port", "5555", "--workers", "1"], cwd="/", env=cluster.child_env({"RS_LOG_LEVEL": "INFO"}),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert "listening on" in reducer.stdout.readline()
+        comm = rs.Communicator([f"{subnet}.2:5555"], 0, 1, timeout=10, connect_timeout=10)
+        try:
+            x = np.arange(1 << 16, dtype=np.float32)
+            np.testing.assert_array_equal(comm.all_reduce(x), x)
+            assert comm._engine._segments == [None] and comm._engine.chunks_shared == 0
+        finally:
+            comm.close()
+        reducer.terminate()
+        log = reducer.communicate(timeout=20)[0]
+        assert "admitted" in log and "shared_memory_declined" not in log, log
+    finally:
+        if reducer is not None and reducer.poll() is None:
+            reducer.kill()
+            reducer.wait()
+        subprocess.run(["ip", "link", "delete", here], capture_output=True)  # gone with the namespace, if not before
+        subprocess.run(["ip", "netns", "delete", ns], check=True)
