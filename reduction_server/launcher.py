@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
+from .settings import ONE_HOST_PIPELINE_DEPTH
+
 _PREFIX = "reduction-server run:"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
 _POLL_S = 0.05  # how often the launcher looks for exited children
@@ -243,6 +245,8 @@ def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
         RS_WORLD_SIZE=str(np),
         PYTHONUNBUFFERED="1",  # so Python children's lines show up as they happen
     )
+    # Every rank is on this host: fewer, larger chunks (the caller's setting wins, as on every rank).
+    env.setdefault("RS_PIPELINE_DEPTH", str(ONE_HOST_PIPELINE_DEPTH))
     return env
 
 

@@ -18,12 +18,14 @@ DEFAULT_CHUNK_BYTES = 4 * MiB
 DEFAULT_WINDOW = 4
 #: chunks per reducer a collective is cut into at least (RS_PIPELINE_DEPTH; chunks stay >= 64 KiB
 #: and <= RS_CHUNK_BYTES). A reducer answers a chunk once every rank's copy has arrived, so the
-#: download of a collective trails its upload by about one chunk per reducer (with one chunk per
-#: reducer a link-bound all-reduce takes twice as long). Deeper pipelines trail less but cost
-#: more messages: on the emulated network 16-32 suit one large collective at a time on slow links
-#: (0.80-0.88 of the link bound, against 0.66 at 8), while 8 suits DDP's back-to-back buckets, whose
-#: pipeline spans collectives, on CPU-bound hosts (bench/RESULTS.md)
-DEFAULT_PIPELINE_DEPTH = 8
+#: download of a collective trails its upload by a few chunks per reducer: on links, a collective
+#: takes about S/B x (1 + 4/depth) (bench/RESULTS.md, "Why chunks must be small on links"), so
+#: deeper pipelines run links better, and each chunk costs per-message CPU. On the emulated network
+#: 16 gives 0.79 of the link bound against 0.67 at 8, and DDP's step is no slower
+DEFAULT_PIPELINE_DEPTH = 16
+#: the depth `reduction-server run` gives its ranks: on one host no link is the limit, the CPU is,
+#: and chunks half as large cost up to a third of small collectives' speed there
+ONE_HOST_PIPELINE_DEPTH = 8
 MAX_PIPELINE_DEPTH = 1024
 #: the reducer never blocks on one peer (its sends are non-blocking), so a worker's unanswered
 #: chunks must stay well under libzmq's per-peer queue of 1000 messages

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from cluster import free_port_range
+from reduction_server.settings import ONE_HOST_PIPELINE_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, str(REPO / "tests" / "scripts" / "launcher_worker.py")]
@@ -145,6 +146,7 @@ def test_every_rank_gets_the_job_variables_and_the_reducers_listen() -> None:
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == envs[0]["MASTER_PORT"]
         assert int(env["MASTER_PORT"]) not in ports
         assert env["PYTHONUNBUFFERED"] == "1" and env["RS_TEST_PASSTHROUGH"] == "yes"
+        assert env["RS_PIPELINE_DEPTH"] == str(ONE_HOST_PIPELINE_DEPTH)  # one host: CPU, not links, limits
         assert env["CLUSTER_SPEC"] is None and env["TF_CONFIG"] is None and env["RS_REDUCER_INDEX"] is None
         assert sorted(lines_of(result.stdout, f"[rank {rank}] CONNECTED ")) == sorted(addresses)
 
@@ -160,12 +162,11 @@ def test_every_rank_gets_the_job_variables_and_the_reducers_listen() -> None:
     assert envs[0]["RS_REDUCERS"] in result.stderr
 
 
-def test_a_job_token_from_the_caller_is_kept() -> None:
-    result = run_launcher("-np", "2", "--", *WORKER, "env", RS_JOB_TOKEN="feedface" * 4)
+def test_a_job_token_and_a_pipeline_depth_from_the_caller_are_kept() -> None:
+    result = run_launcher("-np", "2", "--", *WORKER, "env", RS_JOB_TOKEN="feedface" * 4, RS_PIPELINE_DEPTH="24")
     assert result.returncode == 0, result
-    tokens = [json.loads(line)["RS_JOB_TOKEN"] for rank in range(2)
-              for line in lines_of(result.stdout, f"[rank {rank}] ENV ")]
-    assert tokens == ["feedface" * 4] * 2
+    envs = [json.loads(line) for rank in range(2) for line in lines_of(result.stdout, f"[rank {rank}] ENV ")]
+    assert [(env["RS_JOB_TOKEN"], env["RS_PIPELINE_DEPTH"]) for env in envs] == [("feedface" * 4, "24")] * 2
 
 
 def test_output_lines_carry_their_rank() -> None:
