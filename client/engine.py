@@ -19,8 +19,8 @@ meanwhile wait for it (at most RS_LIVENESS_TIMEOUT) before failing. The engine a
 reducer an application PING every interval: it tells the reducer this worker can be probed.
 
 Same host: with `shared` on (RS_SHM, the default), the HELLO to each reducer whose address is
-one of this host's offers a segment of `window` payload slots (reduction_server/shared_memory.py). A reducer that can map it says so in
-its WELCOME; chunks of a reduction then go through a free slot (DATA_SHM) and come back in it
+one of this host's offers a segment of `window` payload slots (reduction_server/shared_memory.py).
+A reducer that can map it says so in its WELCOME; chunks of a reduction then go through a free slot (DATA_SHM) and come back in it
 (RESULT_SHM), which saves the socket copies. A slot is free again only once the reducer has
 answered its chunk, whatever became of the collective; a chunk that finds no free slot, or a
 reducer without the segment, travels as a frame.

@@ -35,7 +35,7 @@ class AccumulatorPool:
         self.max_rank_bytes = max_bytes if max_rank_bytes is None else max_rank_bytes
         self.by_rank: Dict[int, int] = {}  # bytes charged to each rank
         self._free: Dict[int, List[np.ndarray]] = defaultdict(list)
-        self._pending: List[Tuple[zmq.MessageTracker, List[np.ndarray]]] = []
+        self._pending: List[Tuple[zmq.MessageTracker, List[np.ndarray], int]] = []  # (tracker, buffers, held bytes)
         self.in_use_bytes = 0  # lent out, or waiting for libzmq
         self.free_bytes = 0
         self.held_bytes = 0  # received frames the reducer keeps: adopted accumulators, held contributions
@@ -98,26 +98,30 @@ class AccumulatorPool:
                     f"accumulator memory budget of {self.max_bytes} bytes (RS_MAX_ACCUMULATOR_BYTES) "
                     f"exhausted ({self.in_use_bytes} in use, {self.held_bytes} held, {nbytes} requested)")
 
-    def release(self, buffers: List[np.ndarray], tracker: Optional[zmq.MessageTracker] = None) -> None:
-        """Give buffers back; with a tracker, only once libzmq is done sending them."""
+    def release(self, buffers: List[np.ndarray], tracker: Optional[zmq.MessageTracker] = None,
+                held: int = 0) -> None:
+        """Give buffers back, and stop counting `held` bytes of a kept frame (one adopted as an
+        accumulator, whose sum went out as the result); with a tracker, only once libzmq is done
+        sending them."""
         if tracker is not None and not tracker.done:
-            self._pending.append((tracker, buffers))
+            self._pending.append((tracker, buffers, held))
             return
         for buf in buffers:
             self._free[buf.nbytes].append(buf)
             self.in_use_bytes -= buf.nbytes
             self.free_bytes += buf.nbytes
+        self.held_bytes -= held
 
     def reap(self) -> None:
-        """Return the buffers whose zero-copy sends libzmq has finished."""
+        """Return the memory whose zero-copy sends libzmq has finished."""
         if not self._pending:
             return
         still = []
-        for tracker, buffers in self._pending:
-            if tracker.done:
-                self.release(buffers)
+        for pending in self._pending:
+            if pending[0].done:
+                self.release(pending[1], held=pending[2])
             else:
-                still.append((tracker, buffers))
+                still.append(pending)
         self._pending = still
 
     def _trim(self, room: int) -> None:

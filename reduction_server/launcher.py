@@ -246,7 +246,8 @@ def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
         PYTHONUNBUFFERED="1",  # so Python children's lines show up as they happen
     )
     # Every rank is on this host: fewer, larger chunks (the caller's setting wins, as on every rank).
-    env.setdefault("RS_PIPELINE_DEPTH", str(ONE_HOST_PIPELINE_DEPTH))
+    if not env.get("RS_PIPELINE_DEPTH", "").strip():
+        env["RS_PIPELINE_DEPTH"] = str(ONE_HOST_PIPELINE_DEPTH)
     return env
 
 

@@ -78,7 +78,8 @@ class _ReducerCollector:
                     [([], sum(1 for rnd in rounds if rnd.error is None))])
         pool = r.pool
         yield gauge("accumulator_bytes", "Accumulator memory: in_use (lent to rounds or being sent), held "
-                    "(received frames kept for a rank-ordered fold), free (kept for reuse).",
+                    "(received frames kept: adopted as accumulators, or for a rank-ordered fold), "
+                    "free (kept for reuse).",
                     [(["in_use"], pool.in_use_bytes), (["held"], pool.held_bytes), (["free"], pool.free_bytes)],
                     extra=("state",))
         yield gauge("accumulator_budget_bytes", "Accumulator memory limit (RS_MAX_ACCUMULATOR_BYTES).",
@@ -146,7 +147,7 @@ class ReducerMetrics:
 
     def collect(self) -> Iterator[Metric]:
         yield self.kernel.family("reduce_seconds", "Time in the native kernel per contribution "
-                                 "(loading the first, summing the others).", self._label)
+                                 "(loading the first unless it is adopted, summing the others).", self._label)
         yield self.latency.family("round_latency_seconds", "Round latency: first contribution received "
                                   "to result sent.", self._label)
         lag = SummaryMetricFamily(f"{PREFIX}_arrival_lag_seconds", "How long after a round's first "

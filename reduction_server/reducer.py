@@ -62,7 +62,9 @@ PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
 
 
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-_BATCHED_RECV_BYTES = 64 << 10  # below this, a received frame may share libzmq's receive buffer
+#: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
+#: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
+_BATCHED_RECV_BYTES = 64 << 10
 
 
 def _clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
@@ -569,7 +571,8 @@ class Reducer:
                 return
             if len(data) >= _BATCHED_RECV_BYTES:
                 self.pool.hold(len(data), rank)  # memory kept on purpose, like a held frame
-                rnd.accumulator, rnd.adopted, rnd.owner, rnd.charged = np.frombuffer(data, np.uint8), payload, rank, len(data)
+                rnd.accumulator, rnd.adopted = np.frombuffer(data, np.uint8), payload
+                rnd.owner, rnd.charged = rank, len(data)
                 return
         nbytes = h.count * rnd.dtype.accumulator.itemsize
         rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
@@ -625,18 +628,24 @@ class Reducer:
             self.metrics.finished(self.round_started.get(h.key))
         self._forget(h.key)
         rnd.accumulator = None
+        held = 0
+        if rnd.adopted is not None and rnd.charged:
+            # An adopted frame's memory stays counted until libzmq has sent the result from it, as
+            # a pool buffer's does; its rank no longer accounts for it.
+            held, rnd.charged = rnd.charged, 0
+            self.pool.discharge(rnd.owner, held)
         self._discharge(rnd)
-        if buffers:
-            self.pool.release(buffers, frame.tracker if frame is not None else None)
+        if buffers or held:
+            self.pool.release(buffers, frame.tracker if frame is not None else None, held=held)
         self.completed += 1
 
     @staticmethod
     def _result_frame(rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> zmq.Frame:
-        """The result as a frame: an adopted frame (a broadcast root's, or the accumulator) as it
-        is; a pool buffer without a copy, tracked so it returns to the pool once sent; a slot
-        copied, since libzmq sends later, when the slot's owner may be using it again."""
-        if rnd.adopted is not None:
-            return rnd.adopted
+        """The result as a frame: a broadcast root's as it came; a pool buffer or an adopted
+        frame's memory without a copy, tracked so that it counts until sent; a slot copied, since
+        libzmq sends later, when the slot's owner may be using it again."""
+        if isinstance(out, zmq.Frame):
+            return out
         if rnd.in_slot:
             return zmq.Frame(out, copy=True)
         return zmq.Frame(out, copy=False, track=True)

@@ -61,16 +61,16 @@ def is_local(address: str) -> bool:
     checks still decide."""
     host = address.rsplit(":", 1)[0].strip("[]")
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM, flags=socket.AI_ADDRCONFIG)
     except OSError:
         return True
     for family, kind, _, _, sockaddr in infos:
-        with socket.socket(family, kind) as probe:
-            try:
-                probe.bind((sockaddr[0], 0, *sockaddr[2:]))  # only this host's own addresses bind
+        try:  # only this host's own addresses bind; a family this host lacks is no match either
+            with socket.socket(family, kind) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
                 return True
-            except OSError:
-                continue
+        except OSError:
+            continue
     return False
 
 
