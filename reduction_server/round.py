@@ -96,6 +96,12 @@ class Round:
             for other in [*self.contributed.values(), h]:
                 groups.setdefault(describe_fields(other), []).append(other.rank)
             detail = "; ".join(f"ranks {format_ranks(ranks)} sent {desc}" for desc, ranks in groups.items())
+            first = self.first
+            if (h.dtype, h.total) == (first.dtype, first.total) and (h.count, h.nchunks) != (first.count, first.nchunks):
+                # The same buffer cut into other chunks: a setting differs between the ranks.
+                detail += ("; the ranks cut the same buffer differently: every rank must use the same "
+                           "RS_CHUNK_BYTES and RS_PIPELINE_DEPTH (reduction-server run sets the depth to 8 "
+                           "for its ranks, 16 is the default elsewhere)")
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
 

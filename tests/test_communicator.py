@@ -148,6 +148,7 @@ def test_pipeline_depth_sets_the_chunks_and_ranks_that_disagree_fail_naming_the_
     for e in errors:  # each rank names both plans
         assert "ranks [0] sent" in e and "count=65536" in e and "nchunks=16" in e, e
         assert "ranks [1] sent" in e and "count=16384" in e and "nchunks=64" in e, e
+        assert "cut the same buffer differently" in e and "RS_PIPELINE_DEPTH" in e, e
 
 
 def test_numpy_integer_rank_and_world(group):
