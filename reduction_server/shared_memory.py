@@ -24,6 +24,7 @@ or unmap it.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import mmap
 import os
 import secrets
@@ -60,14 +61,19 @@ def is_local(address: str) -> bool:
     boot id and namespaces). A name that does not resolve now counts as local: the reducer's own
     checks still decide."""
     host = address.rsplit(":", 1)[0].strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM, flags=socket.AI_ADDRCONFIG)
-    except OSError:
-        return True
-    for family, kind, _, _, sockaddr in infos:
+    try:  # an IP address needs no lookup
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        candidates = [(family, (host, 0))]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM, flags=socket.AI_ADDRCONFIG)
+        except OSError:
+            return True
+        candidates = [(family, (sockaddr[0], 0, *sockaddr[2:])) for family, _, _, _, sockaddr in infos]
+    for family, where in candidates:
         try:  # only this host's own addresses bind; a family this host lacks is no match either
-            with socket.socket(family, kind) as probe:
-                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind(where)
                 return True
         except OSError:
             continue
