@@ -52,6 +52,7 @@ class EmulatedNetwork:
         self.switch = f"{self.tag}-sw"
         self._procs: List[subprocess.Popen] = []
         self._namespaces: List[str] = []
+        self._links: List[str] = []  # veth pairs made: one still in this namespace survives its hosts
 
     def namespace(self, i: int) -> str:
         return f"{self.tag}-h{i}"
@@ -87,6 +88,7 @@ class EmulatedNetwork:
     def _add_host(self, i: int) -> None:
         ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"
         self._add_namespace(ns)
+        self._links.append(host_end)  # before it exists: an interrupt may come in between
         _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
         _ip("link", "set", host_end, "netns", ns)
         _ip("link", "set", switch_end, "netns", self.switch)
@@ -120,12 +122,16 @@ class EmulatedNetwork:
                 proc.wait()
 
     def close(self) -> None:
-        """Stop every process and delete every namespace (their veths go with them)."""
+        """Stop every process and delete every namespace (the veths in them go with them) and a
+        veth pair an interrupt left in this namespace, between its creation and its move."""
         self.stop([p for p in self._procs if p.poll() is None])
         self._procs.clear()
         for name in reversed(self._namespaces):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self._namespaces.clear()
+        for link in self._links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)  # gone already, mostly
+        self._links.clear()
         atexit.unregister(self.close)
 
 
@@ -210,6 +216,8 @@ def cleanup_on_sigterm() -> Iterator[None]:
     every network's cleanup runs."""
     for name in stale_namespaces():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for link in stale_links():
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         yield
@@ -233,6 +241,14 @@ def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: 
                          "ms": point["seconds"] * 1e3, "algbw_GBps": algbw, "bound_GBps": bound,
                          "of_bound": algbw / bound, "vs_gloo": algbw / (g["bytes"] / g["seconds"] / 1e9)})
     return rows
+
+
+def stale_links() -> List[str]:
+    """Host ends of veth pairs left in this namespace by runs whose process is gone (SIGKILLed
+    while adding a host)."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [name for name, pid in re.findall(r"^\d+: (rs(\d+)h\d+)@", out, re.M)
+            if not os.path.exists(f"/proc/{pid}")]
 
 
 def stale_namespaces() -> List[str]:

@@ -70,6 +70,12 @@ def _bench_namespaces():
     return {line.split()[0] for line in _namespaces().splitlines() if re.match(r"rs\d+-", line)}
 
 
+def _links():
+    """Names of this namespace's network interfaces."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return set(re.findall(r"^\d+: ([^:@]+)", out, re.M))
+
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                                 reason="the emulated network needs root and iproute2 (ip, tc)")
 
@@ -126,6 +132,25 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert tag not in _namespaces()
+    # nor a veth pair caught between its creation and its move into the host's namespace
+    assert not [link for link in _links() if link.startswith(f"rs{proc.pid}")]
+
+
+@needs_root
+def test_netem_sweeps_veths_a_killed_run_left():
+    from reduction_server.bench import netem
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a run SIGKILLed while adding host 0 leaves its veth pair in this namespace
+    name = f"rs{gone.pid}h0"
+    subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"rs{gone.pid}s0"], check=True)
+    try:
+        assert name in netem.stale_links()
+        with netem.cleanup_on_sigterm():  # what every run does first
+            pass
+        assert not [link for link in _links() if link.startswith(f"rs{gone.pid}")]
+    finally:
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
 def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
