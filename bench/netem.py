@@ -33,6 +33,10 @@ _REDUCER_PORT = 5555
 _GLOO_PORT = 29500
 
 
+#: the bridge's netfilter hooks (net.bridge.bridge-nf-call-*), off in the switch namespace
+BRIDGE_NETFILTER = ("iptables", "ip6tables", "arptables")
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -68,6 +72,7 @@ class EmulatedNetwork:
         atexit.register(self.close)  # a crash between here and __exit__ still cleans up
         try:
             self._add_namespace(self.switch)
+            self._plain_bridge()
             _ip("-n", self.switch, "link", "add", "name", "swbr", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "swbr", "up")
             for i in range(self.hosts):
@@ -84,6 +89,17 @@ class EmulatedNetwork:
         _ip("netns", "add", name)
         self._namespaces.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
+
+    def _plain_bridge(self) -> None:
+        """Bridged frames skip the host's firewall hooks in the switch namespace. Where the
+        br_netfilter module is loaded (Docker loads it) every frame crossing the bridge otherwise
+        runs through iptables: CPU that no real switch costs its hosts, taken from the processes
+        the emulation measures (it cost this project 0.02-0.05 of the link bound at 200 Mbit/s)."""
+        for table in BRIDGE_NETFILTER:
+            path = f"/proc/sys/net/bridge/bridge-nf-call-{table}"
+            if os.path.exists(path):  # absent where br_netfilter is not loaded: nothing to switch off
+                subprocess.run(["ip", "netns", "exec", self.switch, "sysctl", "-qw",
+                                f"net.bridge.bridge-nf-call-{table}=0"], check=True, capture_output=True)
 
     def _add_host(self, i: int) -> None:
         ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"

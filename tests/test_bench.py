@@ -153,6 +153,26 @@ def test_netem_sweeps_veths_a_killed_run_left():
         subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
+@needs_root
+def test_netem_switch_skips_the_firewall_hooks_of_this_host():
+    from reduction_server.bench import netem
+
+    hooks = [t for t in netem.BRIDGE_NETFILTER if os.path.exists(f"/proc/sys/net/bridge/bridge-nf-call-{t}")]
+    if not hooks:
+        pytest.skip("br_netfilter is not loaded here: bridged frames never reach the firewall")
+
+    def setting(table, namespace=None):
+        where = ["ip", "netns", "exec", namespace] if namespace else []
+        out = subprocess.run([*where, "sysctl", "-n", f"net.bridge.bridge-nf-call-{table}"], capture_output=True,
+                             text=True, check=True).stdout
+        return out.strip()
+
+    outside = {t: setting(t) for t in hooks}
+    with netem.EmulatedNetwork(2, 100) as net:
+        assert {t: setting(t, net.switch) for t in hooks} == {t: "0" for t in hooks}
+        assert {t: setting(t) for t in hooks} == outside  # this host's own setting is left alone
+
+
 def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
     from reduction_server.bench.netem import EmulatedNetwork
     from reduction_server.cli import main
