@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .protocol import DTYPES, OPS, DType, ErrorCode, Header, ReduceOp
+from .settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
 
 if TYPE_CHECKING:
     from .shared_memory import Segment
@@ -100,8 +101,8 @@ class Round:
             if (h.dtype, h.total) == (first.dtype, first.total) and (h.count, h.nchunks) != (first.count, first.nchunks):
                 # The same buffer cut into other chunks: a setting differs between the ranks.
                 detail += ("; the ranks cut the same buffer differently: every rank must use the same "
-                           "RS_CHUNK_BYTES and RS_PIPELINE_DEPTH (reduction-server run sets the depth to 8 "
-                           "for its ranks, 16 is the default elsewhere)")
+                           "RS_CHUNK_BYTES and RS_PIPELINE_DEPTH (reduction-server run sets the depth to "
+                           f"{ONE_HOST_PIPELINE_DEPTH} for its ranks, {DEFAULT_PIPELINE_DEPTH} is the default elsewhere)")
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
 

@@ -21,8 +21,9 @@ DEFAULT_WINDOW = 4
 #: download of a collective trails its upload by a few chunks per reducer: on links, a collective
 #: takes about S/B x (1 + 4/depth) (bench/RESULTS.md, "Why chunks must be small on links"), so
 #: deeper pipelines run links better, and each chunk costs per-message CPU. On the emulated network
-#: 16 gives 0.79 of the link bound against 0.67 at 8, and DDP's step is no slower
-DEFAULT_PIPELINE_DEPTH = 16
+#: (W=8, 200 Mbit/s) 32 gives 0.83-0.86 of the link bound against 0.80 at 16 and 0.67 at 8, and
+#: DDP's step is faster at 32 than at 16 (bench/RESULTS.md, session 6)
+DEFAULT_PIPELINE_DEPTH = 32
 #: the depth `reduction-server run` gives its ranks: on one host no link is the limit, the CPU is,
 #: and chunks half as large cost up to a third of small collectives' speed there
 ONE_HOST_PIPELINE_DEPTH = 8
