@@ -43,7 +43,7 @@ import zmq
 from reduction_server import __version__, auth, encryption, protocol, shared_memory
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import event, get_logger
-from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+from reduction_server.protocol import ITEMSIZE, DType, ErrorCode, MsgType, ReduceOp
 from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
                                        env_number)
 
@@ -54,6 +54,12 @@ from .timeline import Trace
 log = get_logger("client")
 
 _UNSENT, _SENT, _ANSWERED = 0, 1, 2
+# The per-message paths use these (an enum class attribute costs a lookup each time) and send
+# through pyzmq's backend method (its Python wrapper adds only draft-API options: ~0.5 us a frame).
+_RESULT, _RESULT_SHM, _ERROR, _PING = MsgType.RESULT, MsgType.RESULT_SHM, MsgType.ERROR, MsgType.PING
+_DATA, _DATA_SHM, _BROADCAST = MsgType.DATA, MsgType.DATA_SHM, ReduceOp.BROADCAST
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+_backend_send = zmq.backend.Socket.send
 
 
 @dataclass
@@ -503,13 +509,13 @@ class Engine:
 
     def _send_chunk(self, coll: Collective, k: int, r: int) -> None:
         offset, count = coll.chunks[k]
-        size = coll.dtype.itemsize
+        size = ITEMSIZE[coll.dtype]
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         free = self._free_slots[r]
-        mtype, aux = MsgType.DATA, coll.root
-        if payload is not None and free and coll.op is not ReduceOp.BROADCAST and nbytes <= self.slot_bytes:
-            mtype, aux = MsgType.DATA_SHM, free.pop()
+        mtype, aux = _DATA, coll.root
+        if payload is not None and free and coll.op is not _BROADCAST and nbytes <= self.slot_bytes:
+            mtype, aux = _DATA_SHM, free.pop()
             self._segments[r].slot(aux, nbytes)[:] = payload
             self._slot_of[r][coll.seq, k] = aux
             self.chunks_shared += 1
@@ -520,10 +526,10 @@ class Engine:
             count=count, total=coll.total, nbytes=nbytes, aux=aux)
         sock = self._sockets[r]
         if payload is None:
-            sock.send(header)
+            _backend_send(sock, header)
         else:
-            sock.send(header, zmq.SNDMORE)
-            sock.send(payload, copy=False)
+            _backend_send(sock, header, _SNDMORE)
+            _backend_send(sock, payload, 0, False)
         coll.state[k] = _SENT
         self._inflight[r] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
@@ -534,10 +540,10 @@ class Engine:
         sock = self._sockets[r]
         while True:
             try:
-                raw = sock.recv(zmq.NOBLOCK)
+                raw = sock.recv(_NOBLOCK)
             except zmq.Again:
                 return
-            more = sock.getsockopt(zmq.RCVMORE)
+            more = sock.getsockopt(_RCVMORE)
             try:
                 h = protocol.unpack(raw)
             except ProtocolError as exc:
@@ -546,18 +552,19 @@ class Engine:
                 continue
             if self._sockets[r] is not sock:
                 return  # it was lost and replaced while this message was handled
-            if h.type is MsgType.RESULT:
+            mtype = h.type
+            if mtype is _RESULT:
                 self._release_slot(r, h)
                 self._on_result(r, sock, h, more)
-            elif h.type is MsgType.RESULT_SHM:
+            elif mtype is _RESULT_SHM:
                 self._skip(sock, more)
                 self._on_shared_result(r, h, self._release_slot(r, h))
-            elif h.type is MsgType.ERROR:
+            elif mtype is _ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
                 self._skip(sock, sock.getsockopt(zmq.RCVMORE))
                 self._release_slot(r, h)
                 self._on_error(r, h, text)
-            elif h.type is MsgType.PING:
+            elif mtype is _PING:
                 self._skip(sock, more)
             elif h.type in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in self._down:
                 text = sock.recv() if more else b""
@@ -581,7 +588,7 @@ class Engine:
     def _skip(sock: zmq.Socket, more: int) -> None:
         while more:
             sock.recv(copy=False)
-            more = sock.getsockopt(zmq.RCVMORE)
+            more = sock.getsockopt(_RCVMORE)
 
     def _pending_chunk(self, h: protocol.Header) -> Optional[Collective]:
         coll = self._active.get(h.seq)
@@ -595,7 +602,7 @@ class Engine:
         if coll is None:
             return self._skip(sock, more)
         offset, count = coll.chunks[h.chunk]
-        size = coll.dtype.itemsize
+        size = ITEMSIZE[coll.dtype]
         if not more or self._misshapen(h, coll):
             self._skip(sock, more)
             return self._chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))
@@ -604,13 +611,13 @@ class Engine:
         error = None
         if received != len(view):
             error = f"{self._name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
-        self._skip(sock, sock.getsockopt(zmq.RCVMORE))
+        self._skip(sock, sock.getsockopt(_RCVMORE))
         self._chunk_done(coll, h.chunk, r, error)
 
     @staticmethod
     def _misshapen(h: protocol.Header, coll: Collective) -> bool:
         """Whether an answer's offset, count or dtype differ from its chunk's."""
-        return (h.offset, h.count, h.dtype) != (*coll.chunks[h.chunk], int(coll.dtype))
+        return (h.offset, h.count) != coll.chunks[h.chunk] or h.dtype != coll.dtype
 
     def _shape_error(self, r: int, h: protocol.Header, coll: Collective) -> str:
         offset, count = coll.chunks[h.chunk]

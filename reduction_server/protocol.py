@@ -160,6 +160,11 @@ _ITEMSIZE = {
     DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
     DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
 }
+#: by dtype code, for the per-message paths: the size of an element, and of the type it is
+#: accumulated in (float32 for the 16-bit floats)
+ITEMSIZE: Dict[int, int] = {int(d): size for d, size in _ITEMSIZE.items()}
+ACCUMULATOR_ITEMSIZE: Dict[int, int] = {int(d): _ITEMSIZE[d.accumulator] for d in DType}
+_BROADCAST, _DATA = ReduceOp.BROADCAST, MsgType.DATA
 
 
 @dataclass
@@ -221,29 +226,30 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
 
 def validate_data(h: Header) -> None:
     """Field checks for DATA/RESULT headers that need no state."""
-    dtype, op = DTYPES.get(h.dtype), OPS.get(h.op)
-    if dtype is None:
+    itemsize, op = ITEMSIZE.get(h.dtype), h.op
+    if itemsize is None:
         raise ProtocolError(f"unknown dtype code {h.dtype}")
-    if op is None:
+    if op not in OPS:
         raise ProtocolError(f"unknown op code {h.op}")
     if not 0 < h.world <= MAX_WORLD_SIZE:
         raise ProtocolError(f"world size {h.world} out of range 1..{MAX_WORLD_SIZE}")
     if h.type in _FROM_WORKER and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
         raise ProtocolError(f"rank {h.rank} out of range for world size {h.world}")
-    if op is ReduceOp.BROADCAST and h.type in _SHARED:
+    broadcast = op == _BROADCAST
+    if broadcast and h.type in _SHARED:
         raise ProtocolError(f"{h.type.name} cannot carry a broadcast (its payload travels as a frame)")
-    if op is ReduceOp.BROADCAST and h.aux >= h.world:
+    if broadcast and h.aux >= h.world:
         raise ProtocolError(f"broadcast root {h.aux} out of range for world size {h.world}")
     if h.nchunks == 0 or h.chunk >= h.nchunks:
         raise ProtocolError(f"chunk index {h.chunk} out of range for {h.nchunks} chunks")
     if h.count == 0 or h.offset + h.count > h.total:
         raise ProtocolError(
             f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
-    expected = h.count * dtype.itemsize
+    expected = h.count * itemsize
     # A broadcast's non-root contributions carry no payload.
-    if h.nbytes != expected and not (op is ReduceOp.BROADCAST and h.nbytes == 0 and h.type is MsgType.DATA):
+    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type is _DATA):
         raise ProtocolError(
-            f"header says {h.nbytes} payload bytes but {h.count} x {dtype.name.lower()} is {expected}")
+            f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}")
 
 
 def data_header(
@@ -251,8 +257,9 @@ def data_header(
     generation: int, seq: int, chunk: int, nchunks: int, offset: int, count: int, total: int,
     nbytes: int, aux: int = 0,
 ) -> bytes:
-    return Header(mtype, int(dtype), int(op), rank, world, generation, chunk, nchunks, aux, job,
-                  seq, offset, count, total, nbytes).pack()
+    # Packed directly (a worker packs one per chunk): the same bytes as Header(...).pack().
+    return HEADER.pack(MAGIC, VERSION, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job,
+                       seq, offset, count, total, nbytes)
 
 
 def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int, aux: Optional[int] = None) -> bytes:
