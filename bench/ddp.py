@@ -12,30 +12,41 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import EmulatedNetwork, cleanup_on_sigterm, run_gloo, run_reduction_server
+from .netem import EmulatedNetwork, cleanup_on_sigterm, medians, run_gloo, run_reduction_server
 
-COLUMNS = ["peer", "W", "R", "mbit", "params_M", "batch", "step_ms", "steps_per_s", "vs_gloo", "first_loss", "loss"]
+COLUMNS = ["peer", "W", "R", "mbit", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
+           "first_loss", "loss"]
 _JOB = "reduction_server.bench.ddp_job"
 _MARKER = '{"step_seconds"'
 
 
 def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (400,), width: int = 1024, batch: int = 16,
-        steps: int = 5, warmup: int = 2, reducers: Optional[Sequence[int]] = None) -> List[Dict]:
-    """Rows for Gloo and this project on each W x link rate (x R, default R = W)."""
+        steps: int = 5, warmup: int = 2, reducers: Optional[Sequence[int]] = None, rounds: int = 1) -> List[Dict]:
+    """Rows for Gloo and this project on each W x link rate (x R, default R = W); with rounds > 1
+    the two peers take turns on the same network and each row gives the median step."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="ddp", unit="job"):
+            gloo: List[Dict] = []
+            ours: List[Dict] = []
             with EmulatedNetwork(world + r, rate) as net:
-                gloo = _one(run_gloo(net, world, _JOB, args, _MARKER), f"gloo W={world}")
-                ours = _one(run_reduction_server(net, world, r, _JOB, args, _MARKER), f"reduction-server W={world}")
-            for peer, point, r_column in (("gloo", gloo, "-"), ("reduction-server", ours, r)):
-                rows.append({"peer": peer, "W": world, "R": r_column, "mbit": rate, "params_M": point["params"] / 1e6,
-                             "batch": batch, "step_ms": point["step_seconds"] * 1e3,
-                             "steps_per_s": 1 / point["step_seconds"],
-                             "vs_gloo": gloo["step_seconds"] / point["step_seconds"], "first_loss": point["first_loss"],
-                             "loss": point["loss"]})
+                for _ in range(rounds):  # in turns: both peers meet the same quiet and busy moments
+                    gloo.append(_one(run_gloo(net, world, _JOB, args, _MARKER), f"gloo W={world}"))
+                    ours.append(_one(run_reduction_server(net, world, r, _JOB, args, _MARKER),
+                                     f"reduction-server W={world}"))
+            g = medians([p["step_seconds"] for p in gloo])
+            for peer, points, r_column in (("gloo", gloo, "-"), ("reduction-server", ours, r)):
+                step = medians([p["step_seconds"] for p in points])
+                last = points[-1]  # the losses are the same in every round: same weights, same data
+                rows.append({"peer": peer, "W": world, "R": r_column, "mbit": rate, "params_M": last["params"] / 1e6,
+                             "batch": batch, "rounds": rounds, "step_ms": step["seconds"] * 1e3,
+                             "step_ms_range": step["range"], "steps_per_s": 1 / step["seconds"],
+                             "vs_gloo": g["seconds"] / step["seconds"], "first_loss": last["first_loss"],
+                             "loss": last["loss"]})
     return rows
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 from tqdm import tqdm
 
-COLUMNS = ["peer", "W", "R", "mbit", "mib", "ms", "algbw_GBps", "bound_GBps", "of_bound", "vs_gloo"]
+COLUMNS = ["peer", "W", "R", "mbit", "mib", "ms", "ms_range", "algbw_GBps", "bound_GBps", "of_bound", "vs_gloo"]
 _PYTHON = sys.executable
 _ALLREDUCE_JOB = "reduction_server.bench.allreduce_job"
 _REDUCER_PORT = 5555
@@ -215,15 +216,24 @@ def run_gloo(net: EmulatedNetwork, world: int, job: str, args: Sequence[str], ma
 
 
 def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
-        reducers: Optional[Sequence[int]] = None, iters: int = 3) -> List[Dict]:
-    """Rows for Gloo and this project on each W x link rate x size (R = W unless given)."""
+        reducers: Optional[Sequence[int]] = None, iters: int = 3, rounds: int = 1) -> List[Dict]:
+    """Rows for Gloo and this project on each W x link rate x size (R = W unless given); with
+    rounds > 1 the two peers take turns on the same network and each row gives the median."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
-            rows += _measure(world, rate, r, sizes_mib, args)
+            rows += _measure(world, rate, r, sizes_mib, args, rounds)
     return rows
+
+
+def medians(runs: Sequence[float]) -> Dict:
+    """The median of a peer's seconds over its rounds, and their range as text (how noisy the
+    machine was: this one is shared, and a single run moves 10-25 %)."""
+    return {"seconds": statistics.median(runs), "range": f"{min(runs) * 1e3:.0f}-{max(runs) * 1e3:.0f}"}
 
 
 @contextlib.contextmanager
@@ -241,21 +251,27 @@ def cleanup_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str]) -> List[Dict]:
+def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str],
+             rounds: int) -> List[Dict]:
     link = rate * 1e6 / 8  # bytes/s per host, each way
+    gloo: List[List[Dict]] = []
+    ours: List[List[Dict]] = []
     with EmulatedNetwork(world + r, rate) as net:
-        gloo = run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"')
-        ours = run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"')
+        for _ in range(rounds):  # in turns, so that both peers meet the same quiet and busy moments
+            gloo.append(run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"'))
+            ours.append(run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"'))
     # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
     ours_bound = link * min(1.0, r / world) / 1e9
     ring_bound = link * world / (2 * (world - 1)) / 1e9
     rows = []
-    for mib, g, o in zip(sizes_mib, gloo, ours):
+    for i, mib in enumerate(sizes_mib):
+        nbytes = gloo[0][i]["bytes"]
+        g, o = (medians([run[i]["seconds"] for run in peer]) for peer in (gloo, ours))
         for peer, point, bound, reducers in (("gloo", g, ring_bound, "-"), ("reduction-server", o, ours_bound, r)):
-            algbw = point["bytes"] / point["seconds"] / 1e9
-            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "mib": mib,
-                         "ms": point["seconds"] * 1e3, "algbw_GBps": algbw, "bound_GBps": bound,
-                         "of_bound": algbw / bound, "vs_gloo": algbw / (g["bytes"] / g["seconds"] / 1e9)})
+            algbw = nbytes / point["seconds"] / 1e9
+            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "mib": mib, "rounds": rounds,
+                         "ms": point["seconds"] * 1e3, "ms_range": point["range"], "algbw_GBps": algbw,
+                         "bound_GBps": bound, "of_bound": algbw / bound, "vs_gloo": g["seconds"] / point["seconds"]})
     return rows
 
 

@@ -10,9 +10,13 @@ from . import report
 SUITES = ("kernels", "loopback", "netem", "ddp")
 
 
-def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
-    """Run `suite`; returns the files written."""
-    command = " ".join(["reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else []))
+def main(suite: str, out: Path, quick: bool = False, rounds: int = 1) -> List[Path]:
+    """Run `suite`; returns the files written. `rounds`: netem and ddp run the peers in turns
+    that many times on one emulated network and report medians."""
+    if rounds != 1 and suite not in ("netem", "ddp"):
+        raise ValueError(f"--rounds is for the netem and ddp suites, not {suite}")
+    command = " ".join(["reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else [])
+                       + ([f"--rounds {rounds}"] if rounds != 1 else []))
     if suite == "kernels":
         from . import kernels
 
@@ -40,9 +44,9 @@ def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
         from . import netem
 
         if quick:
-            rows = netem.run(worlds=(2,), rates_mbit=(400,), sizes_mib=(1,), iters=2)
+            rows = netem.run(worlds=(2,), rates_mbit=(400,), sizes_mib=(1,), iters=2, rounds=rounds)
         else:
-            rows = netem.run()
+            rows = netem.run(rounds=rounds)
         print(report.table(rows, netem.COLUMNS))
         files = [report.save(rows, suite, out, command),
                  report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R", "mbit"), panels="W",
@@ -51,9 +55,9 @@ def main(suite: str, out: Path, quick: bool = False) -> List[Path]:
         from . import ddp
 
         if quick:
-            rows = ddp.run(worlds=(2,), rates_mbit=(400,), width=32, batch=4, steps=2, warmup=1)
+            rows = ddp.run(worlds=(2,), rates_mbit=(400,), width=32, batch=4, steps=2, warmup=1, rounds=rounds)
         else:
-            rows = ddp.run()
+            rows = ddp.run(rounds=rounds)
         print(report.table(rows, ddp.COLUMNS))
         files = [report.save(rows, suite, out, command),
                  report.bars([f"{r['peer']} W={r['W']} R={r['R']} {r['mbit']:g} Mbit/s" for r in rows],

@@ -37,8 +37,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.suites import main as bench
 
     try:
-        bench(args.suite, Path(args.out), quick=args.quick)
-    except PermissionError as exc:
+        bench(args.suite, Path(args.out), quick=args.quick, rounds=args.rounds)
+    except (PermissionError, ValueError) as exc:
         print(f"reduction-server bench {args.suite}: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch)")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="netem and ddp: run the peers in turns this many times on the same emulated network "
+                            "and report medians (default 1; a shared machine's noise needs 3 or more)")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -14,12 +14,12 @@ import pytest
 pytest.importorskip("pytest_benchmark", reason="the bench extra is not installed (pip install -e '.[bench]')")
 pytest.importorskip("matplotlib", reason="the bench extra is not installed (pip install -e '.[bench]')")
 
-from reduction_server.bench import kernels, loopback  # noqa: E402
+from reduction_server.bench import kernels, loopback, netem  # noqa: E402
 
 
-def run_suite(suite, out):
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", suite, "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+def run_suite(suite, out, *options):
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", suite, "--quick", "--out", str(out),
+                           *options], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / f"{suite}.json").read_text())
     png = (out / f"{suite}.png").read_bytes()
@@ -83,13 +83,19 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or n
 @needs_root
 def test_netem_suite(tmp_path):
     before = _bench_namespaces()
-    table, rows = run_suite("netem", tmp_path)
+    table, rows = run_suite("netem", tmp_path, "--rounds", "2")
     assert {r["peer"] for r in rows} == {"gloo", "reduction-server"} if "gloo" in loopback.available_peers() \
         else {"reduction-server"}
+    gloo = {r["mib"]: r["ms"] for r in rows if r["peer"] == "gloo"}
     for row in rows:
-        assert row["W"] == 2 and row["mbit"] == 400 and row["mib"] == 1
+        assert row["W"] == 2 and row["mbit"] == 400 and row["mib"] == 1 and row["rounds"] == 2
         assert row["of_bound"] == pytest.approx(row["algbw_GBps"] / row["bound_GBps"])
         assert 0.05 < row["of_bound"] < 1.2  # shaped links really limit it: nobody beats the wire
+        fastest, slowest = map(int, row["ms_range"].split("-"))  # the two rounds, around their median
+        assert fastest <= round(row["ms"]) <= slowest
+        if gloo:
+            assert row["vs_gloo"] == pytest.approx(gloo[row["mib"]] / row["ms"])
+    assert table.splitlines()[0].split() == netem.COLUMNS
     assert _bench_namespaces() == before  # every namespace it made is gone
 
 
@@ -107,6 +113,7 @@ def test_ddp_suite(tmp_path):
         assert row["W"] == 2 and row["mbit"] == 400 and row["batch"] == 4
         assert row["params_M"] == pytest.approx((24 * 32 * 32 + 9 * 32) / 1e6)  # the quick MLP, D = 32
         assert row["steps_per_s"] == pytest.approx(1e3 / row["step_ms"])
+        assert row["rounds"] == 1 and row["step_ms_range"] == f"{row['step_ms']:.0f}-{row['step_ms']:.0f}"
         assert row["loss"] < row["first_loss"]  # it trained
     assert ours["R"] == 2 and ours["vs_gloo"] == pytest.approx(ours["steps_per_s"] / gloo["steps_per_s"])
     # Same weights, data and averaged gradients: the same training whichever backend sums them.
@@ -171,6 +178,16 @@ def test_netem_switch_skips_the_firewall_hooks_of_this_host():
     with netem.EmulatedNetwork(2, 100) as net:
         assert {t: setting(t, net.switch) for t in hooks} == {t: "0" for t in hooks}
         assert {t: setting(t) for t in hooks} == outside  # this host's own setting is left alone
+
+
+def test_rounds_are_refused_where_they_mean_nothing(capsys, tmp_path):
+    from reduction_server.cli import main
+
+    assert main(["bench", "kernels", "--rounds", "3", "--out", str(tmp_path)]) == 2
+    assert "--rounds is for the netem and ddp suites, not kernels" in capsys.readouterr().err
+    assert main(["bench", "netem", "--rounds", "0", "--out", str(tmp_path)]) == 2
+    assert "rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
 def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
