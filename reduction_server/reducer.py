@@ -530,7 +530,7 @@ class Reducer:
             rnd.slots[h.rank] = (peer.segment, slot)
         if self.metrics is not None:
             self.metrics.contributed(h.rank, self.round_started[key], arrived)
-        if len(rnd.contributed) == rnd.world:  # complete
+        if rnd.complete:
             self._finish(rnd)
 
     def _fold(self, rnd: Round, h: Header, payload: Union[zmq.Frame, memoryview, None]) -> None:
