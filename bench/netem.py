@@ -87,8 +87,10 @@ class EmulatedNetwork:
         self.close()
 
     def _add_namespace(self, name: str) -> None:
-        _ip("netns", "add", name)
+        # Recorded before it exists: an interrupt while `ip netns add` runs leaves the namespace
+        # made but the call unfinished, and close() must still delete it.
         self._namespaces.append(name)
+        _ip("netns", "add", name)
         _ip("-n", name, "link", "set", "lo", "up")
 
     def _plain_bridge(self) -> None:

@@ -144,6 +144,24 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
 
 
 @needs_root
+def test_netem_deletes_a_namespace_an_interrupt_left_half_made(monkeypatch):
+    from reduction_server.bench import netem
+
+    made = netem._ip
+
+    def interrupted(*args):
+        made(*args)
+        if args[:2] == ("netns", "add") and args[2].endswith("-h0"):
+            raise KeyboardInterrupt  # a SIGINT that lands while `ip netns add` runs: made, not returned
+
+    monkeypatch.setattr(netem, "_ip", interrupted)
+    net = netem.EmulatedNetwork(2, 100)
+    with pytest.raises(KeyboardInterrupt):
+        net.__enter__()
+    assert not [name for name in _bench_namespaces() if name.startswith(f"{net.tag}-")]
+
+
+@needs_root
 def test_netem_sweeps_veths_a_killed_run_left():
     from reduction_server.bench import netem
 
