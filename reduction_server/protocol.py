@@ -109,7 +109,7 @@ class DType(enum.IntEnum):
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self]
+        return ITEMSIZE[self]
 
     @property
     def accumulator(self) -> "DType":
@@ -156,14 +156,14 @@ DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.
 _FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM))
 _SHARED = frozenset((MsgType.DATA_SHM, MsgType.RESULT_SHM))
 
-_ITEMSIZE = {
+#: the size of an element, and of the type it is accumulated in (float32 for the 16-bit floats),
+#: by DType or by its code (an IntEnum hashes and compares as its int): the per-message paths look
+#: them up here rather than through the enum's properties
+ITEMSIZE: Dict[int, int] = {
     DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
     DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
 }
-#: by dtype code, for the per-message paths: the size of an element, and of the type it is
-#: accumulated in (float32 for the 16-bit floats)
-ITEMSIZE: Dict[int, int] = {int(d): size for d, size in _ITEMSIZE.items()}
-ACCUMULATOR_ITEMSIZE: Dict[int, int] = {int(d): _ITEMSIZE[d.accumulator] for d in DType}
+ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DType}
 _BROADCAST, _DATA = ReduceOp.BROADCAST, MsgType.DATA
 
 
