@@ -101,8 +101,7 @@ class EmulatedNetwork:
         for table in BRIDGE_NETFILTER:
             path = f"/proc/sys/net/bridge/bridge-nf-call-{table}"
             if os.path.exists(path):  # absent where br_netfilter is not loaded: nothing to switch off
-                subprocess.run(["ip", "netns", "exec", self.switch, "sysctl", "-qw",
-                                f"net.bridge.bridge-nf-call-{table}=0"], check=True, capture_output=True)
+                _ip("netns", "exec", self.switch, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0")
 
     def _add_host(self, i: int) -> None:
         ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"

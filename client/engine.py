@@ -43,7 +43,8 @@ import zmq
 from reduction_server import __version__, auth, encryption, protocol, shared_memory
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import event, get_logger
-from reduction_server.protocol import ITEMSIZE, DType, ErrorCode, MsgType, ReduceOp
+from reduction_server.protocol import (ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_ERROR, MSG_PING, MSG_RESULT,
+                                       MSG_RESULT_SHM, OP_BROADCAST, DType, ErrorCode, MsgType, ReduceOp)
 from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
                                        env_number)
 
@@ -54,10 +55,7 @@ from .timeline import Trace
 log = get_logger("client")
 
 _UNSENT, _SENT, _ANSWERED = 0, 1, 2
-# The per-message paths use these (an enum class attribute costs a lookup each time) and send
-# through pyzmq's backend method (its Python wrapper adds only draft-API options: ~0.5 us a frame).
-_RESULT, _RESULT_SHM, _ERROR, _PING = MsgType.RESULT, MsgType.RESULT_SHM, MsgType.ERROR, MsgType.PING
-_DATA, _DATA_SHM, _BROADCAST = MsgType.DATA, MsgType.DATA_SHM, ReduceOp.BROADCAST
+# Chunks go through pyzmq's backend send: its Python wrapper adds only draft-API options (~0.5 us a frame).
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 _backend_send = zmq.backend.Socket.send
 
@@ -513,9 +511,9 @@ class Engine:
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         free = self._free_slots[r]
-        mtype, aux = _DATA, coll.root
-        if payload is not None and free and coll.op is not _BROADCAST and nbytes <= self.slot_bytes:
-            mtype, aux = _DATA_SHM, free.pop()
+        mtype, aux = MSG_DATA, coll.root
+        if payload is not None and free and coll.op is not OP_BROADCAST and nbytes <= self.slot_bytes:
+            mtype, aux = MSG_DATA_SHM, free.pop()
             self._segments[r].slot(aux, nbytes)[:] = payload
             self._slot_of[r][coll.seq, k] = aux
             self.chunks_shared += 1
@@ -553,18 +551,18 @@ class Engine:
             if self._sockets[r] is not sock:
                 return  # it was lost and replaced while this message was handled
             mtype = h.type
-            if mtype is _RESULT:
+            if mtype is MSG_RESULT:
                 self._release_slot(r, h)
                 self._on_result(r, sock, h, more)
-            elif mtype is _RESULT_SHM:
+            elif mtype is MSG_RESULT_SHM:
                 self._skip(sock, more)
                 self._on_shared_result(r, h, self._release_slot(r, h))
-            elif mtype is _ERROR:
+            elif mtype is MSG_ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
                 self._skip(sock, sock.getsockopt(zmq.RCVMORE))
                 self._release_slot(r, h)
                 self._on_error(r, h, text)
-            elif mtype is _PING:
+            elif mtype is MSG_PING:
                 self._skip(sock, more)
             elif h.type in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in self._down:
                 text = sock.recv() if more else b""

@@ -164,7 +164,10 @@ ITEMSIZE: Dict[int, int] = {
     DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
 }
 ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DType}
-_BROADCAST, _DATA = ReduceOp.BROADCAST, MsgType.DATA
+#: the members the per-message paths (here, reducer.py, client/engine.py) compare with, as module
+#: globals: an enum class attribute costs a lookup each time
+MSG_DATA, MSG_DATA_SHM, MSG_RESULT, MSG_RESULT_SHM = MsgType.DATA, MsgType.DATA_SHM, MsgType.RESULT, MsgType.RESULT_SHM
+MSG_ERROR, MSG_PING, OP_BROADCAST = MsgType.ERROR, MsgType.PING, ReduceOp.BROADCAST
 
 
 @dataclass
@@ -235,7 +238,7 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(f"world size {h.world} out of range 1..{MAX_WORLD_SIZE}")
     if h.type in _FROM_WORKER and h.rank >= h.world:  # a RESULT's rank field is the reducer's index
         raise ProtocolError(f"rank {h.rank} out of range for world size {h.world}")
-    broadcast = op == _BROADCAST
+    broadcast = op == OP_BROADCAST
     if broadcast and h.type in _SHARED:
         raise ProtocolError(f"{h.type.name} cannot carry a broadcast (its payload travels as a frame)")
     if broadcast and h.aux >= h.world:
@@ -247,7 +250,7 @@ def validate_data(h: Header) -> None:
             f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
     expected = h.count * itemsize
     # A broadcast's non-root contributions carry no payload.
-    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type is _DATA):
+    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type is MSG_DATA):
         raise ProtocolError(
             f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}")
 

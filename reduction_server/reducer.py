@@ -32,7 +32,8 @@ from . import _native, auth, encryption, protocol, shared_memory
 from .accumulator import AccumulatorPool, PoolExhausted
 from .errors import ConfigError, ProtocolError
 from .log import NOTICE, event, get_logger
-from .protocol import ACCUMULATOR_ITEMSIZE, DTYPES, ErrorCode, Header, MsgType, ReduceOp
+from .protocol import (ACCUMULATOR_ITEMSIZE, DTYPES, MSG_DATA, MSG_DATA_SHM, OP_BROADCAST, ErrorCode, Header,
+                       MsgType, ReduceOp)
 from .round import Round, format_ranks
 from .settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT,
                        DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES,
@@ -63,8 +64,6 @@ PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
 
 
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-# The per-message paths compare with these: an enum class attribute costs a lookup each time.
-_DATA, _DATA_SHM, _BROADCAST = MsgType.DATA, MsgType.DATA_SHM, ReduceOp.BROADCAST
 #: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
 #: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
 _BATCHED_RECV_BYTES = 64 << 10
@@ -251,7 +250,7 @@ class Reducer:
         except ProtocolError as exc:
             return self._malformed(identity, str(exc))
         payload = frames[2] if len(frames) == 3 else None
-        if h.type is _DATA_SHM:
+        if h.type is MSG_DATA_SHM:
             return self._shared_data(identity, h, payload)
         size = len(payload) if payload is not None else 0
         if size != h.nbytes:
@@ -262,7 +261,7 @@ class Reducer:
                 # is answered as such (to the sender) before the payload is looked at.
                 return self._data(identity, h, payload, bad_payload=reason)
             return self._malformed(identity, reason)
-        if h.type is _DATA:  # nearly every message: tested first
+        if h.type is MSG_DATA:  # nearly every message: tested first
             self.bytes_in += size
             self._data(identity, h, payload)
         elif h.type is MsgType.HELLO:
@@ -534,7 +533,7 @@ class Reducer:
             self._finish(rnd)
 
     def _fold(self, rnd: Round, h: Header, payload: Union[zmq.Frame, memoryview, None]) -> None:
-        if h.op == _BROADCAST:  # h agrees with the round's first contribution
+        if h.op == OP_BROADCAST:  # h agrees with the round's first contribution
             if h.rank == h.aux:
                 if payload is None:
                     raise ValueError(f"broadcast root {h.rank} sent no payload")

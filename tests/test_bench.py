@@ -145,8 +145,6 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
 
 @needs_root
 def test_netem_deletes_a_namespace_an_interrupt_left_half_made(monkeypatch):
-    from reduction_server.bench import netem
-
     made = netem._ip
 
     def interrupted(*args):
@@ -180,8 +178,6 @@ def test_netem_sweeps_veths_a_killed_run_left():
 
 @needs_root
 def test_netem_switch_skips_the_firewall_hooks_of_this_host():
-    from reduction_server.bench import netem
-
     hooks = [t for t in netem.BRIDGE_NETFILTER if os.path.exists(f"/proc/sys/net/bridge/bridge-nf-call-{t}")]
     if not hooks:
         pytest.skip("br_netfilter is not loaded here: bridged frames never reach the firewall")
