@@ -57,7 +57,7 @@ class EmulatedNetwork:
         self.switch = f"{self.tag}-sw"
         self._procs: List[subprocess.Popen] = []
         self._namespaces: List[str] = []
-        self._links: List[str] = []  # veth pairs made: one still in this namespace survives its hosts
+        self._links: List[str] = []  # veth ends made: one still in this namespace survives its hosts
 
     def namespace(self, i: int) -> str:
         return f"{self.tag}-h{i}"
@@ -106,7 +106,9 @@ class EmulatedNetwork:
     def _add_host(self, i: int) -> None:
         ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"
         self._add_namespace(ns)
-        self._links.append(host_end)  # before it exists: an interrupt may come in between
+        # Both ends, before they exist: an interrupt may come between any two of these steps, and
+        # the end still in this namespace (host's or switch's) outlives the namespaces' deletion.
+        self._links += [host_end, switch_end]
         _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
         _ip("link", "set", host_end, "netns", ns)
         _ip("link", "set", switch_end, "netns", self.switch)
@@ -277,10 +279,10 @@ def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: 
 
 
 def stale_links() -> List[str]:
-    """Host ends of veth pairs left in this namespace by runs whose process is gone (SIGKILLed
-    while adding a host)."""
+    """Ends of veth pairs (a host's or the switch's) left in this namespace by runs whose process
+    is gone (SIGKILLed while adding a host)."""
     out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [name for name, pid in re.findall(r"^\d+: (rs(\d+)h\d+)@", out, re.M)
+    return [name for name, pid in re.findall(r"^\d+: (rs(\d+)[hs]\d+)@", out, re.M)
             if not os.path.exists(f"/proc/{pid}")]
 
 

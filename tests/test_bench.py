@@ -144,19 +144,22 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
 
 
 @needs_root
-def test_netem_deletes_a_namespace_an_interrupt_left_half_made(monkeypatch):
+@pytest.mark.parametrize("step", [("netns", "add"), ("link", "add"), ("link", "set")],
+                         ids=["namespace made", "veth pair made", "host end moved"])
+def test_netem_deletes_what_an_interrupt_left_half_made(monkeypatch, step):
     made = netem._ip
 
     def interrupted(*args):
         made(*args)
-        if args[:2] == ("netns", "add") and args[2].endswith("-h0"):
-            raise KeyboardInterrupt  # a SIGINT that lands while `ip netns add` runs: made, not returned
+        if args[:2] == step and any(a.endswith(("-h0", "h0")) for a in args[2:]):
+            raise KeyboardInterrupt  # a SIGINT that lands while `ip` runs: done, but not returned
 
     monkeypatch.setattr(netem, "_ip", interrupted)
     net = netem.EmulatedNetwork(2, 100)
     with pytest.raises(KeyboardInterrupt):
         net.__enter__()
     assert not [name for name in _bench_namespaces() if name.startswith(f"{net.tag}-")]
+    assert not [link for link in _links() if link.startswith(net.tag)]  # neither end of the pair
 
 
 @needs_root
