@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import EmulatedNetwork, cleanup_on_sigterm, medians, run_gloo, run_reduction_server
+from .netem import (EmulatedNetwork, check_delay, cleanup_on_sigterm, medians, run_gloo, run_reduction_server,
+                    variant_label)
 
 COLUMNS = ["peer", "W", "R", "mbit", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
            "first_loss", "loss"]
@@ -21,28 +22,33 @@ _MARKER = '{"step_seconds"'
 
 
 def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (400,), width: int = 1024, batch: int = 16,
-        steps: int = 5, warmup: int = 2, reducers: Optional[Sequence[int]] = None, rounds: int = 1) -> List[Dict]:
-    """Rows for Gloo and this project on each W x link rate (x R, default R = W); with rounds > 1
-    the two peers take turns on the same network and each row gives the median step."""
+        steps: int = 5, warmup: int = 2, reducers: Optional[Sequence[int]] = None, rounds: int = 1,
+        delay_ms: float = 0.0, variants: Sequence[Dict[str, str]] = ()) -> List[Dict]:
+    """Rows for Gloo and this project on each W x link rate (x R, default R = W), and for this
+    project again under each of `variants` (settings, netem.parse_variant); with rounds > 1 the
+    peers take turns on the same network and each row gives the median step."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    check_delay(delay_ms)
     args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="ddp", unit="job"):
-            gloo: List[Dict] = []
-            ours: List[Dict] = []
-            with EmulatedNetwork(world + r, rate) as net:
-                for _ in range(rounds):  # in turns: both peers meet the same quiet and busy moments
-                    gloo.append(_one(run_gloo(net, world, _JOB, args, _MARKER), f"gloo W={world}"))
-                    ours.append(_one(run_reduction_server(net, world, r, _JOB, args, _MARKER),
-                                     f"reduction-server W={world}"))
-            g = medians([p["step_seconds"] for p in gloo])
-            for peer, points, r_column in (("gloo", gloo, "-"), ("reduction-server", ours, r)):
+            runs: Dict[str, List[Dict]] = {"gloo": [], **{variant_label(v): [] for v in ({}, *variants)}}
+            with EmulatedNetwork(world + r, rate, delay_ms) as net:
+                for _ in range(rounds):  # in turns: the peers meet the same quiet and busy moments
+                    runs["gloo"].append(_one(run_gloo(net, world, _JOB, args, _MARKER), f"gloo W={world}"))
+                    for settings in ({}, *variants):
+                        label = variant_label(settings)
+                        runs[label].append(_one(run_reduction_server(net, world, r, _JOB, args, _MARKER,
+                                                                     settings=settings), f"{label} W={world}"))
+            g = medians([p["step_seconds"] for p in runs["gloo"]])
+            for peer, points in runs.items():
                 step = medians([p["step_seconds"] for p in points])
                 last = points[-1]  # the losses are the same in every round: same weights, same data
-                rows.append({"peer": peer, "W": world, "R": r_column, "mbit": rate, "params_M": last["params"] / 1e6,
+                rows.append({"peer": peer, "W": world, "R": "-" if peer == "gloo" else r, "mbit": rate,
+                             "delay_ms": delay_ms, "params_M": last["params"] / 1e6,
                              "batch": batch, "rounds": rounds, "step_ms": step["seconds"] * 1e3,
                              "step_ms_range": step["range"], "steps_per_s": 1 / step["seconds"],
                              "vs_gloo": g["seconds"] / step["seconds"], "first_loss": last["first_loss"],

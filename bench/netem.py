@@ -3,8 +3,9 @@ CPU, is the limit: the case a reduction server is for.
 
 Every host (worker or reducer) is a network namespace with one veth link to a switch: a bridge
 in a namespace of its own (so the host's firewall rules never see the traffic). Both directions
-of every link are shaped to the same rate with tbf. Addresses come from the benchmarking range
-198.18.0.0/15. The reduction server (W workers, R reducer hosts) and torch.distributed's Gloo
+of every link are shaped to the same rate with tbf, and optionally delayed with netem (each
+direction of each link, so a round trip between two hosts crosses the delay four times).
+Addresses come from the benchmarking range 198.18.0.0/15. The reduction server (W workers, R reducer hosts) and torch.distributed's Gloo
 ring (W workers) run on the same emulated hosts in the same run.
 
 Bounds, per worker link of B bytes/s: a reduction server needs S/B per all-reduce of S bytes
@@ -38,21 +39,37 @@ _GLOO_PORT = 29500
 BRIDGE_NETFILTER = ("iptables", "ip6tables", "arptables")
 
 
+#: longest link delay the suites accept (each direction of each link)
+MAX_DELAY_MS = 10_000.0
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-class EmulatedNetwork:
-    """`hosts` namespaces on a switch, every link shaped to `rate_mbit` both ways."""
+def check_delay(delay_ms: float) -> None:
+    if not 0 <= delay_ms <= MAX_DELAY_MS:  # `not` also refuses nan
+        raise ValueError(f"the link delay must be in 0..{MAX_DELAY_MS:g} ms, got {delay_ms:g}")
 
-    def __init__(self, hosts: int, rate_mbit: float) -> None:
+
+def _tc(namespace: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", namespace, *args], check=True, capture_output=True, text=True)
+
+
+class EmulatedNetwork:
+    """`hosts` namespaces on a switch, every link shaped to `rate_mbit` both ways and, with
+    `delay_ms`, each direction of each link delayed that long."""
+
+    def __init__(self, hosts: int, rate_mbit: float, delay_ms: float = 0.0) -> None:
         if os.geteuid() != 0:
             raise PermissionError("the emulated network needs root (network namespaces, veth links and tc); "
                               "run `reduction-server bench netem` or `bench ddp` as root")
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
+        check_delay(delay_ms)
         self.hosts = hosts
         self.rate_mbit = rate_mbit
+        self.delay_ms = delay_ms
         self.tag = f"rs{os.getpid()}"  # unique per run: several runs never collide
         self.switch = f"{self.tag}-sw"
         self._procs: List[subprocess.Popen] = []
@@ -73,6 +90,8 @@ class EmulatedNetwork:
         atexit.register(self.close)  # a crash between here and __exit__ still cleans up
         try:
             self._add_namespace(self.switch)
+            if self.delay_ms:
+                self._check_delay()
             self._plain_bridge()
             _ip("-n", self.switch, "link", "add", "name", "swbr", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "swbr", "up")
@@ -103,6 +122,15 @@ class EmulatedNetwork:
             if os.path.exists(path):  # absent where br_netfilter is not loaded: nothing to switch off
                 _ip("netns", "exec", self.switch, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0")
 
+    def _check_delay(self) -> None:
+        """Refuse a delay, before any host exists, where the kernel has no netem qdisc."""
+        probe = subprocess.run(["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise OSError(f"a link delay needs the kernel's netem queueing discipline (sch_netem), which this "
+                          f"machine does not offer (tc: {probe.stderr.strip() or probe.returncode}); run without a delay")
+        _tc(self.switch, "qdisc", "del", "dev", "lo", "root")
+
     def _add_host(self, i: int) -> None:
         ns, host_end, switch_end = self.namespace(i), self.interface(i), f"{self.tag}s{i}"
         self._add_namespace(ns)
@@ -115,11 +143,16 @@ class EmulatedNetwork:
         _ip("-n", self.switch, "link", "set", switch_end, "master", "swbr", "up")
         _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", host_end)
         _ip("-n", ns, "link", "set", host_end, "up")
-        # Shape the host's upload (its end) and its download (the switch's end toward it).
+        # Shape the host's upload (its end) and its download (the switch's end toward it); with a
+        # delay, netem holds packets first and tbf (its child) shapes them.
+        shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"]
         for where, dev in ((ns, host_end), (self.switch, switch_end)):
-            subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                            f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"],
-                           check=True, capture_output=True, text=True)
+            if self.delay_ms:
+                _tc(where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms:g}ms",
+                    "limit", "100000")
+                _tc(where, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *shape)
+            else:
+                _tc(where, "qdisc", "add", "dev", dev, "root", *shape)
 
     def spawn(self, i: int, argv: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
         """Start argv on host i; its output is read by the caller; it dies with the network."""
@@ -158,7 +191,7 @@ class EmulatedNetwork:
 _PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: settings of this project that the emulated hosts inherit: `RS_PIPELINE_DEPTH=24 reduction-server
 #: bench netem` measures that depth
-TUNING = ("RS_PIPELINE_DEPTH", "RS_WINDOW", "RS_CHUNK_BYTES")
+TUNING = ("RS_PIPELINE_DEPTH", "RS_WINDOW", "RS_CHUNK_BYTES", "RS_SNDBUF")
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
@@ -185,15 +218,34 @@ def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, t
     return [json.loads(line) for line in outputs[0].splitlines() if line.startswith(marker)]
 
 
+def parse_variant(text: str) -> Dict[str, str]:
+    """`RS_SNDBUF=24576,RS_WINDOW=2` -> its settings: one more run of this project, with them."""
+    settings: Dict[str, str] = {}
+    for part in text.split(","):
+        name, sep, value = (word.strip() for word in part.partition("="))
+        if not sep or not name or not value:
+            raise ValueError(f"--variant {text!r}: expected NAME=VALUE[,NAME=VALUE...], e.g. RS_SNDBUF=24576")
+        if name not in TUNING:
+            raise ValueError(f"--variant {text!r}: the emulated hosts take no {name}; choose from {', '.join(TUNING)}")
+        settings[name] = value
+    return settings
+
+
+def variant_label(settings: Dict[str, str]) -> str:
+    """The peer column of this project's rows under `settings`."""
+    return " ".join(["reduction-server", *(f"{k}={v}" for k, v in settings.items())])
+
+
 def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: str, args: Sequence[str],
-                         marker: str, timeout: float = 600) -> List[Dict]:
-    """`python -m JOB rs ARGS` on hosts 0..W-1 with reducers on hosts W..W+R-1; rank 0's JSON
-    lines that start with `marker`."""
+                         marker: str, timeout: float = 600, settings: Optional[Dict[str, str]] = None) -> List[Dict]:
+    """`python -m JOB rs ARGS` on hosts 0..W-1 with reducers on hosts W..W+R-1, all of them with
+    `settings` (TUNING variables) in their environment; rank 0's JSON lines that start with `marker`."""
     token = os.urandom(16).hex()
+    settings = settings or {}
     addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
     servers = [net.spawn(world + j, [_PYTHON, "-m", "reduction_server", "serve", "--host", net.address(world + j),
                                      "--port", str(_REDUCER_PORT), "--workers", str(world), "--index", str(j)],
-                         _env({"RS_JOB_TOKEN": token})) for j in range(reducers)]
+                         _env({"RS_JOB_TOKEN": token, **settings})) for j in range(reducers)]
     try:
         for j, proc in enumerate(servers):
             line = proc.stdout.readline()
@@ -201,7 +253,7 @@ def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: s
                 raise RuntimeError(f"reducer {j} did not start: {line}{proc.stdout.read()}")
         workers = [net.spawn(i, [_PYTHON, "-m", job, "rs", *args],
                              _env({"RS_JOB_TOKEN": token, "RS_REDUCERS": ",".join(addresses), "RS_RANK": str(i),
-                                   "RS_WORLD_SIZE": str(world)})) for i in range(world)]
+                                   "RS_WORLD_SIZE": str(world), **settings})) for i in range(world)]
         return _collect(net, workers, f"reduction-server W={world} R={reducers}", timeout, marker)
     finally:
         net.stop(servers)
@@ -219,17 +271,22 @@ def run_gloo(net: EmulatedNetwork, world: int, job: str, args: Sequence[str], ma
 
 
 def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
-        reducers: Optional[Sequence[int]] = None, iters: int = 3, rounds: int = 1) -> List[Dict]:
-    """Rows for Gloo and this project on each W x link rate x size (R = W unless given); with
-    rounds > 1 the two peers take turns on the same network and each row gives the median."""
+        reducers: Optional[Sequence[int]] = None, iters: int = 3, rounds: int = 1, delay_ms: float = 0.0,
+        variants: Sequence[Dict[str, str]] = ()) -> List[Dict]:
+    """Rows for Gloo and this project on each W x R x link rate, each size (R = W unless given),
+    and for this project again under each of `variants` (settings, parse_variant); with rounds > 1
+    the peers take turns on the same network and each row gives the median."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if min(worlds) < 2:
+        raise ValueError(f"a ring needs at least 2 workers, got W={min(worlds)}")
+    check_delay(delay_ms)
     args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
-            rows += _measure(world, rate, r, sizes_mib, args, rounds)
+            rows += _measure(world, rate, r, sizes_mib, args, rounds, delay_ms, variants)
     return rows
 
 
@@ -255,24 +312,29 @@ def cleanup_on_sigterm() -> Iterator[None]:
 
 
 def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str],
-             rounds: int) -> List[Dict]:
+             rounds: int, delay_ms: float, variants: Sequence[Dict[str, str]]) -> List[Dict]:
     link = rate * 1e6 / 8  # bytes/s per host, each way
     gloo: List[List[Dict]] = []
-    ours: List[List[Dict]] = []
-    with EmulatedNetwork(world + r, rate) as net:
-        for _ in range(rounds):  # in turns, so that both peers meet the same quiet and busy moments
+    ours: Dict[str, List[List[Dict]]] = {variant_label(v): [] for v in ({}, *variants)}
+    with EmulatedNetwork(world + r, rate, delay_ms) as net:
+        for _ in range(rounds):  # in turns, so that the peers meet the same quiet and busy moments
             gloo.append(run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"'))
-            ours.append(run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"'))
+            for settings in ({}, *variants):
+                ours[variant_label(settings)].append(
+                    run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"', settings=settings))
     # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
     ours_bound = link * min(1.0, r / world) / 1e9
     ring_bound = link * world / (2 * (world - 1)) / 1e9
     rows = []
     for i, mib in enumerate(sizes_mib):
         nbytes = gloo[0][i]["bytes"]
-        g, o = (medians([run[i]["seconds"] for run in peer]) for peer in (gloo, ours))
-        for peer, point, bound, reducers in (("gloo", g, ring_bound, "-"), ("reduction-server", o, ours_bound, r)):
+        g = medians([run[i]["seconds"] for run in gloo])
+        points = [("gloo", g, ring_bound, "-")] + [
+            (label, medians([run[i]["seconds"] for run in runs]), ours_bound, r) for label, runs in ours.items()]
+        for peer, point, bound, reducers in points:
             algbw = nbytes / point["seconds"] / 1e9
-            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "mib": mib, "rounds": rounds,
+            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "delay_ms": delay_ms, "mib": mib,
+                         "rounds": rounds,
                          "ms": point["seconds"] * 1e3, "ms_range": point["range"], "algbw_GBps": algbw,
                          "bound_GBps": bound, "of_bound": algbw / bound, "vs_gloo": g["seconds"] / point["seconds"]})
     return rows

@@ -1,26 +1,63 @@
 """`reduction-server bench SUITE`: run a suite, print its table, save JSON and PNG plots."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List, Optional
 
 from . import report
 
 SUITES = ("kernels", "loopback", "netem", "ddp")
 
+#: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
+SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
+          "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant"}
+_ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib"},
+            "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
+            "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"}}
 
-def main(suite: str, out: Path, quick: bool = False, rounds: int = 1) -> List[Path]:
+
+def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[str, Any]:
+    """The suite's (quick or full) configuration with the options given on the command line."""
+    for key in sweep:
+        if key not in _ACCEPTS[suite]:
+            takers = [name for name in SUITES if key in _ACCEPTS[name]]
+            names = takers[0] if len(takers) == 1 else f"{', '.join(takers[:-1])} and {takers[-1]}"
+            raise ValueError(f"{SWEEPS[key]} is for the {names} suites, not {suite}")
+    return {**base, **sweep}
+
+
+def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
+    """The command line that reproduces this run, for the JSON file, with the settings of this
+    project that its processes inherit from the environment (netem.TUNING) in front."""
+    from .netem import TUNING
+
+    inherited = [f"{name}={os.environ[name]}" for name in TUNING if os.environ.get(name, "").strip()]
+    words = [*inherited, "reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else [])
+    for key, value in ((key, sweep[key]) for key in SWEEPS if key in sweep):  # one order, whatever the caller's
+        if key == "variants":  # each its own --variant NAME=VALUE,...
+            words += [word for v in value for word in (SWEEPS[key], ",".join(f"{k}={x}" for k, x in v.items()))]
+            continue
+        text = ",".join(f"{v:g}" for v in value) if isinstance(value, (list, tuple)) else f"{value:g}"
+        words += [SWEEPS[key], text]
+    return " ".join(words)
+
+
+def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
+         sweep: Optional[Dict[str, Any]] = None) -> List[Path]:
     """Run `suite`; returns the files written. `rounds`: netem and ddp run the peers in turns
-    that many times on one emulated network and report medians."""
-    if rounds != 1 and suite not in ("netem", "ddp"):
-        raise ValueError(f"--rounds is for the netem and ddp suites, not {suite}")
-    command = " ".join(["reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else [])
-                       + ([f"--rounds {rounds}"] if rounds != 1 else []))
+    that many times on one emulated network and report medians. `sweep`: run()'s keywords
+    (SWEEPS) that replace the suite's configuration; a suite refuses one it does not take."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    sweep = {**(sweep or {}), **({"rounds": rounds} if rounds != 1 else {})}
+    command = _command(suite, out, quick, sweep)
     if suite == "kernels":
         from . import kernels
 
-        rows = kernels.run((0.0625,) if quick else (4, 64), quick=quick)
+        config = _configure(suite, {"sizes_mib": (0.0625,) if quick else (4, 64)}, sweep)
+        rows = kernels.run(config["sizes_mib"], quick=quick)
         print(report.table(rows, kernels.COLUMNS))
         largest = max(r["mib"] for r in rows)
         top = [r for r in rows if r["mib"] == largest]
@@ -32,10 +69,8 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1) -> List[Pa
     elif suite == "loopback":
         from . import loopback
 
-        if quick:
-            rows = loopback.run(worlds=(2,), reducers=(1,), sizes_mib=(0.25, 1), iters=3)
-        else:
-            rows = loopback.run()
+        rows = loopback.run(**_configure(suite, {"worlds": (2,), "reducers": (1,), "sizes_mib": (0.25, 1), "iters": 3}
+                                         if quick else {}, sweep))
         print(report.table(rows, loopback.COLUMNS))
         files = [report.save(rows, suite, out, command),
                  report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R"), panels="W",
@@ -43,10 +78,8 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1) -> List[Pa
     elif suite == "netem":
         from . import netem
 
-        if quick:
-            rows = netem.run(worlds=(2,), rates_mbit=(400,), sizes_mib=(1,), iters=2, rounds=rounds)
-        else:
-            rows = netem.run(rounds=rounds)
+        rows = netem.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2}
+                                      if quick else {}, sweep))
         print(report.table(rows, netem.COLUMNS))
         files = [report.save(rows, suite, out, command),
                  report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R", "mbit"), panels="W",
@@ -54,18 +87,14 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1) -> List[Pa
     elif suite == "ddp":
         from . import ddp
 
-        if quick:
-            rows = ddp.run(worlds=(2,), rates_mbit=(400,), width=32, batch=4, steps=2, warmup=1, rounds=rounds)
-        else:
-            rows = ddp.run(rounds=rounds)
+        rows = ddp.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "width": 32, "batch": 4, "steps": 2,
+                                            "warmup": 1} if quick else {}, sweep))
         print(report.table(rows, ddp.COLUMNS))
         files = [report.save(rows, suite, out, command),
                  report.bars([f"{r['peer']} W={r['W']} R={r['R']} {r['mbit']:g} Mbit/s" for r in rows],
                              [r["steps_per_s"] for r in rows], xlabel="DDP training steps/s (same run)",
                              title=f"DDP, {rows[0]['params_M']:.3g}M parameters, batch {rows[0]['batch']} per rank",
                              path=out / "ddp.png")]
-    else:
-        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     for path in files:
         print(f"wrote {path}", file=sys.stderr)
     return files

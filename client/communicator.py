@@ -22,7 +22,7 @@ from reduction_server.protocol import ReduceOp
 from reduction_server.shared_memory import enabled as shared_memory_enabled
 from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PIPELINE_DEPTH,
                                        DEFAULT_TIMEOUT, DEFAULT_WINDOW, MAX_PIPELINE_DEPTH, MAX_WINDOW,
-                                       env_flag, env_number)
+                                       env_flag, env_number, socket_send_buffer)
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan_chunks
@@ -70,7 +70,7 @@ class Communicator:
                  pipeline_depth: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
-                 shared_memory: Optional[bool] = None) -> None:
+                 shared_memory: Optional[bool] = None, send_buffer: Optional[int] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
@@ -109,6 +109,7 @@ class Communicator:
             # Reducers on this host take chunks through shared memory (RS_SHM, on by default).
             shared=shared_memory_enabled() if shared_memory is None else shared_memory,
             slot_bytes=self.chunk_bytes,
+            sndbuf=socket_send_buffer(send_buffer),
         )
         self._engine.start()
         self._closed = False

@@ -94,7 +94,8 @@ class Engine:
                  job_id: int, generation: int, window: int, timeout: float,
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
                  liveness_timeout: Optional[float] = None, encrypt: bool = False,
-                 shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES) -> None:
+                 shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES,
+                 sndbuf: int = 0) -> None:
         if encrypt:
             encryption.check(job_token)
         self.reducers = reducers
@@ -114,6 +115,7 @@ class Engine:
             "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
         self.connect_timeout = connect_timeout
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
+        self.sndbuf = sndbuf  # SO_SNDBUF of each reducer connection (RS_SNDBUF); 0: the kernel's autotuning
         # Per reducer: whether its HELLO offers a segment (only a reducer on this host can map one)
         self._offers = [shared and shared_memory.is_local(address) for address in reducers]
         # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
@@ -222,6 +224,8 @@ class Engine:
     def _open(self, address: str) -> Tuple[zmq.Socket, zmq.Socket]:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
+        if self.sndbuf:
+            sock.setsockopt(zmq.SNDBUF, self.sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
         if self.encrypt:
             encryption.secure_worker(sock, self.job_token)

@@ -31,16 +31,38 @@ def _size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_list(kind: type):
+    """An argparse type: comma-separated positive numbers."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__} values") from None
+        if any(not value > 0 for value in values):  # `not >` also catches nan
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+        return values
+    return parse
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench.suites import main as bench
 
+    sweep = {key: getattr(args, key) for key in ("worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms")
+             if getattr(args, key) is not None}
     try:
-        bench(args.suite, Path(args.out), quick=args.quick, rounds=args.rounds)
-    except (PermissionError, ValueError) as exc:
+        if args.variant:
+            from .bench.netem import parse_variant
+
+            sweep["variants"] = [parse_variant(text) for text in args.variant]
+        bench(args.suite, Path(args.out), quick=args.quick, rounds=args.rounds, sweep=sweep)
+    except (OSError, ValueError) as exc:  # no root, no netem qdisc, an option the suite does not take
         print(f"reduction-server bench {args.suite}: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a process of the run failed: its own words say why
+        print(f"reduction-server bench {args.suite}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -97,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=1,
                        help="netem and ddp: run the peers in turns this many times on the same emulated network "
                             "and report medians (default 1; a shared machine's noise needs 3 or more)")
+    sweep = "replaces the suite's (or --quick's) configuration"
+    bench.add_argument("--workers", type=_positive_list(int), default=None, dest="worlds", metavar="W,...",
+                       help=f"worker counts W to sweep (loopback, netem, ddp); {sweep}")
+    bench.add_argument("--reducers", type=_positive_list(int), default=None, metavar="R,...",
+                       help=f"reducer counts R to sweep (loopback, netem, ddp; default R = W on the emulated network); {sweep}")
+    bench.add_argument("--rate-mbit", type=_positive_list(float), default=None, dest="rates_mbit", metavar="MBIT,...",
+                       help=f"link rates to sweep, Mbit/s each way (netem, ddp); {sweep}")
+    bench.add_argument("--mib", type=_positive_list(float), default=None, dest="sizes_mib", metavar="MIB,...",
+                       help=f"all-reduce sizes (kernels: accumulator sizes) to sweep, MiB (kernels, loopback, netem); {sweep}")
+    bench.add_argument("--delay-ms", type=float, default=None, metavar="MS",
+                       help="netem, ddp: delay each direction of each link this long (a round trip between two hosts "
+                            "crosses it four times; needs the kernel's netem qdisc; default 0)")
+    bench.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,...]",
+                       help="netem, ddp: run this project once more with these settings (RS_PIPELINE_DEPTH, RS_WINDOW, "
+                            "RS_CHUNK_BYTES, RS_SNDBUF), in the same turns on the same network, as rows of their own; "
+                            "repeat for more variants")
     bench.set_defaults(func=_bench)
     return parser
 

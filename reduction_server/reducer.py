@@ -37,7 +37,7 @@ from .protocol import (ACCUMULATOR_ITEMSIZE, DTYPES, MSG_DATA, MSG_DATA_SHM, OP_
 from .round import Round, format_ranks
 from .settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT,
                        DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES,
-                       DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT, MAX_WINDOW, env_flag, env_number)
+                       DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT, MAX_WINDOW, env_flag, env_number, socket_send_buffer)
 
 if TYPE_CHECKING:
     from .metrics import ReducerMetrics
@@ -851,6 +851,9 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     max_chunk = int(env_number("RS_MAX_CHUNK_BYTES", DEFAULT_MAX_CHUNK_BYTES, minimum=1024))
     # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
     socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
+    sndbuf = socket_send_buffer()
+    if sndbuf:  # applies to every connection accepted from here on
+        socket.setsockopt(zmq.SNDBUF, sndbuf)
     heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
     liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
     protocol.set_heartbeats(socket, heartbeat, liveness)
@@ -889,7 +892,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
           auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic, max_chunk_bytes=max_chunk,
           max_accumulator_bytes=reducer.pool.max_bytes, max_peer_bytes=reducer.pool.max_rank_bytes,
           max_rounds=reducer.max_rounds, timeout_s=reducer.round_timeout,
-          heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
+          heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness, sndbuf=sndbuf or "auto",
           metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
     try:
         reducer.run(lambda: bool(stopping))

@@ -31,6 +31,15 @@ MAX_PIPELINE_DEPTH = 1024
 #: the reducer never blocks on one peer (its sends are non-blocking), so a worker's unanswered
 #: chunks must stay well under libzmq's per-peer queue of 1000 messages
 MAX_WINDOW = 256
+#: RS_SNDBUF, the kernel send buffer (SO_SNDBUF) of each data connection, in bytes: 0 leaves it to
+#: the kernel's autotuning. A small buffer caps the bytes each TCP flow has in flight, so the R flows
+#: out of a worker (and the W out of a reducer) take turns on a shaped, deep-buffered link instead of
+#: one running ahead of the others; it also caps each flow at about 2 x RS_SNDBUF per round trip, and
+#: on loopback (64 KiB MTU) 16 KiB makes a flow wait for delayed ACKs (bench/RESULTS.md, session 7).
+#: The kernel doubles the value and cuts it to net.core.wmem_max
+DEFAULT_SNDBUF = 0
+MIN_SNDBUF = 4096
+MAX_SNDBUF = 1 << 30
 #: seconds a collective may wait for its results before it fails on this rank
 DEFAULT_TIMEOUT = 300.0
 #: seconds between heartbeats (PING) that workers and reducers send each other
@@ -88,6 +97,18 @@ def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, st
     if raw in _FALSE:
         return False
     raise ConfigError(f"{name}={environ[name]!r} is not a switch; use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def socket_send_buffer(value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    """`value`, or RS_SNDBUF, or the default: 0 (the kernel's autotuning) or MIN_SNDBUF..MAX_SNDBUF bytes."""
+    if value is None:
+        value = int(env_number("RS_SNDBUF", DEFAULT_SNDBUF, minimum=0, maximum=MAX_SNDBUF, environ=environ))
+        name = "RS_SNDBUF"
+    else:
+        name = "send_buffer"
+    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF):
+        raise ConfigError(f"{name}={value} must be 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} bytes")
+    return value
 
 
 def client_backstop(timeout: float) -> float:

@@ -83,12 +83,20 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or n
 @needs_root
 def test_netem_suite(tmp_path):
     before = _bench_namespaces()
-    table, rows = run_suite("netem", tmp_path, "--rounds", "2")
-    assert {r["peer"] for r in rows} == {"gloo", "reduction-server"} if "gloo" in loopback.available_peers() \
-        else {"reduction-server"}
+    # The sweep options replace the quick configuration's R (default R = W = 2) and link rate (400);
+    # a variant runs this project once more, with its settings, as rows of its own.
+    table, rows = run_suite("netem", tmp_path, "--rounds", "2", "--reducers", "1", "--rate-mbit", "300",
+                            "--variant", "RS_SNDBUF=65536,RS_WINDOW=3")
+    assert json.loads((tmp_path / "netem.json").read_text())["command"].endswith(
+        "--quick --reducers 1 --rate-mbit 300 --rounds 2 --variant RS_SNDBUF=65536,RS_WINDOW=3")
+    ours = {"reduction-server", "reduction-server RS_SNDBUF=65536 RS_WINDOW=3"}
+    assert [r["peer"] for r in rows] == (["gloo"] if "gloo" in loopback.available_peers() else []) + sorted(ours)
     gloo = {r["mib"]: r["ms"] for r in rows if r["peer"] == "gloo"}
     for row in rows:
-        assert row["W"] == 2 and row["mbit"] == 400 and row["mib"] == 1 and row["rounds"] == 2
+        assert row["W"] == 2 and row["mbit"] == 300 and row["mib"] == 1 and row["rounds"] == 2
+        assert row["R"] == (1 if row["peer"] in ours else "-") and row["delay_ms"] == 0
+        # one reducer's link carries the sums of both workers: it, not theirs, bounds the all-reduce
+        assert row["bound_GBps"] == pytest.approx(300e6 / 8 / 1e9 * (0.5 if row["R"] == 1 else 1))
         assert row["of_bound"] == pytest.approx(row["algbw_GBps"] / row["bound_GBps"])
         assert 0.05 < row["of_bound"] < 1.2  # shaped links really limit it: nobody beats the wire
         fastest, slowest = map(int, row["ms_range"].split("-"))  # the two rounds, around their median
@@ -97,6 +105,18 @@ def test_netem_suite(tmp_path):
             assert row["vs_gloo"] == pytest.approx(gloo[row["mib"]] / row["ms"])
     assert table.splitlines()[0].split() == netem.COLUMNS
     assert _bench_namespaces() == before  # every namespace it made is gone
+
+
+@needs_root
+def test_a_variant_reaches_every_emulated_host(tmp_path):
+    """A variant's settings are what this project's processes run with: a value they refuse
+    fails the run, with their own message, and leaves nothing behind."""
+    before = _bench_namespaces()
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out", str(tmp_path),
+                           "--variant", "RS_SNDBUF=100"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "RS_SNDBUF=100 must be 0 (the kernel's autotuning)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr.split("reduction-server bench netem:")[0]  # said, not crashed
+    assert _bench_namespaces() == before
 
 
 @needs_root
@@ -197,14 +217,70 @@ def test_netem_switch_skips_the_firewall_hooks_of_this_host():
         assert {t: setting(t) for t in hooks} == outside  # this host's own setting is left alone
 
 
-def test_rounds_are_refused_where_they_mean_nothing(capsys, tmp_path):
+def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
+    from reduction_server.bench import suites
+
+    monkeypatch.setenv("RS_SNDBUF", "24576")
+    monkeypatch.setenv("RS_TIMEOUT", "9")  # not a setting the emulated hosts inherit
+    assert suites._command("netem", tmp_path, False, {"rounds": 3, "variants": [{"RS_WINDOW": "2"}]}) == (
+        f"RS_SNDBUF=24576 reduction-server bench netem --out {tmp_path} --rounds 3 --variant RS_WINDOW=2")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["kernels", "--rounds", "3"], "--rounds is for the netem and ddp suites, not kernels"),
+    (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
+    (["kernels", "--workers", "2"], "--workers is for the loopback, netem and ddp suites, not kernels"),
+    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem and ddp suites, not loopback"),
+    (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
+    (["ddp", "--mib", "4"], "--mib is for the kernels, loopback and netem suites, not ddp"),
+    (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
+    (["netem", "--delay-ms", "-1"], "the link delay must be in 0..10000 ms, got -1"),
+    (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..10000 ms, got nan"),
+    (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
+    (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_PIPELINE_DEPTH"),
+    (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
+])
+def test_options_are_refused_where_they_mean_nothing(capsys, tmp_path, args, message):
     from reduction_server.cli import main
 
-    assert main(["bench", "kernels", "--rounds", "3", "--out", str(tmp_path)]) == 2
-    assert "--rounds is for the netem and ddp suites, not kernels" in capsys.readouterr().err
-    assert main(["bench", "netem", "--rounds", "0", "--out", str(tmp_path)]) == 2
-    assert "rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["bench", *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--workers", "2,a", "'2,a' is not a comma-separated list of int values"),
+    ("--mib", "0", "'0': every value must be positive"), ("--rate-mbit", "-5", "'-5': every value must be positive"),
+])
+def test_sweep_values_are_validated(option, value, message):
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", "netem", f"{option}={value}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"argument {option}: {message}" in proc.stderr, proc.stderr
+
+
+@needs_root
+def test_netem_delays_each_link_or_says_why_it_cannot():
+    """With a delay, every link holds each packet that long before shaping it (a round trip between
+    two hosts crosses four delayed links); a kernel without the netem qdisc is refused by name,
+    before any host exists, and what was made is gone."""
+    before = _bench_namespaces()
+    try:
+        net = netem.EmulatedNetwork(2, 100, delay_ms=5).__enter__()
+    except OSError as exc:
+        assert "sch_netem" in str(exc) and "run without a delay" in str(exc)
+        assert _bench_namespaces() == before
+        return
+    with net:
+        qdiscs = subprocess.run(["tc", "-n", net.namespace(0), "qdisc", "show", "dev", net.interface(0)],
+                                capture_output=True, text=True, check=True).stdout
+        assert "netem 1: root" in qdiscs and "delay 5ms" in qdiscs and "tbf 10: parent 1:1" in qdiscs, qdiscs
+        # A connection to a port nobody listens on is refused after one round trip.
+        probe = ("import socket, time; s = socket.socket(); t = time.monotonic()\n"
+                 "try: s.connect(('198.18.0.2', 9))\nexcept ConnectionRefusedError: print(time.monotonic() - t)")
+        rtt = float(subprocess.run(["ip", "netns", "exec", net.namespace(0), sys.executable, "-c", probe],
+                                   capture_output=True, text=True, check=True).stdout)
+        assert rtt >= 4 * 0.005, rtt
+    assert _bench_namespaces() == before
 
 
 def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):

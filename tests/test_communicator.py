@@ -113,6 +113,7 @@ def test_reducer_list_validation(reducers, match):
 @pytest.mark.parametrize("variable,value,match", [
     ("RS_PIPELINE_DEPTH", "0", "RS_PIPELINE_DEPTH"), ("RS_PIPELINE_DEPTH", "deep", "RS_PIPELINE_DEPTH"),
     ("RS_PIPELINE_DEPTH", "1025", "RS_PIPELINE_DEPTH"), ("RS_WINDOW", "257", "RS_WINDOW"),
+    ("RS_SNDBUF", "100", "RS_SNDBUF=100 must be 0"), ("RS_SNDBUF", "-1", "RS_SNDBUF"), ("RS_SNDBUF", "16k", "RS_SNDBUF"),
 ])
 def test_tuning_variables_are_validated(monkeypatch, variable, value, match):
     monkeypatch.setenv(variable, value)
@@ -120,7 +121,8 @@ def test_tuning_variables_are_validated(monkeypatch, variable, value, match):
         rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1)
 
 
-@pytest.mark.parametrize("option,value", [("pipeline_depth", 0), ("window", 0), ("window", 257)])
+@pytest.mark.parametrize("option,value", [("pipeline_depth", 0), ("window", 0), ("window", 257), ("send_buffer", 100),
+                                          ("send_buffer", (1 << 30) + 1), ("send_buffer", "16384")])
 def test_tuning_arguments_are_validated(option, value):
     with pytest.raises(rs.ConfigError, match=option):
         rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1, **{option: value})
