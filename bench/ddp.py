@@ -12,10 +12,10 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import (EmulatedNetwork, check_delay, cleanup_on_sigterm, medians, run_gloo, run_reduction_server,
-                    variant_label)
+from .netem import (EmulatedNetwork, check_delay, cleanup_on_sigterm, medians, plan_jobs, run_gloo,
+                    run_reduction_server, variant_runs)
 
-COLUMNS = ["peer", "W", "R", "mbit", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
+COLUMNS = ["peer", "W", "R", "mbit", "delay_ms", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
            "first_loss", "loss"]
 _JOB = "reduction_server.bench.ddp_job"
 _MARKER = '{"step_seconds"'
@@ -30,17 +30,17 @@ def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (400,), widt
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     check_delay(delay_ms)
+    ours = variant_runs(variants)
     args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
-    jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
+    jobs = plan_jobs(worlds, rates_mbit, reducers)
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="ddp", unit="job"):
-            runs: Dict[str, List[Dict]] = {"gloo": [], **{variant_label(v): [] for v in ({}, *variants)}}
+            runs: Dict[str, List[Dict]] = {"gloo": [], **{label: [] for label, _ in ours}}
             with EmulatedNetwork(world + r, rate, delay_ms) as net:
                 for _ in range(rounds):  # in turns: the peers meet the same quiet and busy moments
                     runs["gloo"].append(_one(run_gloo(net, world, _JOB, args, _MARKER), f"gloo W={world}"))
-                    for settings in ({}, *variants):
-                        label = variant_label(settings)
+                    for label, settings in ours:
                         runs[label].append(_one(run_reduction_server(net, world, r, _JOB, args, _MARKER,
                                                                      settings=settings), f"{label} W={world}"))
             g = medians([p["step_seconds"] for p in runs["gloo"]])

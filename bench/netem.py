@@ -4,9 +4,12 @@ CPU, is the limit: the case a reduction server is for.
 Every host (worker or reducer) is a network namespace with one veth link to a switch: a bridge
 in a namespace of its own (so the host's firewall rules never see the traffic). Both directions
 of every link are shaped to the same rate with tbf, and optionally delayed with netem (each
-direction of each link, so a round trip between two hosts crosses the delay four times).
-Addresses come from the benchmarking range 198.18.0.0/15. The reduction server (W workers, R reducer hosts) and torch.distributed's Gloo
-ring (W workers) run on the same emulated hosts in the same run.
+direction of each link, so a round trip between two hosts crosses the delay four times; netem
+releases a packet's socket memory when it takes the packet, so with a delay TCP's small-queue
+limit no longer holds a host's backlog back, and RS_SNDBUF's effect differs from a run without).
+Addresses come from the benchmarking range 198.18.0.0/15. The reduction server (W workers, R
+reducer hosts) and torch.distributed's Gloo ring (W workers) run on the same emulated hosts in
+the same run.
 
 Bounds, per worker link of B bytes/s: a reduction server needs S/B per all-reduce of S bytes
 (each worker sends S and receives S, full duplex) when the reducers' links add up to the
@@ -24,11 +27,15 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-COLUMNS = ["peer", "W", "R", "mbit", "mib", "ms", "ms_range", "algbw_GBps", "bound_GBps", "of_bound", "vs_gloo"]
+from reduction_server.errors import ConfigError
+from reduction_server.settings import TUNING, tuning
+
+COLUMNS = ["peer", "W", "R", "mbit", "delay_ms", "mib", "ms", "ms_range", "algbw_GBps", "bound_GBps", "of_bound",
+           "vs_gloo"]
 _PYTHON = sys.executable
 _ALLREDUCE_JOB = "reduction_server.bench.allreduce_job"
 _REDUCER_PORT = 5555
@@ -39,21 +46,45 @@ _GLOO_PORT = 29500
 BRIDGE_NETFILTER = ("iptables", "ip6tables", "arptables")
 
 
-#: longest link delay the suites accept (each direction of each link)
-MAX_DELAY_MS = 10_000.0
+#: longest link delay the suites accept (each direction of each link): netem's queue (NETEM_LIMIT
+#: packets) must hold a delay's worth of packets at the link rate
+MAX_DELAY_MS = 1000.0
+NETEM_LIMIT = 100_000  # 1 s at 1 Gbit/s is ~85K full-size packets
+#: most hosts (workers and reducers) in one emulated network: their addresses share one /24
+MAX_HOSTS = 250
+
+
+def _run(*argv: str) -> None:
+    """Run an ip or tc command; a failure names the command and carries its own words."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}")
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def check_delay(delay_ms: float) -> None:
-    if not 0 <= delay_ms <= MAX_DELAY_MS:  # `not` also refuses nan
-        raise ValueError(f"the link delay must be in 0..{MAX_DELAY_MS:g} ms, got {delay_ms:g}")
+    _run("ip", *args)
 
 
 def _tc(namespace: str, *args: str) -> None:
-    subprocess.run(["tc", "-n", namespace, *args], check=True, capture_output=True, text=True)
+    _run("tc", "-n", namespace, *args)
+
+
+def check_delay(delay_ms: float) -> None:
+    """Refuse a link delay out of range (nan too) before anything is built."""
+    if not 0 <= delay_ms <= MAX_DELAY_MS:
+        raise ValueError(f"the link delay must be in 0..{MAX_DELAY_MS:g} ms, got {delay_ms:g}")
+
+
+def plan_jobs(worlds: Sequence[int], rates_mbit: Sequence[float],
+              reducers: Optional[Sequence[int]]) -> List[Tuple[int, float, int]]:
+    """(W, rate, R) for every emulated network a suite builds (R = W unless given), each checked
+    before the first is built, so that a bad one costs no run."""
+    jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
+    for world, _, r in jobs:
+        if world + r > MAX_HOSTS:
+            raise ValueError(f"W={world} workers and R={r} reducers are {world + r} hosts; an emulated network "
+                             f"has at most {MAX_HOSTS}")
+    return jobs
 
 
 class EmulatedNetwork:
@@ -64,8 +95,8 @@ class EmulatedNetwork:
         if os.geteuid() != 0:
             raise PermissionError("the emulated network needs root (network namespaces, veth links and tc); "
                               "run `reduction-server bench netem` or `bench ddp` as root")
-        if not 1 <= hosts <= 250:
-            raise ValueError(f"hosts must be in 1..250, got {hosts}")
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
         check_delay(delay_ms)
         self.hosts = hosts
         self.rate_mbit = rate_mbit
@@ -91,7 +122,7 @@ class EmulatedNetwork:
         try:
             self._add_namespace(self.switch)
             if self.delay_ms:
-                self._check_delay()
+                self._probe_netem()
             self._plain_bridge()
             _ip("-n", self.switch, "link", "add", "name", "swbr", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "swbr", "up")
@@ -122,7 +153,7 @@ class EmulatedNetwork:
             if os.path.exists(path):  # absent where br_netfilter is not loaded: nothing to switch off
                 _ip("netns", "exec", self.switch, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0")
 
-    def _check_delay(self) -> None:
+    def _probe_netem(self) -> None:
         """Refuse a delay, before any host exists, where the kernel has no netem qdisc."""
         probe = subprocess.run(["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                                capture_output=True, text=True)
@@ -149,7 +180,7 @@ class EmulatedNetwork:
         for where, dev in ((ns, host_end), (self.switch, switch_end)):
             if self.delay_ms:
                 _tc(where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms:g}ms",
-                    "limit", "100000")
+                    "limit", str(NETEM_LIMIT))
                 _tc(where, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *shape)
             else:
                 _tc(where, "qdisc", "add", "dev", dev, "root", *shape)
@@ -189,9 +220,8 @@ class EmulatedNetwork:
 
 
 _PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-#: settings of this project that the emulated hosts inherit: `RS_PIPELINE_DEPTH=24 reduction-server
-#: bench netem` measures that depth
-TUNING = ("RS_PIPELINE_DEPTH", "RS_WINDOW", "RS_CHUNK_BYTES", "RS_SNDBUF")
+# The emulated hosts inherit this project's TUNING settings (reduction_server/settings.py):
+# `RS_PIPELINE_DEPTH=24 reduction-server bench netem` measures that depth.
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
@@ -219,21 +249,35 @@ def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, t
 
 
 def parse_variant(text: str) -> Dict[str, str]:
-    """`RS_SNDBUF=24576,RS_WINDOW=2` -> its settings: one more run of this project, with them."""
+    """`RS_SNDBUF=16384,RS_WINDOW=2` -> its settings (TUNING, each validated as this project's
+    processes would): one more run of this project, with them."""
     settings: Dict[str, str] = {}
     for part in text.split(","):
         name, sep, value = (word.strip() for word in part.partition("="))
         if not sep or not name or not value:
-            raise ValueError(f"--variant {text!r}: expected NAME=VALUE[,NAME=VALUE...], e.g. RS_SNDBUF=24576")
+            raise ValueError(f"--variant {text!r}: expected NAME=VALUE[,NAME=VALUE...], e.g. RS_SNDBUF=16384")
         if name not in TUNING:
             raise ValueError(f"--variant {text!r}: the emulated hosts take no {name}; choose from {', '.join(TUNING)}")
+        if name in settings:
+            raise ValueError(f"--variant {text!r} sets {name} twice")
         settings[name] = value
+        try:
+            tuning(name, environ=settings)
+        except ConfigError as exc:
+            raise ValueError(f"--variant {text!r}: {exc}") from None
     return settings
 
 
-def variant_label(settings: Dict[str, str]) -> str:
-    """The peer column of this project's rows under `settings`."""
-    return " ".join(["reduction-server", *(f"{k}={v}" for k, v in settings.items())])
+def variant_runs(variants: Sequence[Dict[str, str]]) -> List[Tuple[str, Dict[str, str]]]:
+    """(row label, settings) for this project's runs: the defaults, then each variant; a variant
+    given twice (or one that changes nothing) is refused, since its rows would merge."""
+    runs: List[Tuple[str, Dict[str, str]]] = []
+    for settings in ({}, *variants):
+        label = " ".join(["reduction-server", *(f"{k}={v}" for k, v in settings.items())])
+        if label in (seen for seen, _ in runs):
+            raise ValueError(f"--variant {label.partition(' ')[2] or '(none)'} is given twice or repeats the defaults")
+        runs.append((label, dict(settings)))
+    return runs
 
 
 def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: str, args: Sequence[str],
@@ -275,18 +319,20 @@ def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,),
         variants: Sequence[Dict[str, str]] = ()) -> List[Dict]:
     """Rows for Gloo and this project on each W x R x link rate, each size (R = W unless given),
     and for this project again under each of `variants` (settings, parse_variant); with rounds > 1
-    the peers take turns on the same network and each row gives the median."""
+    the peers take turns on the same network and each row gives the median. Every argument is
+    checked before the first network is built."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if min(worlds) < 2:
         raise ValueError(f"a ring needs at least 2 workers, got W={min(worlds)}")
     check_delay(delay_ms)
+    ours = variant_runs(variants)
     args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
-    jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
+    jobs = plan_jobs(worlds, rates_mbit, reducers)
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
-            rows += _measure(world, rate, r, sizes_mib, args, rounds, delay_ms, variants)
+            rows += _measure(world, rate, r, sizes_mib, args, rounds, delay_ms, ours)
     return rows
 
 
@@ -312,16 +358,16 @@ def cleanup_on_sigterm() -> Iterator[None]:
 
 
 def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str],
-             rounds: int, delay_ms: float, variants: Sequence[Dict[str, str]]) -> List[Dict]:
+             rounds: int, delay_ms: float, variants: List[Tuple[str, Dict[str, str]]]) -> List[Dict]:
     link = rate * 1e6 / 8  # bytes/s per host, each way
     gloo: List[List[Dict]] = []
-    ours: Dict[str, List[List[Dict]]] = {variant_label(v): [] for v in ({}, *variants)}
+    ours: Dict[str, List[List[Dict]]] = {label: [] for label, _ in variants}
     with EmulatedNetwork(world + r, rate, delay_ms) as net:
         for _ in range(rounds):  # in turns, so that the peers meet the same quiet and busy moments
             gloo.append(run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"'))
-            for settings in ({}, *variants):
-                ours[variant_label(settings)].append(
-                    run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"', settings=settings))
+            for label, settings in variants:
+                ours[label].append(run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"',
+                                                        settings=settings))
     # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
     ours_bound = link * min(1.0, r / world) / 1e9
     ring_bound = link * world / (2 * (world - 1)) / 1e9

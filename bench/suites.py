@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from reduction_server.settings import TUNING
 
 from . import report
 
@@ -30,9 +33,7 @@ def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[
 
 def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
     """The command line that reproduces this run, for the JSON file, with the settings of this
-    project that its processes inherit from the environment (netem.TUNING) in front."""
-    from .netem import TUNING
-
+    project that its processes inherit from the environment (settings.TUNING) in front."""
     inherited = [f"{name}={os.environ[name]}" for name in TUNING if os.environ.get(name, "").strip()]
     words = [*inherited, "reduction-server", "bench", suite, "--out", str(out)] + (["--quick"] if quick else [])
     for key, value in ((key, sweep[key]) for key in SWEEPS if key in sweep):  # one order, whatever the caller's
@@ -41,7 +42,7 @@ def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
             continue
         text = ",".join(f"{v:g}" for v in value) if isinstance(value, (list, tuple)) else f"{value:g}"
         words += [SWEEPS[key], text]
-    return " ".join(words)
+    return shlex.join(words)
 
 
 def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,

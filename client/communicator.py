@@ -20,9 +20,8 @@ from reduction_server.discovery import discover_worker, job_id_from, parse_addre
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
 from reduction_server.shared_memory import enabled as shared_memory_enabled
-from reduction_server.settings import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PIPELINE_DEPTH,
-                                       DEFAULT_TIMEOUT, DEFAULT_WINDOW, MAX_PIPELINE_DEPTH, MAX_WINDOW,
-                                       env_flag, env_number, socket_send_buffer)
+from reduction_server.settings import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, MAX_PIPELINE_DEPTH, MAX_WINDOW,
+                                       env_flag, env_number, socket_send_buffer, tuning)
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan_chunks
@@ -40,10 +39,10 @@ def _integer(value: Any) -> Any:
         return value
 
 
-def _bounded(value: Optional[int], name: str, variable: str, default: int, most: int) -> int:
-    """value, or the environment's `variable`, or `default`; an integer in 1..most."""
+def _bounded(value: Optional[int], name: str, variable: str, most: int) -> int:
+    """value, or the environment's `variable` (settings.tuning), or its default; an integer in 1..most."""
     if value is None:
-        return int(env_number(variable, default, minimum=1, maximum=most))
+        return tuning(variable)
     if not 1 <= value <= most:
         raise ConfigError(f"{name} must be in 1..{most}, got {value}")
     return value
@@ -93,14 +92,13 @@ class Communicator:
         job_token = os.environ.get("RS_JOB_TOKEN", "") if job_token is None else job_token
         self.job_id = job_id_from(job_token) if job_id is None else job_id
         self.generation = generation
-        self.chunk_bytes = chunk_bytes or int(env_number("RS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, minimum=64))
-        self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH",
-                                       DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH)
+        self.chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
+        self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH", MAX_PIPELINE_DEPTH)
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()  # seq order == submission order
         self._engine = Engine(
             self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
-            window=_bounded(window, "window", "RS_WINDOW", DEFAULT_WINDOW, MAX_WINDOW),
+            window=_bounded(window, "window", "RS_WINDOW", MAX_WINDOW),
             timeout=timeout or env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float),
             connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
                                                           minimum=0.01, kind=float),

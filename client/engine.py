@@ -224,7 +224,7 @@ class Engine:
     def _open(self, address: str) -> Tuple[zmq.Socket, zmq.Socket]:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
-        if self.sndbuf:
+        if self.sndbuf:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
             sock.setsockopt(zmq.SNDBUF, self.sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
         if self.encrypt:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .errors import ConfigError
+from .settings import TUNING
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -31,15 +33,15 @@ def _size(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_list(kind: type):
-    """An argparse type: comma-separated positive numbers."""
+def _positive_list(kind: type) -> Callable[[str], tuple]:
+    """An argparse type: comma-separated positive, finite numbers."""
     def parse(text: str) -> tuple:
         try:
             values = tuple(kind(part) for part in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__} values") from None
-        if any(not value > 0 for value in values):  # `not >` also catches nan
-            raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+        if any(not (value > 0 and math.isfinite(value)) for value in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive and finite")
         return values
     return parse
 
@@ -47,10 +49,12 @@ def _positive_list(kind: type):
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .bench.suites import SWEEPS
     from .bench.suites import main as bench
 
-    sweep = {key: getattr(args, key) for key in ("worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms")
-             if getattr(args, key) is not None}
+    # the options' dest names are run()'s keywords; --rounds and --variant are taken apart below
+    sweep = {key: getattr(args, key) for key in SWEEPS if key not in ("rounds", "variants")
+             and getattr(args, key) is not None}
     try:
         if args.variant:
             from .bench.netem import parse_variant
@@ -132,9 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="netem, ddp: delay each direction of each link this long (a round trip between two hosts "
                             "crosses it four times; needs the kernel's netem qdisc; default 0)")
     bench.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,...]",
-                       help="netem, ddp: run this project once more with these settings (RS_PIPELINE_DEPTH, RS_WINDOW, "
-                            "RS_CHUNK_BYTES, RS_SNDBUF), in the same turns on the same network, as rows of their own; "
-                            "repeat for more variants")
+                       help=f"netem, ddp: run this project once more with these settings ({', '.join(TUNING)}), in "
+                            "the same turns on the same network, as rows of their own; repeat for more variants")
     bench.set_defaults(func=_bench)
     return parser
 

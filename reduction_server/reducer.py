@@ -852,7 +852,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
     socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
     sndbuf = socket_send_buffer()
-    if sndbuf:  # applies to every connection accepted from here on
+    if sndbuf:  # before bind: libzmq copies a socket's options into its listener, and each accepted connection gets them
         socket.setsockopt(zmq.SNDBUF, sndbuf)
     heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
     liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)

@@ -5,6 +5,7 @@ naming the variable.
 """
 from __future__ import annotations
 
+import operator
 import os
 from typing import Mapping, Optional
 
@@ -36,7 +37,7 @@ MAX_WINDOW = 256
 #: out of a worker (and the W out of a reducer) take turns on a shaped, deep-buffered link instead of
 #: one running ahead of the others; it also caps each flow at about 2 x RS_SNDBUF per round trip, and
 #: on loopback (64 KiB MTU) 16 KiB makes a flow wait for delayed ACKs (bench/RESULTS.md, session 7).
-#: The kernel doubles the value and cuts it to net.core.wmem_max
+#: The kernel cuts the value to net.core.wmem_max, then doubles it
 DEFAULT_SNDBUF = 0
 MIN_SNDBUF = 4096
 MAX_SNDBUF = 1 << 30
@@ -99,6 +100,22 @@ def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, st
     raise ConfigError(f"{name}={environ[name]!r} is not a switch; use 1 or 0 (true/false, yes/no, on/off)")
 
 
+#: the settings that tune how a collective moves (what `bench netem` passes to its emulated hosts and
+#: `--variant` may set), with the range of the three a worker reads as numbers: (default, least, most)
+TUNING = ("RS_PIPELINE_DEPTH", "RS_WINDOW", "RS_CHUNK_BYTES", "RS_SNDBUF")
+_RANGES = {"RS_CHUNK_BYTES": (DEFAULT_CHUNK_BYTES, 64, None),
+           "RS_PIPELINE_DEPTH": (DEFAULT_PIPELINE_DEPTH, 1, MAX_PIPELINE_DEPTH),
+           "RS_WINDOW": (DEFAULT_WINDOW, 1, MAX_WINDOW)}
+
+
+def tuning(name: str, environ: Optional[Mapping[str, str]] = None) -> int:
+    """One of TUNING from the environment, validated; a ConfigError names the variable."""
+    if name == "RS_SNDBUF":
+        return socket_send_buffer(environ=environ)
+    default, least, most = _RANGES[name]
+    return int(env_number(name, default, minimum=least, maximum=most, environ=environ))
+
+
 def socket_send_buffer(value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
     """`value`, or RS_SNDBUF, or the default: 0 (the kernel's autotuning) or MIN_SNDBUF..MAX_SNDBUF bytes."""
     if value is None:
@@ -106,7 +123,11 @@ def socket_send_buffer(value: Optional[int] = None, environ: Optional[Mapping[st
         name = "RS_SNDBUF"
     else:
         name = "send_buffer"
-    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF):
+        try:
+            value = operator.index(value)  # numpy and torch integers too, never a float or a string
+        except TypeError:
+            raise ConfigError(f"send_buffer={value!r} is not an integer number of bytes") from None
+    if value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF:
         raise ConfigError(f"{name}={value} must be 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} bytes")
     return value
 
