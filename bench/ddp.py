@@ -12,8 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import (EmulatedNetwork, check_delay, cleanup_on_sigterm, medians, plan_jobs, run_gloo,
-                    run_reduction_server, variant_runs)
+from .netem import EmulatedNetwork, cleanup_on_sigterm, medians, plan_runs, run_gloo, run_reduction_server
 
 COLUMNS = ["peer", "W", "R", "mbit", "delay_ms", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
            "first_loss", "loss"]
@@ -27,12 +26,8 @@ def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (400,), widt
     """Rows for Gloo and this project on each W x link rate (x R, default R = W), and for this
     project again under each of `variants` (settings, netem.parse_variant); with rounds > 1 the
     peers take turns on the same network and each row gives the median step."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-    check_delay(delay_ms)
-    ours = variant_runs(variants)
+    jobs, ours = plan_runs(worlds, rates_mbit, reducers, rounds, delay_ms, variants)
     args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
-    jobs = plan_jobs(worlds, rates_mbit, reducers)
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="ddp", unit="job"):

@@ -75,16 +75,22 @@ def check_delay(delay_ms: float) -> None:
         raise ValueError(f"the link delay must be in 0..{MAX_DELAY_MS:g} ms, got {delay_ms:g}")
 
 
-def plan_jobs(worlds: Sequence[int], rates_mbit: Sequence[float],
-              reducers: Optional[Sequence[int]]) -> List[Tuple[int, float, int]]:
-    """(W, rate, R) for every emulated network a suite builds (R = W unless given), each checked
-    before the first is built, so that a bad one costs no run."""
+def plan_runs(worlds: Sequence[int], rates_mbit: Sequence[float], reducers: Optional[Sequence[int]], rounds: int,
+              delay_ms: float, variants: Sequence[Dict[str, str]]
+              ) -> Tuple[List[Tuple[int, float, int]], List[Tuple[str, Dict[str, str]]]]:
+    """What a suite runs: (W, rate, R) for every emulated network it builds (R = W unless given)
+    and (label, settings) for this project's runs on each (variant_runs); all of it checked before
+    the first network is built, so that a bad argument costs no run."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    check_delay(delay_ms)
+    ours = variant_runs(variants)
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     for world, _, r in jobs:
         if world + r > MAX_HOSTS:
             raise ValueError(f"W={world} workers and R={r} reducers are {world + r} hosts; an emulated network "
                              f"has at most {MAX_HOSTS}")
-    return jobs
+    return jobs, ours
 
 
 class EmulatedNetwork:
@@ -155,11 +161,11 @@ class EmulatedNetwork:
 
     def _probe_netem(self) -> None:
         """Refuse a delay, before any host exists, where the kernel has no netem qdisc."""
-        probe = subprocess.run(["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                               capture_output=True, text=True)
-        if probe.returncode != 0:
+        try:
+            _tc(self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+        except RuntimeError as exc:
             raise OSError(f"a link delay needs the kernel's netem queueing discipline (sch_netem), which this "
-                          f"machine does not offer (tc: {probe.stderr.strip() or probe.returncode}); run without a delay")
+                          f"machine does not offer ({exc}); run without a delay") from None
         _tc(self.switch, "qdisc", "del", "dev", "lo", "root")
 
     def _add_host(self, i: int) -> None:
@@ -321,14 +327,10 @@ def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,),
     and for this project again under each of `variants` (settings, parse_variant); with rounds > 1
     the peers take turns on the same network and each row gives the median. Every argument is
     checked before the first network is built."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
     if min(worlds) < 2:
         raise ValueError(f"a ring needs at least 2 workers, got W={min(worlds)}")
-    check_delay(delay_ms)
-    ours = variant_runs(variants)
+    jobs, ours = plan_runs(worlds, rates_mbit, reducers, rounds, delay_ms, variants)
     args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
-    jobs = plan_jobs(worlds, rates_mbit, reducers)
     rows: List[Dict] = []
     with cleanup_on_sigterm():
         for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
