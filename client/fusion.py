@@ -18,13 +18,11 @@ import numpy as np
 
 from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.protocol import DType, ReduceOp
-from reduction_server.settings import env_number
+from reduction_server.settings import DEFAULT_FUSION_THRESHOLD, env_number
 
 from .buffers import WireBuffer, wire_view
 from .communicator import Communicator, Handle
 from .timeline import Trace
-
-DEFAULT_FUSION_THRESHOLD = 64 << 20
 
 
 def fusion_threshold(environ: Optional[Mapping[str, str]] = None) -> int:

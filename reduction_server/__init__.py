@@ -4,8 +4,8 @@ The core (protocol, reducer, discovery, launcher) lives here; the worker-side li
 `reduction_server.client`. The core never imports the client.
 """
 from .errors import CollectiveError, ConfigError, ProtocolError, ReductionServerError
+from ._version import __version__
 from .protocol import DType, ReduceOp
 
-__version__ = "0.1.0"
 __all__ = ["CollectiveError", "ConfigError", "DType", "ProtocolError", "ReduceOp",
            "ReductionServerError", "__version__"]

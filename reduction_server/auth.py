@@ -1,26 +1,75 @@
-"""Proof of the job token in the handshake: HMAC-SHA256 over the reducer's nonce and the
-worker's claimed identity, so the token itself never crosses the wire and a proof cannot be
-replayed to another reducer, rank or job."""
+"""Mutual proof of the job token in the handshake (docs/protocol.md, "Handshake").
+
+Each side proves it knows the token with HMAC-SHA256 over a nonce the other side chose, so the
+token never crosses the wire and no proof can be replayed:
+- the reducer proves itself first, over the worker's nonce (sent in HELLO), bound to its index,
+  the job and the generation: a worker sends nothing more (no AUTH, no shared-memory offer, no
+  data) to a reducer whose proof does not match;
+- the worker then proves itself over the reducer's nonce (sent in CHALLENGE), bound to its rank,
+  the world size, the job and the generation.
+The two proofs carry different labels, so neither can stand for the other. An empty token on
+both sides proves nothing, and admits anyone: that is a job started without RS_JOB_TOKEN.
+"""
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
 import struct
+from typing import Tuple
+
+from .errors import ProtocolError
 
 NONCE_BYTES = 32
+PROOF_BYTES = 32  # an HMAC-SHA256 digest
+_WORKER_LABEL = b"reduction-server worker proof v2\0"
+_REDUCER_LABEL = b"reduction-server reducer proof v2\0"
 
 
 def new_nonce() -> bytes:
+    """A fresh random nonce for one handshake."""
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def proof(token: str, nonce: bytes, *, job: int, generation: int, rank: int, world: int) -> bytes:
-    message = nonce + struct.pack("<QIII", job, generation, rank, world)
+def _digest(token: str, message: bytes) -> bytes:
     return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
-def verify(token: str, nonce: bytes, claimed: bytes, *, job: int, generation: int, rank: int,
-           world: int) -> bool:
-    expected = proof(token, nonce, job=job, generation=generation, rank=rank, world=world)
+def worker_proof(token: str, nonce: bytes, *, job: int, generation: int, rank: int, world: int) -> bytes:
+    """What a worker sends in AUTH: its proof of the token over the reducer's nonce."""
+    return _digest(token, _WORKER_LABEL + nonce + struct.pack("<QIII", job, generation, rank, world))
+
+
+def reducer_proof(token: str, nonce: bytes, *, index: int, job: int, generation: int) -> bytes:
+    """What a reducer sends in CHALLENGE: its proof of the token over the worker's nonce."""
+    return _digest(token, _REDUCER_LABEL + nonce + struct.pack("<QII", job, generation, index))
+
+
+def verify_worker(token: str, nonce: bytes, claimed: bytes, *, job: int, generation: int, rank: int,
+                  world: int) -> bool:
+    """Whether `claimed` is the worker proof for this nonce and identity (constant time)."""
+    expected = worker_proof(token, nonce, job=job, generation=generation, rank=rank, world=world)
     return hmac.compare_digest(expected, claimed)
+
+
+def verify_reducer(token: str, nonce: bytes, claimed: bytes, *, index: int, job: int, generation: int) -> bool:
+    """Whether `claimed` is the reducer proof for this worker nonce and identity (constant time)."""
+    return hmac.compare_digest(reducer_proof(token, nonce, index=index, job=job, generation=generation), claimed)
+
+
+def challenge(nonce: bytes, proof: bytes) -> bytes:
+    """A CHALLENGE payload: the reducer's nonce, then its proof."""
+    return nonce + proof
+
+
+def parse_challenge(payload: bytes) -> Tuple[bytes, bytes]:
+    """(reducer nonce, reducer proof) from a CHALLENGE payload."""
+    if len(payload) != NONCE_BYTES + PROOF_BYTES:
+        raise ProtocolError(f"CHALLENGE payload is {len(payload)} bytes, expected {NONCE_BYTES + PROOF_BYTES} "
+                            "(a nonce and a proof)")
+    return payload[:NONCE_BYTES], payload[NONCE_BYTES:]
+
+
+def split_auth(payload: bytes) -> Tuple[bytes, bytes]:
+    """(worker proof, the rest) from an AUTH payload: the rest is JSON (a shared-memory offer), or empty."""
+    return payload[:PROOF_BYTES], payload[PROOF_BYTES:]

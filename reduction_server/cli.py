@@ -1,20 +1,23 @@
-"""The `reduction-server` command: serve (a reducer), run (a local job)."""
+"""The `reduction-server` command: serve (a reducer), run (a local job), size (a reducer pool),
+bench (the benchmark suites)."""
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-from typing import Callable, List, Optional
+import textwrap
+from typing import Callable, List, Optional, Sequence
 
-from .errors import ConfigError
-from .settings import TUNING
+from ._version import __version__
+from .errors import ConfigError, ListenError
+from .settings import BENCH, LAUNCHER, REDUCERS, TUNING, variables_read_by
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .reducer import serve
 
     return serve(host=args.host, port=args.port, workers=args.workers, index=args.index,
-                 deterministic=args.deterministic, metrics_port=args.metrics_port)
+                 deterministic=args.deterministic, metrics_port=args.metrics_port, ready_fd=args.ready_fd)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -31,6 +34,31 @@ def _size(args: argparse.Namespace) -> int:
     measured = measure(args.measure_workers, args.measure_mib, args.measure_iters) if args.measure else None
     print("\n".join(explain(args.workers, args.worker_gbps, args.reducer_gbps, measured)))
     return 0
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 to 65535 (0: a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0-65535")
+    return port
+
+
+def _subcommand(sub: argparse._SubParsersAction, name: str, summary: str, example: str,
+                readers: Sequence[str], note: str = "") -> argparse.ArgumentParser:
+    """A subcommand whose --help gives its one-line summary, an example, and the environment
+    variables it reads (from the registry in settings.py)."""
+    variables = "\n".join(
+        textwrap.fill(f"{v.name:<26} {v.meaning} (default: {v.default})".replace("`", ""), 100,
+                      initial_indent="  ", subsequent_indent=" " * 29)
+        for v in variables_read_by(*readers))
+    epilog = (f"example:\n  {example}\n\nenvironment variables it reads:\n{variables or '  none of its own'}"
+              + (f"\n\n{textwrap.fill(note, 100)}" if note else ""))
+    return sub.add_parser(name, help=summary, description=summary, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _positive_list(kind: type) -> Callable[[str], tuple]:
@@ -72,26 +100,40 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reduction-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    serve = sub.add_parser("serve", help="run one reducer process")
+    serve = _subcommand(
+        sub, "serve", "Run one reducer: sum the gradient chunks the job's workers send it, and send the sums back.",
+        "RS_JOB_TOKEN=secret reduction-server serve --port 5555 --index 0 --workers 4", [REDUCERS],
+        "Without --host, --port and --index it finds its place in CLUSTER_SPEC (task type workerpool2) or "
+        "TF_CONFIG (task type ps).")
     serve.add_argument("--host", default=None,
                        help="address to bind (default: from the cluster spec, else 0.0.0.0)")
-    serve.add_argument("--port", type=int, default=None,
-                       help="port to bind; 0 picks a free one (default: from the cluster spec, else 0)")
+    serve.add_argument("--port", type=_port, default=None,
+                       help="port to bind, 0-65535; 0 picks a free one (default: from the cluster spec, else 0)")
     serve.add_argument("--workers", type=int, default=None,
                        help="number of worker ranks W (default: RS_WORLD_SIZE or the cluster spec, else the first HELLO's)")
     serve.add_argument("--index", type=int, default=None,
-                       help="this reducer's index, for logs and errors (default: from the cluster spec, else 0)")
+                       help="this reducer's index: its position in the workers' RS_REDUCERS (default: from the "
+                            "cluster spec, else 0)")
     serve.add_argument("--deterministic", action="store_true", default=None,
                        help="sum contributions in rank order, so results are bitwise reproducible whatever "
                             "their arrival order (default: RS_DETERMINISTIC, else off)")
-    serve.add_argument("--metrics-port", type=int, default=None,
+    serve.add_argument("--metrics-port", type=_port, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: RS_METRICS_PORT; "
                             "0 or unset: off)")
+    serve.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                       help="for launchers: once listening, write the bound port and a newline to this file "
+                            "descriptor and close it")
     serve.set_defaults(func=_serve)
 
-    run = sub.add_parser("run", help="start R reducers and W copies of a command on this machine")
+    run = _subcommand(
+        sub, "run", "Start R reducers and W copies of a command on this machine, as one job.",
+        "reduction-server run -np 4 --reducers 2 -- python train.py", [LAUNCHER],
+        "Every process it starts inherits its environment: the workers read the client's variables "
+        "(reduction-server serve --help lists the reducers'), and get RS_RANK, RS_WORLD_SIZE, RS_REDUCERS, "
+        "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from it.")
     run.add_argument("-np", "--np", type=int, required=True, dest="np", help="number of worker processes W")
     run.add_argument("--reducers", type=int, default=1, help="number of reducer processes R (default 1)")
     run.add_argument("--port-base", type=int, default=None,
@@ -102,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(func=_run)
 
-    size = sub.add_parser("size", help="how many reducers a job needs, from bandwidths (and a measurement)")
+    size = _subcommand(
+        sub, "size", "How many reducers a job needs: R >= W x worker bandwidth / reducer bandwidth.",
+        "reduction-server size --workers 8 --worker-gbps 100 --reducer-gbps 32 --measure", [],
+        "--measure starts a reducer and --measure-workers workers on this host, with the environment's "
+        "settings (see reduction-server serve --help) and RS_SHM=0.")
     size.add_argument("--workers", type=int, required=True, help="number of worker hosts")
     size.add_argument("--worker-gbps", type=float, required=True, help="each worker host's network bandwidth, Gbit/s")
     size.add_argument("--reducer-gbps", type=float, required=True, help="each reducer host's network bandwidth, Gbit/s")
@@ -113,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--measure-iters", type=int, default=5, help="timed steps for --measure (default 5)")
     size.set_defaults(func=_size)
 
-    bench = sub.add_parser("bench", help="run a benchmark suite beside its peers: table, JSON and PNG plots")
+    bench = _subcommand(
+        sub, "bench", "Run a benchmark suite beside its peers: a table of ratios, JSON and PNG plots.",
+        "reduction-server bench loopback --quick", [BENCH],
+        "The emulated hosts of netem and ddp inherit these; --variant NAME=VALUE runs this project once more "
+        "with others, in the same turns.")
     bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp"],
                        help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
                             "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
@@ -149,3 +199,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:  # a bad value the user can fix: the message, not a traceback
         print(f"reduction-server {args.verb}: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:  # the place is fine, something else holds it
+        print(f"reduction-server {args.verb}: {exc}", file=sys.stderr)
+        return 1

@@ -15,3 +15,7 @@ class ProtocolError(ReductionServerError):
 
 class CollectiveError(ReductionServerError, RuntimeError):
     """A collective that cannot complete; the message names the rank, reducer and collective."""
+
+
+class ListenError(ReductionServerError, OSError):
+    """A reducer cannot listen where it was told (a busy port, an address not of this host)."""

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ _PREFIX = "reduction-server run:"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
 _POLL_S = 0.05  # how often the launcher looks for exited children
 _READER_JOIN_S = 2.0  # how long to wait for the last output after the children are gone
+_READY_S = 60.0  # how long a reducer may take to listen (imports, bind) before the job gives up
 _MAX_LINE = 64 * 1024  # longer lines are printed in pieces rather than buffered without bound
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
@@ -96,18 +98,30 @@ class _Job:
     def _spawn_all(self) -> Optional[int]:
         env = _job_environment(self.layout, self.np)
         die_with_parent = _die_with_parent_hook()
-        # Reducers first so they are usually listening by the time the workers connect.
+        # Reducers first, and workers only once every reducer listens: a port that another process
+        # holds fails the job here, before any worker could reach a stranger there.
+        ready = []
         for index, port in enumerate(self.layout.reducer_ports):
+            ready_r, ready_w = os.pipe()
+            ready.append(ready_r)
             argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
-                    "--port", str(port), "--workers", str(self.np), "--index", str(index)]
+                    "--port", str(port), "--workers", str(self.np), "--index", str(index), "--ready-fd", str(ready_w)]
             # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
             argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
             child_env = dict(env, RS_REDUCER_INDEX=str(index))
             # From the root directory: `-m` puts the working directory first on sys.path, and in a
             # source checkout that is the uncompiled tree, not the installed package.
-            failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent, cwd="/")
+            try:
+                failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent, cwd="/",
+                                      pass_fds=(ready_w,))
+            finally:
+                os.close(ready_w)
             if failure is not None:
+                _close_all(ready)
                 return failure
+        failure = self._await_reducers(ready)
+        if failure is not None:
+            return failure
         for rank in range(self.np):
             failure = self._spawn(self.workers, f"rank {rank}", self.command,
                                   _worker_environment(env, self.layout, rank, self.np), die_with_parent)
@@ -115,15 +129,44 @@ class _Job:
                 return failure
         return None
 
+    def _await_reducers(self, ready: List[int]) -> Optional[int]:
+        """Wait until every reducer says it listens at its planned port (closing the `ready` pipes);
+        the job's exit code if one cannot."""
+        deadline = time.monotonic() + _READY_S
+        try:
+            for child, port, address, fd in zip(self.reducers, self.layout.reducer_ports,
+                                                self.layout.reducer_addresses(), ready):
+                said = b""
+                while not said.endswith(b"\n"):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                        _say(f"{child.label} did not listen at {address} within {_READY_S:g} s; stopping the job")
+                        return 1
+                    chunk = os.read(fd, 64)
+                    if not chunk:  # it exited (or closed the pipe) before listening: its output says why
+                        status = _wait_briefly(child.proc)
+                        _say(f"{child.label} could not listen at {address}"
+                             + (f" ({_describe(status)})" if status is not None else "") + "; stopping the job")
+                        return _exit_code(status) if status else 1
+                    said += chunk
+                if said.strip() != str(port).encode():
+                    _say(f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
+                         "stopping the job")
+                    return 1
+            return None
+        finally:
+            _close_all(ready)
+
     @staticmethod
     def _spawn(children: List[_Child], label: str, argv: List[str], env: Dict[str, str],
-               die_with_parent: Optional[Callable[[], None]], cwd: Optional[str] = None) -> Optional[int]:
+               die_with_parent: Optional[Callable[[], None]], cwd: Optional[str] = None,
+               pass_fds: Sequence[int] = ()) -> Optional[int]:
         try:
             proc = subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one killpg reaches its descendants
-                preexec_fn=die_with_parent)
+                preexec_fn=die_with_parent, pass_fds=pass_fds)
         except OSError as exc:
             _say(f"cannot start {label} ({' '.join(argv)}): {exc}")
             return 127 if isinstance(exc, FileNotFoundError) else 126  # the shell's codes
@@ -303,6 +346,20 @@ def _peek_exit(proc: subprocess.Popen[bytes]) -> Optional[int]:
     if info is None:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _wait_briefly(proc: subprocess.Popen[bytes], seconds: float = 5.0) -> Optional[int]:
+    """The child's status once it has exited (within `seconds`; not reaped), else None."""
+    deadline = time.monotonic() + seconds
+    while (status := _peek_exit(proc)) is None and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return status
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _stop(children: Sequence[_Child], grace: float) -> None:

@@ -23,7 +23,7 @@ import zmq
 from .errors import ProtocolError
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
-VERSION = 1
+VERSION = 2  # 2: the reducer proves the job token too (auth.py)
 
 # magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
 # job, seq, offset, count, total, nbytes
@@ -35,9 +35,9 @@ MAX_TEXT_PAYLOAD = 64 * 1024  # handshake JSON and error text
 
 
 class MsgType(enum.IntEnum):
-    HELLO = 1  # worker -> reducer: who I am (JSON payload)
-    CHALLENGE = 2  # reducer -> worker: a nonce to prove the job token against
-    AUTH = 3  # worker -> reducer: HMAC(token, nonce | identity) as payload
+    HELLO = 1  # worker -> reducer: who I am and a nonce (JSON payload)
+    CHALLENGE = 2  # reducer -> worker: its proof of the job token over that nonce, and a nonce of its own
+    AUTH = 3  # worker -> reducer: its proof over the reducer's nonce (and a shared-memory offer)
     WELCOME = 4  # reducer -> worker: admitted (JSON payload: reducer facts)
     REJECT = 5  # reducer -> worker: refused (text payload: the reason)
     DATA = 6  # worker -> reducer: one chunk contribution
@@ -182,7 +182,7 @@ class Header:
     generation: int = 0
     chunk: int = 0
     nchunks: int = 0
-    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot
+    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot; CHALLENGE: token set (1)
     job: int = 0
     seq: int = 0
     offset: int = 0  # element offset of this chunk in the collective's buffer
@@ -281,8 +281,9 @@ def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -
 
 
 def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0, job: int = 0,
-                generation: int = 0) -> bytes:
-    return Header(mtype, rank=rank, world=world, job=job, generation=generation,
+                generation: int = 0, aux: int = 0) -> bytes:
+    """The header of a handshake, PING, BYE or REJECT message (no chunk)."""
+    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux,
                   nbytes=len(payload)).pack()
 
 

@@ -30,7 +30,7 @@ import zmq
 
 from . import _native, auth, encryption, protocol, shared_memory
 from .accumulator import AccumulatorPool, PoolExhausted
-from .errors import ConfigError, ProtocolError
+from .errors import ConfigError, ListenError, ProtocolError
 from .log import NOTICE, event, get_logger
 from .protocol import (ACCUMULATOR_ITEMSIZE, DTYPES, MSG_DATA, MSG_DATA_SHM, OP_BROADCAST, ErrorCode, Header,
                        MsgType, ReduceOp)
@@ -165,7 +165,7 @@ class Reducer:
         try:
             while not should_stop():
                 wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
-                events = dict(poller.poll(wait))
+                events = dict(poller.poll(10 if self.unreachable else wait))
                 self.now = time.monotonic()
                 if self.socket in events:
                     # Drain a batch before housekeeping: under load, messages come in bursts.
@@ -175,6 +175,10 @@ class Reducer:
                         except zmq.Again:
                             break
                         self.handle(frames)
+                if self.unreachable:
+                    # After a batch: a worker that closed its connection sent BYE first, and libzmq
+                    # may fail a send to it before that BYE is read. Read, then judge.
+                    self.check_unreachable()
                 if monitor in events and self._drain_monitor(monitor):
                     self.probes = [self.now + d for d in PROBE_DELAYS]
                 self.pool.reap()
@@ -186,8 +190,6 @@ class Reducer:
                 if now >= next_heartbeat:
                     self.ping_peers()
                     next_heartbeat = now + self.heartbeat_interval
-                if self.unreachable:
-                    self.check_unreachable()
                 if now >= next_tick:
                     self.check_skipped()
                     self.expire_rounds(now)
@@ -318,22 +320,39 @@ class Reducer:
             return self._reject(identity, (
                 f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
                 f"{self.name} serves job {self.job[0]:#x} generation {self.job[1]} now"))
+        try:
+            theirs = bytes.fromhex(info["nonce"]) if isinstance(info, dict) else b""
+        except (KeyError, TypeError, ValueError):
+            theirs = b""
+        if len(theirs) != auth.NONCE_BYTES:
+            return self._reject(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce (\"nonce\", "
+                                          "hex) for this reducer to prove the job token against")
+        # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
+        proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation)
         nonce = auth.new_nonce()
         self.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
                                     hello_at=self.now)
-        self._send(identity, [protocol.text_header(MsgType.CHALLENGE, nonce), nonce])
+        payload = auth.challenge(nonce, proof)
+        self._send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
+                                                   job=h.job, generation=h.generation,
+                                                   aux=int(bool(self.job_token))), payload])
 
     def _auth(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
         peer = self.peers.get(identity)
         if peer is None or peer.admitted:
             return self._malformed(identity, "AUTH without a HELLO before it")
-        claimed = payload.bytes if payload is not None else b""
-        if self.job_token and not auth.verify(self.job_token, peer.nonce, claimed, job=peer.job,
-                                               generation=peer.generation, rank=peer.rank, world=peer.world):
+        claimed, rest = auth.split_auth(payload.bytes if payload is not None else b"")
+        if self.job_token and not auth.verify_worker(self.job_token, peer.nonce, claimed, job=peer.job,
+                                                     generation=peer.generation, rank=peer.rank, world=peer.world):
             del self.peers[identity]
             event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
                   reason="proof does not match RS_JOB_TOKEN")
             return self._reject(identity, f"rank {peer.rank}: authentication failed: wrong or missing job token (RS_JOB_TOKEN)")
+        try:
+            facts = json.loads(rest) if rest else {}
+        except ValueError as exc:
+            del self.peers[identity]
+            return self._reject(identity, f"rank {peer.rank}: AUTH payload after the proof is not valid JSON: {exc}")
         if self.job != (peer.job, peer.generation):
             self._start_job(peer)
         elif self.world != peer.world:
@@ -350,7 +369,7 @@ class Reducer:
         self.rank_identity[peer.rank] = identity
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
-        offer = peer.info.get("shared_memory") if isinstance(peer.info, dict) else None
+        offer = facts.get("shared_memory") if isinstance(facts, dict) else None
         if offer is not None and self.shared:
             try:
                 peer.segment = shared_memory.Segment.attach(offer, max_slots=MAX_WINDOW,
@@ -806,29 +825,48 @@ class Reducer:
             unsent = self.unsent[identity] = self.unsent.get(identity, 0) + 1
             if unsent == 1 or unsent % 1000 == 0:  # a log line per peer, not per message
                 reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else exc
-                event(log, logging.WARNING, "send_failed", reducer=self.index, peer=identity.hex(),
-                      reason=reason, unsent=unsent)
+                # A peer that is gone is no news: its loss, if it matters, is logged as rank_lost.
+                level = logging.DEBUG if exc.errno == zmq.EHOSTUNREACH else logging.WARNING
+                event(log, level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason,
+                      unsent=unsent)
             return False
 
 
 def _bind(socket: zmq.Socket, host: str, port: int) -> int:
+    """Bind and return the port; a ListenError says in one line why it cannot, and what to do."""
     if ":" in host:
         socket.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"
-    if port == 0:
-        return socket.bind_to_random_port(f"tcp://{host}")
-    socket.bind(f"tcp://{host}:{port}")
+    try:
+        if port == 0:
+            return socket.bind_to_random_port(f"tcp://{host}")
+        socket.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as exc:
+        where = f"tcp://{host}:{port or '*'}"
+        if exc.errno == zmq.EADDRINUSE:
+            raise ListenError(f"cannot listen on {where}: the port is already in use (another reducer or program "
+                              "listens there); stop it, or choose another port (--port; 0 picks a free one)") from None
+        if exc.errno == zmq.EADDRNOTAVAIL:
+            raise ListenError(f"cannot listen on {where}: {host} is not an address of this host "
+                              "(--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)") from None
+        raise ListenError(f"cannot listen on {where}: {exc}") from None
     return port
 
 
 def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
           index: Optional[int] = None, deterministic: Optional[bool] = None,
-          metrics_port: Optional[int] = None) -> int:
+          metrics_port: Optional[int] = None, ready_fd: Optional[int] = None) -> int:
     """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
     the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
-    0 or unset: no metrics)."""
+    0 or unset: no metrics). Once it listens, the bound port and a newline are written to
+    `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
     from .discovery import discover_reducer
 
+    if ready_fd is not None:
+        try:
+            os.fstat(ready_fd)
+        except OSError as exc:
+            raise ConfigError(f"--ready-fd {ready_fd} is not an open file descriptor: {exc.strerror}") from None
     place = discover_reducer() if None in (host, port, index) else None
     host = host or (place.host if place else "0.0.0.0")
     port = port if port is not None else (place.port if place else 0)
@@ -859,7 +897,12 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     protocol.set_heartbeats(socket, heartbeat, liveness)
     if encrypt:
         encryption.secure_reducer(socket, token)
-    bound = _bind(socket, host, port)
+    try:
+        bound = _bind(socket, host, port)
+    except ListenError:
+        socket.close(linger=0)
+        context.term()
+        raise
     reducer = Reducer(
         socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
         max_chunk_bytes=max_chunk,
@@ -894,6 +937,9 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
           max_rounds=reducer.max_rounds, timeout_s=reducer.round_timeout,
           heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness, sndbuf=sndbuf or "auto",
           metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
+    if ready_fd is not None:
+        with os.fdopen(ready_fd, "w") as ready:
+            ready.write(f"{bound}\n")
     try:
         reducer.run(lambda: bool(stopping))
     finally:

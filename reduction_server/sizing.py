@@ -47,8 +47,9 @@ def reducers_needed(workers: int, worker_gbps: float, reducer_gbps: float) -> in
     """ceil(W x B_worker / B_reducer), the reducer count whose bandwidth matches the workers'."""
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
-    if worker_gbps <= 0 or reducer_gbps <= 0:
-        raise ConfigError(f"bandwidths must be positive, got --worker-gbps {worker_gbps} --reducer-gbps {reducer_gbps}")
+    if not all(value > 0 and math.isfinite(value) for value in (worker_gbps, reducer_gbps)):
+        raise ConfigError(f"bandwidths must be positive, finite Gbit/s, got --worker-gbps {worker_gbps:g} "
+                          f"--reducer-gbps {reducer_gbps:g}")
     # The epsilon keeps 512/32 at 16 instead of a float rounding it to 17.
     return max(1, math.ceil(workers * worker_gbps / reducer_gbps - 1e-9))
 

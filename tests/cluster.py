@@ -46,14 +46,17 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 class Reducers:
-    """R reducer processes on free loopback ports; stopped (and reaped) on exit."""
+    """R reducer processes on free loopback ports; stopped (and reaped) on exit. Their indexes
+    start at `first_index` (a group that stands at the end of RS_REDUCERS)."""
 
-    def __init__(self, count: int, workers: Optional[int], env: Dict[str, str]) -> None:
+    def __init__(self, count: int, workers: Optional[int], env: Dict[str, str], first_index: int = 0) -> None:
         self.procs: List[subprocess.Popen] = []
         self.logs: list = []
         self.stopped: Optional[List[str]] = None
         self.addresses: List[str] = []
-        for index in range(count):
+        self.env = env
+        self.first_index = first_index
+        for index in range(first_index, first_index + count):
             cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
                    "--index", str(index)]
             if workers is not None:
@@ -68,6 +71,24 @@ class Reducers:
             if not match:
                 raise RuntimeError(f"reducer {index} did not start: {line!r} {self.stop()[-1]}")
             self.addresses.append(f"{match.group(1)}:{match.group(2)}")
+
+    def restart(self, i: int, env: Optional[Dict[str, str]] = None) -> None:
+        """Start the group's i-th reducer again on its old port (the old process is dead), with
+        the group's environment or `env`."""
+        host, port = self.addresses[i].rsplit(":", 1)
+        cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port", port,
+               "--index", str(self.first_index + i)]
+        deadline = time.monotonic() + 20
+        while True:
+            proc = subprocess.Popen(cmd, env=self.env if env is None else env, stdout=subprocess.PIPE,
+                                    stderr=self.logs[i], text=True)
+            line = proc.stdout.readline()
+            if "listening" in line:
+                self.procs[i] = proc
+                return
+            proc.wait()
+            assert time.monotonic() < deadline, f"reducer {i} could not bind its port again: {line!r}"
+            time.sleep(0.2)  # the port may linger for a moment
 
     @property
     def spec(self) -> str:
@@ -99,8 +120,8 @@ class Reducers:
 
 @contextmanager
 def reducers(count: int, workers: Optional[int] = None, token: str = "test-token",
-             extra_env: Optional[Dict[str, str]] = None) -> Iterator[Reducers]:
-    group = Reducers(count, workers, child_env({"RS_JOB_TOKEN": token, **(extra_env or {})}))
+             extra_env: Optional[Dict[str, str]] = None, first_index: int = 0) -> Iterator[Reducers]:
+    group = Reducers(count, workers, child_env({"RS_JOB_TOKEN": token, **(extra_env or {})}), first_index)
     try:
         yield group
     finally:

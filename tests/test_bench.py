@@ -270,7 +270,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
     (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),
     (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
-    (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_PIPELINE_DEPTH"),
+    (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, RS_PIPELINE_DEPTH, RS_SNDBUF"),
     (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
     (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be 0"),
     (["ddp", "--variant", "RS_WINDOW=0"], "--variant 'RS_WINDOW=0': RS_WINDOW='0' must be at least 1"),

@@ -32,6 +32,7 @@ from reduction_server.reducer import Reducer
 
 from capture import CapturingSocket
 from cluster import child_env, reducers, run_ranks
+from handshake import hello_payload
 from test_reducer_errors import Peer, data
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,7 +139,7 @@ def fold_in_order(deterministic: bool, order, inputs: List[np.ndarray]) -> bytes
     (exactly that order: no network in between)."""
     sock = CapturingSocket()
     reducer = Reducer(sock, world_size=WORLD, job_token="", deterministic=deterministic)
-    info = b"{}"
+    info = hello_payload()
     for rank in range(WORLD):
         ident = dict(rank=rank, world=WORLD, job=9)
         reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(protocol.text_header(MsgType.HELLO, info, **ident)),

@@ -356,8 +356,7 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
             env.update(CLUSTER_SPEC=_cluster_spec(reducers, workers, task_type, index), RS_JOB_TOKEN=TOKEN,
                        RS_JOB_ID=TAG,
                        RS_CHUNK_BYTES="65536", RS_CONNECT_TIMEOUT="30", RS_TIMEOUT="60",
-                       EXPECT_RANK=str(rank), EXPECT_WORLD="2", PYTHONUNBUFFERED="1",
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+                       EXPECT_RANK=str(rank), EXPECT_WORLD="2", PYTHONUNBUFFERED="1")
             procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         results = collect(procs, timeout=180)

@@ -19,7 +19,7 @@ import reduction_server.client as rs
 from reduction_server import CollectiveError, protocol
 from reduction_server.errors import ConfigError
 
-from cluster import ROOT, SCRIPTS, child_env, reducers, run_ranks, run_workers
+from cluster import SCRIPTS, child_env, reducers, run_ranks, run_workers
 from test_reducer_errors import check_sum_works
 
 pytestmark = pytest.mark.timeout(120)
@@ -200,7 +200,7 @@ def test_the_launcher_passes_rs_encrypt_to_reducers_and_workers():
     proc = subprocess.run(
         [sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "2", "--", sys.executable,
          str(SCRIPTS / "allreduce_worker.py"), JOB],
-        cwd=ROOT, env=child_env(ENCRYPT), capture_output=True, text=True, timeout=120)
+        env=child_env(ENCRYPT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("encrypt=curve") == 2, proc.stdout  # both reducers' listening lines
     assert proc.stdout.count('"failures": []') == 2, proc.stdout

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from cluster import SCRIPTS, Reducers, child_env, reducers, run_workers
+from handshake import hello_payload
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -202,23 +203,6 @@ def test_a_rank_that_closes_mid_job_fails_the_others_naming_it():
 
 
 # -- 2. a reducer killed mid-collective, then restarted at the same address -------------------------
-def restart_reducer(group: Reducers, index: int, env: Dict[str, str]) -> None:
-    """Start reducer `index` again on its old port (the old process is dead)."""
-    host, port = group.addresses[index].rsplit(":", 1)
-    cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port", port, "--index", str(index)]
-    deadline = time.monotonic() + 20
-    while True:
-        proc = subprocess.Popen(cmd, env=child_env({"RS_JOB_TOKEN": TOKEN, **env}), stdout=subprocess.PIPE,
-                                stderr=group.logs[index], text=True)
-        line = proc.stdout.readline()
-        if "listening" in line:
-            group.procs[index] = proc
-            return
-        proc.wait()
-        assert time.monotonic() < deadline, f"reducer {index} could not bind its port again: {line!r}"
-        time.sleep(0.2)  # the port may linger for a moment
-
-
 def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used_again(tmp_path: Path):
     """Killed in the middle of a collective: every rank's collective fails at once, naming it.
 
@@ -240,7 +224,7 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
             group.procs[1].wait()
             workers.wait_for("waiting", range(3), timeout=30)
             errors = {r: workers.lines[r][-1]["error"] for r in range(3)}
-            restart_reducer(group, 1, env)
+            group.restart(1)
             go.touch()
             results = workers.finish(range(3))
         finally:
@@ -276,7 +260,7 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
             go.touch()
             if comes_back:
                 time.sleep(1.0)  # the collectives are waiting by now
-                restart_reducer(group, 1, env)
+                group.restart(1)
             results = workers.finish(range(3))
             logs = [workers.stderr(r) for r in range(3)]
         finally:
@@ -439,7 +423,7 @@ def test_a_reconnecting_worker_never_takes_a_reducer_from_another_job():
         current = Peer(group.addresses[0])
         current.handshake(0, 2, job=JOB)
         stale = Peer(group.addresses[0])
-        info = json.dumps({"host": "old", "pid": 1, "version": "test", "rejoin": True}).encode()
+        info = hello_payload(host="old", pid=1, version="test", rejoin=True)
         stale.send(protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=JOB + 1), info)
         header, text = stale.recv()
         assert header.type is MsgType.REJECT and b"tried to rejoin" in text, text

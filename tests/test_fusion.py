@@ -7,9 +7,9 @@ import pytest
 
 import reduction_server.client as rs
 from cluster import reducers, run_ranks
-from reduction_server.client.fusion import (DEFAULT_FUSION_THRESHOLD, FusedAllReduce, FusionPlan, TensorSpec,
-                                            fusion_threshold)
+from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
 from reduction_server.protocol import DType
+from reduction_server.settings import DEFAULT_FUSION_THRESHOLD
 
 F32, F16, I64 = DType.FLOAT32, DType.FLOAT16, DType.INT64
 

@@ -28,12 +28,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from reduction_server import auth, protocol
+from reduction_server import protocol
 from reduction_server.errors import ProtocolError
 from reduction_server.discovery import job_id_from
 from reduction_server.protocol import DType, MsgType, ReduceOp
 
 from cluster import SCRIPTS, child_env, reducers
+from handshake import auth_payload, hello_payload
 from test_reducer_errors import (TOKEN, Peer, RawZmtp, check_sum_works, communicator, data, job_loop, ok, parallel,
                                  rss, wait_until_idle)
 
@@ -106,11 +107,11 @@ class Rogues:
             big.send(data(0, 2, job=JOB, count=MAX_CHUNK // 2), b"\0" * (2 * MAX_CHUNK))
             big.close()
         elif action == "wrong_token":
-            info = b"{}"
+            info = hello_payload()
             peer.send(protocol.text_header(MsgType.HELLO, info, rank=slot % 2, world=2, job=JOB), info)
-            nonce = self._first(peer, MsgType.CHALLENGE)
-            if nonce is not None:
-                proof = auth.proof("not-the-token", nonce, job=JOB, generation=0, rank=slot % 2, world=2)
+            challenge = self._first(peer, MsgType.CHALLENGE)
+            if challenge is not None:
+                proof = auth_payload(challenge, "not-the-token", job=JOB, rank=slot % 2, world=2)
                 peer.send(protocol.text_header(MsgType.AUTH, proof, rank=slot % 2, world=2, job=JOB), proof)
         else:
             peer.send(*action)

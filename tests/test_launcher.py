@@ -36,13 +36,12 @@ def launcher_argv(*args: str) -> List[str]:
 
 def launcher_env(**extra: str) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RS_JOB_TOKEN", "CLUSTER_SPEC", "TF_CONFIG")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
 
 def run_launcher(*args: str, timeout: float = TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(launcher_argv(*args), cwd=REPO, env=launcher_env(**env), capture_output=True,
+    return subprocess.run(launcher_argv(*args), env=launcher_env(**env), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -118,7 +117,7 @@ def launcher() -> Iterator[List[subprocess.Popen]]:
 
 
 def start_launcher(started: List[subprocess.Popen], *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen(launcher_argv(*args), cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(launcher_argv(*args), env=launcher_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     started.append(proc)
     return proc

@@ -33,6 +33,6 @@ def test_local_job_fails_when_a_worker_finds_a_wrong_result(tmp_path):
         "    y = c.all_reduce(np.ones(10, np.float32))\n"
         "    sys.exit(0 if c.rank == 0 else int(y[0]) + 1)\n")
     proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
-                           sys.executable, str(script)], cwd=ROOT, env=child_env(), capture_output=True,
+                           sys.executable, str(script)], env=child_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr  # rank 1 saw 2.0 and exited 2 + 1

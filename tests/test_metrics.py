@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import reduction_server.client as rs
-from cluster import ROOT, child_env, free_port_range, reducers, run_ranks
+from cluster import child_env, free_port_range, reducers, run_ranks
 from reduction_server.client.chunking import plan_chunks
 from reduction_server.errors import CollectiveError
 
@@ -114,7 +114,7 @@ def test_launcher_gives_reducer_i_metrics_port_base_plus_i():
                    "comm.close()\n")
     proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "1", "--reducers", "2",
                            "--metrics-port", str(base), "--", sys.executable, "-c", scrape_both],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+                          env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for index in range(2):
         assert f"{base + index} ['reduction_server_peers_admitted_total{{reducer=\"{index}\"}} 1.0']" in proc.stdout, \

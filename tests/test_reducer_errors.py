@@ -28,6 +28,7 @@ from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceO
 
 from capture import CapturingSocket
 from cluster import reducers
+from handshake import auth_payload, hello_payload
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -122,12 +123,12 @@ class Peer:
 
     def handshake(self, rank: int, world: int, *, job: int = JOB, generation: int = 0,
                   token: str = TOKEN, **facts) -> dict:
-        info = json.dumps({"host": "test", "pid": os.getpid(), "version": "test", **facts}).encode()
+        info = hello_payload(host="test", pid=os.getpid(), version="test")
         ident = dict(rank=rank, world=world, job=job, generation=generation)
         self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
         reply = self.recv()
         assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
-        proof = auth.proof(token, reply[1], **ident)
+        proof = auth_payload(reply[1], token, **ident) + (json.dumps(facts).encode() if facts else b"")
         self.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
         reply = self.recv()
         assert reply is not None and reply[0].type is MsgType.WELCOME, reply
@@ -297,7 +298,7 @@ def test_malformed_frames_are_answered_and_others_keep_being_served():
                 ([valid[:40]], ErrorCode.MALFORMED, ["malformed", "40 bytes"]),
                 ([valid + b"\0"], ErrorCode.MALFORMED, ["malformed", "81 bytes"]),
                 ([raw_header(magic=0xDEADBEEF), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "magic"]),
-                ([raw_header(version=2), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 2"]),
+                ([raw_header(version=3), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 3"]),
                 ([raw_header(mtype=42)], ErrorCode.MALFORMED, ["malformed", "message type 42"]),
                 ([protocol.Header(MsgType.RESULT, dtype=7, world=2, nchunks=1, count=4, total=4, nbytes=16).pack(),
                   b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "RESULT"]),
@@ -356,7 +357,7 @@ def test_a_peer_with_16_malformed_frames_is_ignored_afterwards():
             rogue.expect_error(ErrorCode.MALFORMED, "malformed")
         rogue.expect_silence(0.5)  # frames 17..20: no answer
         rogue.send(data())  # even a well-formed one is ignored now
-        info = b"{}"
+        info = hello_payload()
         rogue.send(protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=JOB), info)
         rogue.expect_silence(0.5)
         # The others are served as before.
@@ -443,16 +444,20 @@ def test_multi_chunk_size_mismatch_fails_every_rank_in_bounded_time():
 
 
 # -- 3. authentication -----------------------------------------------------------------------
-def test_wrong_or_missing_token_is_refused_and_logged():
+def test_a_worker_with_a_wrong_or_missing_token_refuses_the_reducers_and_the_job_goes_on():
+    """The reducers prove the token first: a worker with another token (or none) refuses them at
+    once, naming RS_JOB_TOKEN, and never sends them its own proof."""
     with reducers(2, workers=2) as group:
         good = [communicator(group, r, 2) for r in range(2)]
-        for token, job_id in [("wrong-token", None), ("", None), ("wrong-token", JOB)]:
+        for token, job_id, why in [("wrong-token", None, "its RS_JOB_TOKEN is not this worker's"),
+                                   ("", None, "it requires a job token and this worker has none"),
+                                   ("wrong-token", JOB, "its RS_JOB_TOKEN is not this worker's")]:
             start = time.monotonic()
             with pytest.raises(CollectiveError) as info:
                 communicator(group, 1, 2, job_token=token, job_id=job_id, connect_timeout=5)
             assert time.monotonic() - start < 5
             text = str(info.value)
-            assert "RS_JOB_TOKEN" in text and "authentication failed" in text, text
+            assert "did not prove the job token (RS_JOB_TOKEN)" in text and why in text, text
         # The job that was running is untouched, and a correct newcomer is admitted.
         check_sum_works(good)
         for c in good:
@@ -462,18 +467,18 @@ def test_wrong_or_missing_token_is_refused_and_logged():
         for c in again:
             c.close()
         logs = group.stop()
-    assert "auth_failed" in logs[0] and "auth_failed" in logs[1]
+    assert "auth_failed" not in logs[0] and "auth_failed" not in logs[1]  # no AUTH came from those workers
 
 
 def test_a_proof_for_another_identity_is_refused():
     """The HMAC binds rank and world: a proof computed for rank 0 does not admit rank 1."""
     with reducers(1, workers=2) as group:
         peer = Peer(group.addresses[0])
-        info = b"{}"
+        info = hello_payload()
         peer.send(protocol.text_header(MsgType.HELLO, info, rank=1, world=2, job=JOB), info)
-        header, nonce = peer.recv()
-        assert header.type is MsgType.CHALLENGE and len(nonce) == auth.NONCE_BYTES
-        proof = auth.proof(TOKEN, nonce, job=JOB, generation=0, rank=0, world=2)
+        header, challenge = peer.recv()
+        assert header.type is MsgType.CHALLENGE and len(challenge) == auth.NONCE_BYTES + auth.PROOF_BYTES
+        proof = auth_payload(challenge, TOKEN, job=JOB, rank=0, world=2)
         peer.send(protocol.text_header(MsgType.AUTH, proof, rank=1, world=2, job=JOB), proof)
         header, text = peer.recv()
         assert header.type is MsgType.REJECT and b"RS_JOB_TOKEN" in text
@@ -513,12 +518,13 @@ def test_a_world_size_other_than_the_jobs_is_rejected():
 
 
 # -- 5. no token -------------------------------------------------------------------------------
-def test_a_reducer_without_a_token_admits_any_worker():
+def test_a_reducer_without_a_token_serves_workers_without_one_and_is_refused_by_those_with_one():
     with reducers(1, token="") as group:
-        for token in ("", "whatever"):
-            with communicator(group, 0, 1, job_token=token) as comm:
-                x = np.arange(10, dtype=np.float32)
-                np.testing.assert_array_equal(comm.all_reduce(x), x)
+        with communicator(group, 0, 1, job_token="") as comm:
+            x = np.arange(10, dtype=np.float32)
+            np.testing.assert_array_equal(comm.all_reduce(x), x)
+        with pytest.raises(CollectiveError, match=r"it has no job token \(it was started without RS_JOB_TOKEN\)"):
+            communicator(group, 0, 1, job_token="whatever")
 
 
 # -- 6. generations --------------------------------------------------------------------------
@@ -734,7 +740,7 @@ def test_a_mismatch_among_thousands_of_ranks_still_fits_an_error_frame():
     def deliver(identity: bytes, *frames: bytes) -> None:
         reducer.handle([zmq.Frame(identity), *[zmq.Frame(f) for f in frames]])
 
-    info = b"{}"
+    info = hello_payload()
     for rank in range(1, world, 2):
         ident = dict(rank=rank, world=world, job=7)
         deliver(b"r%d" % rank, protocol.text_header(MsgType.HELLO, info, **ident), info)

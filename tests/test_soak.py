@@ -31,6 +31,7 @@ from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 
 from capture import CapturingSocket
 from cluster import SCRIPTS, child_env, collect, reducers, run_ranks
+from handshake import hello_payload
 
 SOAK_SECONDS = float(os.environ.get("RS_SOAK_SECONDS", "20"))
 WARMUP_SECONDS = min(6.0, SOAK_SECONDS / 3)
@@ -101,7 +102,8 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
 def test_what_a_reducer_keeps_about_strangers_is_dropped_when_they_go(monkeypatch):
     sock = CapturingSocket()
     reducer = Reducer(sock, world_size=2, job_token="token")
-    hello = protocol.text_header(MsgType.HELLO, b"{}", rank=0, world=2, job=5)
+    info = hello_payload()
+    hello = protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=5)
     strangers = [b"s%d" % i for i in range(3000)]
     for identity in strangers:
         reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
@@ -110,7 +112,7 @@ def test_what_a_reducer_keeps_about_strangers_is_dropped_when_they_go(monkeypatc
             reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
     greeters = [b"g%d" % i for i in range(500)]  # a HELLO, and never an AUTH
     for identity in greeters:
-        reducer.handle([zmq.Frame(identity), zmq.Frame(hello), zmq.Frame(b"{}")])
+        reducer.handle([zmq.Frame(identity), zmq.Frame(hello), zmq.Frame(info)])
     assert len(reducer.strikes) == 3000 and len(reducer.peers) == 500
     # A send that finds the connection gone drops its strike count at once.
     sock.gone.update(strangers[10:20])

@@ -37,7 +37,7 @@ import numpy as np
 from reduction_server.errors import CollectiveError
 from reduction_server.log import get_logger
 from reduction_server.protocol import DType, ReduceOp
-from reduction_server.settings import DEFAULT_TIMEOUT, env_number
+from reduction_server.settings import DEFAULT_CYCLE_TIME_MS, DEFAULT_TIMEOUT, env_number
 
 from ..buffers import WireBuffer, wire_view
 from ..communicator import Communicator
@@ -46,8 +46,6 @@ from ..timeline import Trace
 
 log = get_logger("horovod")
 
-#: milliseconds between negotiation cycles, as Horovod's default
-DEFAULT_CYCLE_TIME_MS = 1.0
 #: an idle job backs off to at most this many cycle times between negotiations
 _IDLE_BACKOFF = 8
 #: request bytes a rank sends inside the per-cycle table (more take a second exchange)

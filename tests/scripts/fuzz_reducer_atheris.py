@@ -14,6 +14,7 @@ and that the memory accounting adds up: the pool's per-rank charges equal the ch
 open rounds plus the frames they hold. Exits 0 after SECONDS (printing what the reducer answered,
 by type), non-zero on the first violation (its input goes to ARTIFACT_DIR).
 """
+import json
 import os
 import sys
 import time
@@ -53,9 +54,10 @@ def admit(reducer: Reducer, rank: int) -> None:
     if reducer.strikes.get(identity, (0,))[0] >= MAX_STRIKES:
         identity = RANKS[rank] = b"rank%d-%d" % (rank, time.monotonic_ns())
     ident = dict(rank=rank, world=WORLD, job=JOB)
-    deliver(reducer, identity, protocol.text_header(MsgType.HELLO, b"{}", **ident), b"{}")
+    hello = json.dumps({"nonce": auth.new_nonce().hex()}).encode()
+    deliver(reducer, identity, protocol.text_header(MsgType.HELLO, hello, **ident), hello)
     nonce = reducer.peers[identity].nonce
-    proof = auth.proof(TOKEN, nonce, job=JOB, generation=0, rank=rank, world=WORLD)
+    proof = auth.worker_proof(TOKEN, nonce, job=JOB, generation=0, rank=rank, world=WORLD)
     deliver(reducer, identity, protocol.text_header(MsgType.AUTH, proof, **ident), proof)
 
 
