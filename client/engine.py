@@ -67,8 +67,10 @@ _PROGRESS = {
 }
 #: seconds between the lines a worker logs while it waits for reducers to admit it
 WAITING_REPORT_S = 5.0
-_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
-              | encryption.HANDSHAKE_FAILED)
+#: seconds before the engine opens a new connection to a reducer whose last one failed (libzmq's
+#: own reconnect interval, which the engine does not use: see _open)
+RECONNECT_S = 0.1
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | encryption.HANDSHAKE_FAILED
 # Chunks go through pyzmq's backend send: its Python wrapper adds only draft-API options (~0.5 us a frame).
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 _backend_send = zmq.backend.Socket.send
@@ -146,6 +148,7 @@ class Engine:
         # how far its handshake got (_CONNECTING ... _CHALLENGED), for the waiting log and errors.
         self._nonces: List[bytes] = [b""] * len(reducers)
         self._progress: List[int] = [_CONNECTING] * len(reducers)
+        self._reopen_at: Dict[int, float] = {}  # reducer -> when to open a new connection to it
         self._io_threads = io_threads
         self._queue: Deque[Collective] = deque()
         self._lock = threading.Lock()
@@ -216,15 +219,15 @@ class Engine:
     def _main(self) -> None:
         self._context = zmq.Context(self._io_threads)
         self._sockets: List[zmq.Socket] = []
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
         try:
             for address in self.reducers:
                 sock, monitor = self._open(address)
                 self._sockets.append(sock)
                 self._monitors.append(monitor)
+                self._watch(len(self._sockets) - 1)
             self._handshake()
-            for monitor in self._monitors:  # what happened while connecting is history
-                while monitor.poll(0):
-                    monitor.recv_multipart()
         except BaseException as exc:  # reported to the constructor
             self._startup_error = exc
             self._shutdown_sockets(bye=False)
@@ -242,6 +245,10 @@ class Engine:
     def _open(self, address: str) -> Tuple[zmq.Socket, zmq.Socket]:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
+        # One connection per socket: libzmq's own reconnect would send what is queued, or sent next,
+        # to whatever listens at the address by then, before it has proved the job token. The engine
+        # opens a new socket instead, and handshakes again (_reopen).
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
         if self.sndbuf:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
             sock.setsockopt(zmq.SNDBUF, self.sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
@@ -258,7 +265,8 @@ class Engine:
 
     def _hello(self, r: int, rejoin: bool = False) -> None:
         self._nonces[r] = auth.new_nonce()
-        self._progress[r] = _CONNECTING
+        if self._progress[r] != _REFUSED:  # refused stays refused until a connection is made
+            self._progress[r] = _CONNECTING
         facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__,
                                  "nonce": self._nonces[r].hex()}
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
@@ -288,6 +296,7 @@ class Engine:
             return f"{self._name(r)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
         self._progress[r] = _CHALLENGED
         facts: Dict[str, Any] = {}
+        self._drop_segment(r)
         if self._offers[r]:
             try:
                 self._segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
@@ -310,14 +319,10 @@ class Engine:
             log.debug("rank %d: %s not queued: its connection already failed", self.rank, mtype.name)
 
     def _handshake(self) -> None:
+        """HELLO to every reducer and wait until each has proved the token and admitted this worker;
+        a reducer whose connection fails is tried again on a new one."""
         for r in range(len(self._sockets)):
             self._hello(r)
-        poller = zmq.Poller()
-        for sock, monitor in zip(self._sockets, self._monitors):
-            poller.register(sock, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
-        index = {sock: r for r, sock in enumerate(self._sockets)}
-        monitors = {monitor: r for r, monitor in enumerate(self._monitors)}
         waiting = set(range(len(self._sockets)))
         started = time.monotonic()
         deadline, report = started + self.connect_timeout, started + WAITING_REPORT_S
@@ -329,35 +334,45 @@ class Engine:
             if now >= report:  # a worker that waits says for what, rather than look hung
                 event(log, NOTICE, "waiting_for_reducers", rank=self.rank, waited_s=f"{now - started:.0f}",
                       connect_timeout_s=f"{self.connect_timeout:g}", waiting=self._waiting(waiting))
-                report = now + WAITING_REPORT_S
-            for sock, _ in poller.poll(max(0.0, min(deadline, report) - now, 0.01) * 1000):
-                if sock in monitors:
-                    _, refused = self._monitor_events(monitors[sock])
+                report = max(report + WAITING_REPORT_S, now + 1.0)
+            self._reopen_due(now, rejoin=False)
+            until = min(deadline, report, *self._reopen_at.values())
+            for item, _ in self._poller.poll(max(0.01, until - now) * 1000):
+                kind, r = self._index.get(item, ("", -1))
+                if kind == "monitor":
+                    closed, refused = self._monitor_events(r)
                     if refused:
-                        raise CollectiveError(f"rank {self.rank}: {self._name(monitors[sock])} refused this worker: {refused}")
-                    continue
-                r = index[sock]
-                frames = sock.recv_multipart()
-                try:
-                    h = protocol.unpack(frames[0])
-                except ProtocolError as exc:
-                    raise CollectiveError(f"rank {self.rank}: {self._name(r)} answered the handshake with a malformed frame: {exc}") from None
-                text = frames[1] if len(frames) > 1 else b""
-                if h.type is MsgType.CHALLENGE:
-                    refused = self._answer_challenge(r, h, text)
-                    if refused:
-                        raise CollectiveError(f"rank {self.rank}: {refused}")
-                elif h.type is MsgType.WELCOME and self._progress[r] != _CHALLENGED:
-                    raise CollectiveError(f"rank {self.rank}: {self._unproved_welcome(r)}")
-                elif h.type is MsgType.WELCOME:
+                        raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: {refused}")
+                    if closed:  # not there yet, or gone meanwhile: a new connection, a new handshake
+                        waiting.add(r)
+                        self._reopen_at[r] = time.monotonic() + RECONNECT_S
+                elif kind == "data" and self._welcomed(r):
                     waiting.discard(r)
-                    self._handshake_failures[r] = (0, 0.0)
-                    welcome = json.loads(text)
-                    self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
-                    self._welcomed_segment(r, welcome)
-                elif h.type in (MsgType.REJECT, MsgType.ERROR):
-                    raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
-                                          f"{text.decode(errors='replace')}")
+
+    def _welcomed(self, r: int) -> bool:
+        """Handle one handshake message from reducer r; whether it was its WELCOME."""
+        frames = self._sockets[r].recv_multipart()
+        try:
+            h = protocol.unpack(frames[0])
+        except ProtocolError as exc:
+            raise CollectiveError(f"rank {self.rank}: {self._name(r)} answered the handshake with a malformed frame: {exc}") from None
+        text = frames[1] if len(frames) > 1 else b""
+        if h.type is MsgType.CHALLENGE:
+            refused = self._answer_challenge(r, h, text)
+            if refused:
+                raise CollectiveError(f"rank {self.rank}: {refused}")
+        elif h.type is MsgType.WELCOME and self._progress[r] != _CHALLENGED:
+            raise CollectiveError(f"rank {self.rank}: {self._unproved_welcome(r)}")
+        elif h.type is MsgType.WELCOME:
+            self._handshake_failures[r] = (0, 0.0)
+            welcome = json.loads(text)
+            self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
+            self._welcomed_segment(r, welcome)
+            return True
+        elif h.type in (MsgType.REJECT, MsgType.ERROR):
+            raise CollectiveError(f"rank {self.rank}: {self._name(r)} refused this worker: "
+                                  f"{text.decode(errors='replace')}")
+        return False
 
     def _unproved_welcome(self, r: int) -> str:
         return (f"{self._name(r)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
@@ -368,10 +383,7 @@ class Engine:
         return "; ".join(f"{self._name(r)}: {_PROGRESS[self._progress[r]]}" for r in sorted(waiting))
 
     def _loop(self) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        for r in range(len(self._sockets)):
-            self._watch(r)
+        poller = self._poller
         next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
         wait = int(min(1.0, self.heartbeat) * 1000)
         while True:
@@ -380,7 +392,10 @@ class Engine:
                 self._die("the communicator was closed")
                 return
             self._pump()
-            for item, _ in poller.poll(min(200, wait) if self._active else wait):
+            timeout = min(200, wait) if self._active else wait
+            if self._reopen_at:
+                timeout = min(timeout, max(0, int((min(self._reopen_at.values()) - time.monotonic()) * 1000)))
+            for item, _ in poller.poll(timeout):
                 if item == self._wake_r:
                     try:
                         os.read(self._wake_r, 4096)
@@ -393,6 +408,7 @@ class Engine:
                 elif kind == "monitor":
                     self._on_disconnect(r)
             now = time.monotonic()
+            self._reopen_due(now, rejoin=True)
             if now >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = now + self.heartbeat
@@ -427,10 +443,10 @@ class Engine:
             kind = parse_monitor_message(frames)["event"]
             if kind == zmq.EVENT_CONNECTED:
                 self._progress[r] = max(self._progress[r], _CONNECTED)
-            elif kind == zmq.EVENT_CONNECT_RETRIED and self._progress[r] < _CONNECTED:
-                self._progress[r] = _REFUSED
-            elif kind == zmq.EVENT_DISCONNECTED:
+            elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
                 closed = True
+                if kind == zmq.EVENT_CLOSED and self._progress[r] < _CONNECTED:  # the connect itself failed
+                    self._progress[r] = _REFUSED
             failure = encryption.handshake_failure(frames, self.encrypt)
             if failure is not None:
                 count, since = self._handshake_failures[r]
@@ -445,7 +461,7 @@ class Engine:
     def _on_disconnect(self, r: int) -> None:
         closed, refused = self._monitor_events(r)
         if not closed and not refused:
-            return  # a connection (re)established or retried: nothing lost
+            return  # a connection made: nothing lost
         down = self._down.get(r)
         if down is not None and down[1] and refused:
             self._refused(r, f"{self._name(r)} came back but refused this worker: {refused}")
@@ -453,8 +469,8 @@ class Engine:
             self._lose_reducer(r, "its connection closed (the process exited, stopped answering heartbeats for "
                                   f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); "
                                   "reconnecting", reconnect=True)
-        elif down[1]:
-            self._reopen(r)  # it went away again in the middle of the new handshake
+        elif down[1]:  # not back yet, or gone again in the middle of the new handshake
+            self._reopen_at[r] = time.monotonic() + RECONNECT_S
 
     def _lose_reducer(self, r: int, reason: str, *, reconnect: bool) -> None:
         """Reducer r is gone: every pending collective that needs it fails now, naming it."""
@@ -468,9 +484,15 @@ class Engine:
                 self._fail(coll, text)
         self._inflight[r] = 0
         if reconnect:
-            self._reopen(r)
+            self._reopen(r, rejoin=True)
 
-    def _reopen(self, r: int) -> None:
+    def _reopen_due(self, now: float, rejoin: bool) -> None:
+        for r, at in list(self._reopen_at.items()):
+            if now >= at:
+                del self._reopen_at[r]
+                self._reopen(r, rejoin)
+
+    def _reopen(self, r: int, rejoin: bool) -> None:
         """A fresh connection to reducer r's address and a new handshake: a restarted reducer
         (it keeps no state between collectives) is used again once it admits this worker."""
         for old in (self._sockets[r], self._monitors[r]):
@@ -481,7 +503,7 @@ class Engine:
         self._sockets[r].close(linger=0)  # nothing queued for the old connection may reach the new one
         self._sockets[r], self._monitors[r] = self._open(self.reducers[r])
         self._watch(r)
-        self._hello(r, rejoin=True)  # queued until the connection is up
+        self._hello(r, rejoin)  # queued until the connection is up
 
     def _event(self, name: str, r: int, **fields: Any) -> None:
         """A WARNING log line about reducer r, naming this rank and the reducer."""
@@ -490,6 +512,7 @@ class Engine:
     def _refused(self, r: int, reason: str) -> None:
         """Reducer r came back but cannot be used again: collectives that need it fail with reason."""
         self._down[r] = (reason, False)
+        self._reopen_at.pop(r, None)
         self._event("reducer_refused", r, reason=reason)
 
     def _readmitted(self, r: int, welcome: dict) -> None:
@@ -574,38 +597,49 @@ class Engine:
                 r = reducer_of(coll.seq, k, num)
                 if self._inflight[r] >= self.window:
                     return
-                self._send_chunk(coll, k, r)
+                if not self._send_chunk(coll, k, r):
+                    # Its socket has no connection left (and never makes another): the reducer is
+                    # gone, though its monitor has not said so yet. This fails coll, among others.
+                    return self._lose_reducer(r, "its connection closed; reconnecting", reconnect=True)
                 coll.next += 1
             self._sending.popleft()
 
-    def _send_chunk(self, coll: Collective, k: int, r: int) -> None:
+    def _send_chunk(self, coll: Collective, k: int, r: int) -> bool:
+        """Send chunk k of coll to reducer r; False if its connection is gone."""
         offset, count = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         free = self._free_slots[r]
         mtype, aux = MSG_DATA, coll.root
-        if payload is not None and free and coll.op is not OP_BROADCAST and nbytes <= self.slot_bytes:
-            mtype, aux = MSG_DATA_SHM, free.pop()
-            self._segments[r].slot(aux, nbytes)[:] = payload
-            self._slot_of[r][coll.seq, k] = aux
-            self.chunks_shared += 1
-            payload = None  # only the header goes out
+        shared = payload is not None and free and coll.op is not OP_BROADCAST and nbytes <= self.slot_bytes
+        if shared:
+            mtype, aux = MSG_DATA_SHM, free[-1]
         header = protocol.data_header(
             mtype, dtype=coll.dtype, op=coll.op, rank=self.rank, world=self.world, job=self.job,
             generation=self.generation, seq=coll.seq, chunk=k, nchunks=len(coll.chunks), offset=offset,
             count=count, total=coll.total, nbytes=nbytes, aux=aux)
+        if shared:
+            self._segments[r].slot(aux, nbytes)[:] = payload
         sock = self._sockets[r]
-        if payload is None:
-            _backend_send(sock, header)
-        else:
-            _backend_send(sock, header, _SNDMORE)
-            _backend_send(sock, payload, 0, False)
+        try:  # a window of chunks stays far below libzmq's queue: only a lost connection says Again
+            if payload is None or shared:
+                _backend_send(sock, header, _NOBLOCK)
+            else:
+                _backend_send(sock, header, _NOBLOCK | _SNDMORE)
+                _backend_send(sock, payload, _NOBLOCK, False)  # a message's parts go out together
+        except zmq.Again:
+            return False
+        if shared:
+            free.pop()
+            self._slot_of[r][coll.seq, k] = aux
+            self.chunks_shared += 1
         coll.state[k] = _SENT
         self._inflight[r] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
         if coll.trace is not None:
             coll.trace.chunk_sent()
+        return True
 
     def _drain(self, r: int) -> None:
         sock = self._sockets[r]

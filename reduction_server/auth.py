@@ -9,9 +9,15 @@ token never crosses the wire and no proof can be replayed:
   the world size, the job and the generation.
 The two proofs carry different labels, so neither can stand for the other. An empty token on
 both sides proves nothing, and admits anyone: that is a job started without RS_JOB_TOKEN.
+
+Anyone who reaches a reducer can have it prove the token over a nonce of their choosing, and
+then guess the token offline against that proof: so the HMAC key is the token stretched with
+scrypt (about 30 ms and 16 MiB once per token and process), and a token should be random anyway
+(`reduction-server run` makes one of 128 bits).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -24,6 +30,7 @@ NONCE_BYTES = 32
 PROOF_BYTES = 32  # an HMAC-SHA256 digest
 _WORKER_LABEL = b"reduction-server worker proof v2\0"
 _REDUCER_LABEL = b"reduction-server reducer proof v2\0"
+_STRETCH_SALT = b"reduction-server job token v2"
 
 
 def new_nonce() -> bytes:
@@ -31,8 +38,14 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
+@functools.lru_cache(maxsize=16)
+def _key(token: str) -> bytes:
+    """The HMAC key: the token stretched, so that each offline guess costs scrypt's work."""
+    return hashlib.scrypt(token.encode(), salt=_STRETCH_SALT, n=1 << 14, r=8, p=1, dklen=32)
+
+
 def _digest(token: str, message: bytes) -> bytes:
-    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+    return hmac.new(_key(token), message, hashlib.sha256).digest()
 
 
 def worker_proof(token: str, nonce: bytes, *, job: int, generation: int, rank: int, world: int) -> bytes:

@@ -47,6 +47,19 @@ def _port(text: str) -> int:
     return port
 
 
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer, `least` or more."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+    return parse
+
+
 def _subcommand(sub: argparse._SubParsersAction, name: str, summary: str, example: str,
                 readers: Sequence[str], note: str = "") -> argparse.ArgumentParser:
     """A subcommand whose --help gives its one-line summary, an example, and the environment
@@ -105,16 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _subcommand(
         sub, "serve", "Run one reducer: sum the gradient chunks the job's workers send it, and send the sums back.",
-        "RS_JOB_TOKEN=secret reduction-server serve --port 5555 --index 0 --workers 4", [REDUCERS],
+        "RS_JOB_TOKEN=$(openssl rand -hex 16) reduction-server serve --port 5555 --index 0 --workers 4", [REDUCERS],
         "Without --host, --port and --index it finds its place in CLUSTER_SPEC (task type workerpool2) or "
         "TF_CONFIG (task type ps).")
     serve.add_argument("--host", default=None,
                        help="address to bind (default: from the cluster spec, else 0.0.0.0)")
     serve.add_argument("--port", type=_port, default=None,
                        help="port to bind, 0-65535; 0 picks a free one (default: from the cluster spec, else 0)")
-    serve.add_argument("--workers", type=int, default=None,
+    serve.add_argument("--workers", type=_at_least(1), default=None,
                        help="number of worker ranks W (default: RS_WORLD_SIZE or the cluster spec, else the first HELLO's)")
-    serve.add_argument("--index", type=int, default=None,
+    serve.add_argument("--index", type=_at_least(0), default=None,
                        help="this reducer's index: its position in the workers' RS_REDUCERS (default: from the "
                             "cluster spec, else 0)")
     serve.add_argument("--deterministic", action="store_true", default=None,
@@ -123,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=_port, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: RS_METRICS_PORT; "
                             "0 or unset: off)")
-    serve.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+    serve.add_argument("--ready-fd", type=_at_least(0), default=None, metavar="FD",
                        help="for launchers: once listening, write the bound port and a newline to this file "
                             "descriptor and close it")
     serve.set_defaults(func=_serve)

@@ -100,28 +100,31 @@ class _Job:
         die_with_parent = _die_with_parent_hook()
         # Reducers first, and workers only once every reducer listens: a port that another process
         # holds fails the job here, before any worker could reach a stranger there.
-        ready = []
-        for index, port in enumerate(self.layout.reducer_ports):
-            ready_r, ready_w = os.pipe()
-            ready.append(ready_r)
-            argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
-                    "--port", str(port), "--workers", str(self.np), "--index", str(index), "--ready-fd", str(ready_w)]
-            # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
-            argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
-            child_env = dict(env, RS_REDUCER_INDEX=str(index))
-            # From the root directory: `-m` puts the working directory first on sys.path, and in a
-            # source checkout that is the uncompiled tree, not the installed package.
-            try:
-                failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent, cwd="/",
-                                      pass_fds=(ready_w,))
-            finally:
-                os.close(ready_w)
-            if failure is not None:
-                _close_all(ready)
-                return failure
-        failure = self._await_reducers(ready)
-        if failure is not None:
-            return failure
+        ready: List[int] = []
+        try:
+            for index, port in enumerate(self.layout.reducer_ports):
+                ready_r, ready_w = os.pipe()
+                ready.append(ready_r)
+                argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
+                        "--port", str(port), "--workers", str(self.np), "--index", str(index),
+                        "--ready-fd", str(ready_w)]
+                # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
+                argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
+                child_env = dict(env, RS_REDUCER_INDEX=str(index))
+                # From the root directory: `-m` puts the working directory first on sys.path, and in a
+                # source checkout that is the uncompiled tree, not the installed package.
+                try:
+                    failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent,
+                                          cwd="/", pass_fds=(ready_w,))
+                finally:
+                    os.close(ready_w)
+                if failure is not None:
+                    return failure
+            failure = self._await_reducers(ready)
+        finally:
+            _close_all(ready)
+        if failure is not None or self.signum is not None:
+            return failure if failure is not None else self._outcome()
         for rank in range(self.np):
             failure = self._spawn(self.workers, f"rank {rank}", self.command,
                                   _worker_environment(env, self.layout, rank, self.np), die_with_parent)
@@ -130,32 +133,32 @@ class _Job:
         return None
 
     def _await_reducers(self, ready: List[int]) -> Optional[int]:
-        """Wait until every reducer says it listens at its planned port (closing the `ready` pipes);
-        the job's exit code if one cannot."""
+        """Wait until every reducer says, on its `ready` pipe, that it listens at its planned port;
+        the job's exit code if one cannot. A stop signal ends the wait (the caller acts on it)."""
         deadline = time.monotonic() + _READY_S
-        try:
-            for child, port, address, fd in zip(self.reducers, self.layout.reducer_ports,
-                                                self.layout.reducer_addresses(), ready):
-                said = b""
-                while not said.endswith(b"\n"):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                        _say(f"{child.label} did not listen at {address} within {_READY_S:g} s; stopping the job")
-                        return 1
-                    chunk = os.read(fd, 64)
-                    if not chunk:  # it exited (or closed the pipe) before listening: its output says why
-                        status = _wait_briefly(child.proc)
-                        _say(f"{child.label} could not listen at {address}"
-                             + (f" ({_describe(status)})" if status is not None else "") + "; stopping the job")
-                        return _exit_code(status) if status else 1
-                    said += chunk
-                if said.strip() != str(port).encode():
-                    _say(f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
-                         "stopping the job")
+        for child, port, address, fd in zip(self.reducers, self.layout.reducer_ports,
+                                            self.layout.reducer_addresses(), ready):
+            said = b""
+            while not said.endswith(b"\n"):
+                if self.signum is not None:
+                    return None
+                if time.monotonic() >= deadline:
+                    _say(f"{child.label} did not listen at {address} within {_READY_S:g} s; stopping the job")
                     return 1
-            return None
-        finally:
-            _close_all(ready)
+                if not select.select([fd], [], [], _POLL_S)[0]:
+                    continue
+                chunk = os.read(fd, 64)
+                if not chunk:  # it exited, or closed the pipe, before listening: its output says why
+                    status = _wait_briefly(child.proc)
+                    _say(f"{child.label} exited before it listened at {address}"
+                         + (f" ({_describe(status)})" if status is not None else "") + "; stopping the job")
+                    return _exit_code(status) if status else 1
+                said += chunk
+            if said.strip() != str(port).encode():
+                _say(f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
+                     "stopping the job")
+                return 1
+        return None
 
     @staticmethod
     def _spawn(children: List[_Child], label: str, argv: List[str], env: Dict[str, str],

@@ -938,8 +938,11 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
           heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness, sndbuf=sndbuf or "auto",
           metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
     if ready_fd is not None:
-        with os.fdopen(ready_fd, "w") as ready:
-            ready.write(f"{bound}\n")
+        try:
+            with os.fdopen(ready_fd, "w") as ready:
+                ready.write(f"{bound}\n")
+        except BrokenPipeError:
+            pass  # the launcher gave up on this reducer already, and stops it
     try:
         reducer.run(lambda: bool(stopping))
     finally:

@@ -155,10 +155,10 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("RS_BIND_HOST", (REDUCERS,), "`0.0.0.0`", "address a discovered reducer binds"),
     Variable("RS_PROCS_PER_HOST", _BOTH, "1", "processes per worker host under a cluster spec"),
     Variable("RS_JOB_TOKEN", (*_BOTH, LAUNCHER), "none (`run`: a random one)",
-             "the job's shared secret: every worker and every reducer proves it to the other (HMAC) before "
-             "any data moves"),
-    Variable("RS_JOB_ID", (WORKERS,), "from the job", "job identity; a reducer serves one job at a time"),
-    Variable("RS_GENERATION", (WORKERS,), "0", "job generation; a newer one replaces an older one on the reducers"),
+             "the job's shared secret, random (`openssl rand -hex 16`): every worker and every reducer proves it "
+             "to the other before any data moves"),
+    Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time"),
+    Variable("RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers"),
     Variable("RS_CHUNK_BYTES", (WORKERS, BENCH), _bytes(DEFAULT_CHUNK_BYTES),
              "largest chunk a collective is cut into (the same on every rank)"),
     Variable("RS_WINDOW", (WORKERS, BENCH), str(DEFAULT_WINDOW), "chunks in flight per reducer"),
@@ -222,6 +222,7 @@ TUNING = tuple(v.name for v in variables_read_by(BENCH))
 _RANGES = {"RS_CHUNK_BYTES": (DEFAULT_CHUNK_BYTES, 64, None),
            "RS_PIPELINE_DEPTH": (DEFAULT_PIPELINE_DEPTH, 1, MAX_PIPELINE_DEPTH),
            "RS_WINDOW": (DEFAULT_WINDOW, 1, MAX_WINDOW)}
+assert set(TUNING) == {*_RANGES, "RS_SNDBUF"}, "every setting bench hosts inherit needs its range here"
 
 
 def tuning(name: str, environ: Optional[Mapping[str, str]] = None) -> int:

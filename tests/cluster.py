@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -36,6 +37,15 @@ def free_port_range(count: int) -> int:
             for sock in sockets:
                 sock.close()
     pytest.skip("no free port range")
+
+
+def unreachable(url: str) -> Optional[str]:
+    """None if `url` answers, else why not (for a skip that says why)."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10).close()
+        return None
+    except Exception as error:  # any failure means: no network for it
+        return f"{url}: {error}"
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

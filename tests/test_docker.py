@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from fnmatch import fnmatch
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
-from cluster import collect
+from cluster import collect, unreachable
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "deploy_worker.py"
@@ -152,15 +151,6 @@ def _remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _reachable(url: str) -> Optional[str]:
-    """None if `url` answers, else why not."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10).close()
-        return None
-    except Exception as error:  # any failure means: no network for the build
-        return f"{url}: {error}"
-
-
 def _base_image(engine: Engine, work: Path) -> str:
     """A Debian bookworm image with python3 and python3-venv, made without pulling."""
     given = os.environ.get("RS_DOCKER_BASE_IMAGE")
@@ -173,7 +163,7 @@ def _base_image(engine: Engine, work: Path) -> str:
                     "(apt-get install debootstrap, or set RS_DOCKER_BASE_IMAGE to a local python:*-slim image)")
     if os.geteuid() != 0:
         pytest.skip("debootstrap needs root to make the base image (or set RS_DOCKER_BASE_IMAGE)")
-    why = _reachable(MIRROR + "/dists/bookworm/Release")
+    why = unreachable(MIRROR + "/dists/bookworm/Release")
     if why:
         pytest.skip(f"the Debian mirror is unreachable, so no base image can be made: {why}")
     rootfs = work / "rootfs"
@@ -226,7 +216,7 @@ def _context(work: Path) -> Path:
 @pytest.fixture(scope="module")
 def image(engine: Engine) -> Iterator[Dict]:
     """The reducer image built from the Dockerfile; removed afterwards."""
-    why = _reachable("https://pypi.org/simple/pyzmq/")
+    why = unreachable("https://pypi.org/simple/pyzmq/")
     if why:
         pytest.skip(f"PyPI is unreachable, so the image cannot install its dependencies: {why}")
     work = Path(tempfile.mkdtemp(prefix="rs-docker-test-"))

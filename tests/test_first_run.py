@@ -32,15 +32,17 @@ def test_a_worker_waiting_for_reducers_says_which_and_why():
     default log level, instead of looking hung for RS_CONNECT_TIMEOUT."""
     port = free_port_range(1)
     script = ("import reduction_server.client as rs\n"
-              f"rs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=11)\n")
+              f"rs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=12.5)\n")
     proc = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     waiting = [line for line in proc.stderr.splitlines() if "waiting_for_reducers" in line]
-    assert len(waiting) == 2, proc.stderr  # at 5 and 10 s
-    assert re.search(r" NOTICE reduction_server\.client waiting_for_reducers rank=0 waited_s=5 connect_timeout_s=11 "
-                     rf'waiting="reducer 0 \(127\.0\.0\.1:{port}\): connection refused: nothing listens there \(is '
-                     r"`reduction-server serve` running there, and the port in RS_REDUCERS right\?\)", waiting[0]), waiting
-    assert ("CollectiveError: rank 0: no reducer admitted this worker within 11 s (RS_CONNECT_TIMEOUT): "
+    assert 1 <= len(waiting) <= 2, proc.stderr  # at about 5 and 10 s
+    for line in waiting:
+        assert re.search(r" NOTICE reduction_server\.client waiting_for_reducers rank=0 waited_s=\d+ "
+                         rf'connect_timeout_s=12\.5 waiting="reducer 0 \(127\.0\.0\.1:{port}\): connection refused: '
+                         r"nothing listens there \(is `reduction-server serve` running there, and the port in "
+                         r'RS_REDUCERS right\?\)"$', line), line
+    assert ("CollectiveError: rank 0: no reducer admitted this worker within 12.5 s (RS_CONNECT_TIMEOUT): "
             f"reducer 0 (127.0.0.1:{port}): connection refused: nothing listens there") in proc.stderr
 
 
@@ -196,7 +198,7 @@ def test_the_launcher_refuses_a_port_that_a_stranger_holds():
         stranger.terminate()
         _, stranger_log = stranger.communicate(timeout=20)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"reduction-server run: reducer 0 could not listen at 127.0.0.1:{base} (exited with code 1); " \
+    assert f"reduction-server run: reducer 0 exited before it listened at 127.0.0.1:{base} (exited with code 1); " \
            "stopping the job" in proc.stderr
     assert f"[reducer 0] reduction-server serve: cannot listen on tcp://127.0.0.1:{base}: the port is already in " \
            "use" in proc.stdout

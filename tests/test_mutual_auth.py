@@ -100,8 +100,14 @@ class FakeReducer:
             self.received.append((header, payload))
             if header.type is not MsgType.HELLO:
                 continue
-            if self.answer == "forged proof":  # claims a token, proves nothing
-                reply = auth.challenge(auth.new_nonce(), os.urandom(auth.PROOF_BYTES))
+            if self.answer in ("forged proof", "a proof for index 1"):
+                if self.answer == "forged proof":  # claims a token, proves nothing
+                    proof = os.urandom(auth.PROOF_BYTES)
+                else:  # knows the token, but proves another index than the one it claims (0)
+                    worker_nonce = bytes.fromhex(json.loads(payload)["nonce"])
+                    proof = auth.reducer_proof(TOKEN, worker_nonce, index=1, job=header.job,
+                                               generation=header.generation)
+                reply = auth.challenge(auth.new_nonce(), proof)
                 header_bytes = protocol.text_header(MsgType.CHALLENGE, reply, rank=0, world=header.world,
                                                     job=header.job, aux=1)
             else:  # "welcome at once": skips the proof altogether
@@ -119,6 +125,7 @@ class FakeReducer:
 
 @pytest.mark.parametrize("answer, words", [
     ("forged proof", "did not prove the job token (RS_JOB_TOKEN): its RS_JOB_TOKEN is not this worker's"),
+    ("a proof for index 1", "did not prove the job token (RS_JOB_TOKEN)"),
     ("welcome at once", "sent WELCOME without proving the job token (RS_JOB_TOKEN) first"),
 ])
 def test_a_rogue_on_this_host_sees_only_a_hello_without_shared_memory(answer, words):
@@ -135,6 +142,15 @@ def test_a_rogue_on_this_host_sees_only_a_hello_without_shared_memory(answer, wo
     assert [h.type for h, _ in fake.received] == [MsgType.HELLO], [h.type.name for h, _ in fake.received]
     hello = json.loads(fake.received[0][1])
     assert "shared_memory" not in hello and len(bytes.fromhex(hello["nonce"])) == auth.NONCE_BYTES
+
+
+def test_a_worker_never_lets_libzmq_reconnect_a_connection():
+    """libzmq's own reconnect would carry what is queued or sent next to whatever listens at the
+    address by then, with no handshake: each worker socket is one connection, and a new one comes
+    with a new socket and a new proof."""
+    with reducers(1, workers=1, token=TOKEN) as group:
+        with rs.Communicator(group.addresses, 0, 1, job_token=TOKEN) as comm:
+            assert [s.getsockopt(zmq.RECONNECT_IVL) for s in comm._engine._sockets] == [-1]
 
 
 def test_a_genuine_reducer_on_this_host_still_gets_the_shared_memory_offer():
