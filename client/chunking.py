@@ -8,9 +8,17 @@ rotate over the reducers.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, NamedTuple, Tuple
 
 from reduction_server.settings import DEFAULT_PIPELINE_DEPTH
+
+
+class Chunk(NamedTuple):
+    """One chunk of a collective: its bounds in elements, and the reducer that sums it."""
+
+    offset: int
+    count: int
+    reducer: int
 
 #: below this, a chunk is not split further to use more reducers (per-message cost dominates)
 MIN_SPLIT_BYTES = 64 * 1024
@@ -34,3 +42,10 @@ def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
 
 def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
     return (seq + chunk) % num_reducers
+
+
+def plan(seq: int, total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
+         depth: int = DEFAULT_PIPELINE_DEPTH) -> List[Chunk]:
+    """Collective seq's chunks, each with its reducer: the one plan the engine follows."""
+    return [Chunk(offset, count, reducer_of(seq, k, num_reducers))
+            for k, (offset, count) in enumerate(plan_chunks(total, itemsize, num_reducers, chunk_bytes, depth))]

@@ -24,7 +24,7 @@ from reduction_server.settings import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT,
                                        env_flag, env_number, socket_send_buffer, tuning)
 
 from .buffers import WireBuffer, empty_like, wire_view
-from .chunking import plan_chunks
+from .chunking import plan
 from .engine import Collective, Engine
 from .timeline import Trace
 
@@ -159,11 +159,12 @@ class Communicator:
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
         limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
-        chunks = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
-                             self.pipeline_depth)
         with self._submit_lock:
-            coll = Collective(next(self._seq), dst.dtype, op, root, src.data if src else None, dst.data,
-                              dst.count, chunks, result, trace=trace, traced=traced)
+            seq = next(self._seq)
+            chunks = plan(seq, dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
+                          self.pipeline_depth)
+            coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
+                              result, trace=trace, traced=traced)
             self._engine.submit(coll)
         return Handle(coll.future)
 

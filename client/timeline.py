@@ -28,12 +28,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
-
-from reduction_server.protocol import ReduceOp
-
-if TYPE_CHECKING:
-    from .engine import Collective
+from typing import Any, Dict, List, Optional
 
 _lock = threading.Lock()
 _open: Dict[str, "Timeline"] = {}  # resolved path -> the timeline writing it
@@ -133,14 +128,11 @@ class Timeline:
         shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
         return self.begin(f"{prefix}{shown}", {**args, "tensors": names})
 
-    def submitted(self, coll: "Collective") -> Trace:
-        """A collective was handed to the engine; its trace is its bucket's (fusion), or new."""
-        what = "broadcast" if coll.op is ReduceOp.BROADCAST else f"all_reduce {coll.op.name.lower()}"
-        args = {"seq": coll.seq, "op": what, "dtype": coll.dtype.name.lower(), "count": coll.total,
-                "bytes": coll.total * coll.dtype.itemsize, "chunks": len(coll.chunks)}
-        trace = coll.trace
+    def submitted(self, trace: Optional[Trace], name: str, args: Dict[str, Any]) -> Trace:
+        """A collective (`name`, `args`) was handed to the engine; its trace is its bucket's
+        (fusion), or a new one."""
         if trace is None:
-            trace = self.begin(f"{what} #{coll.seq}", args)
+            trace = self.begin(name, args)
         else:
             trace.args.update(args)
         trace.submitted = time.perf_counter()

@@ -1,7 +1,7 @@
 """Prometheus metrics of one reducer, served over HTTP when `--metrics-port` / RS_METRICS_PORT is set.
 
 The reducer's loop is one Python thread that handles every chunk, so its counters are plain
-integer attributes of the Reducer (bytes, rounds, admissions), bumped for the stop summary
+integer attributes of the Reducer and its rooms (bytes, rounds, admissions), bumped for the stop summary
 whether or not metrics are served, and read here only when Prometheus scrapes: a scrape costs
 the loop nothing. The timings (kernel time, round latency, per-rank arrival lag) are observed
 only when metrics are on, into plain lists that this module turns into Prometheus histograms
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from itertools import accumulate
-from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -24,9 +24,6 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.process_collector import ProcessCollector
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:  # the reducer imports this module, not the other way round
-    from .reducer import Reducer
 
 PREFIX = "reduction_server"
 # One contribution folded into an accumulator: 64 KiB takes microseconds, 64 MiB about 10 ms.
@@ -42,7 +39,7 @@ class _ReducerCollector:
     Runs in the HTTP server's thread while the reducer's loop mutates its dicts: list() over a
     dict's values is one C-level call under the GIL, so it never sees a dict change size."""
 
-    def __init__(self, reducer: "Reducer") -> None:
+    def __init__(self, reducer: Any) -> None:  # a reducer.Reducer: the reducer imports this module, not back
         self.reducer = reducer
         self.label = str(reducer.index)
 
@@ -63,17 +60,17 @@ class _ReducerCollector:
 
         yield counter("received_bytes", "Payload bytes of chunk contributions (DATA) received from workers.",
                       r.bytes_in)
-        yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.bytes_out)
+        yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.rounds.bytes_out)
         yield counter("shared_memory_bytes", "Of the received and sent bytes, those that went through "
                       "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM).", r.bytes_shared)
         yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
-                      "rank and sent back to all of them.", r.completed)
+                      "rank and sent back to all of them.", r.rounds.completed)
         failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "
                                      "of a failed round gets an ERROR naming the cause).", labels=["reducer", "code"])
-        for code, count in sorted(r.failed_codes.items()):
+        for code, count in sorted(r.rounds.failed_codes.items()):
             failed.add_metric([self.label, code], count)
         yield failed
-        rounds = list(r.rounds.values())
+        rounds = list(r.rounds.rounds.values())
         yield gauge("rounds_in_flight", "Rounds that have contributions but not yet all of them.",
                     [([], sum(1 for rnd in rounds if rnd.error is None))])
         pool = r.pool
@@ -87,7 +84,7 @@ class _ReducerCollector:
         yield gauge("peers_connected", "Workers admitted and connected now.",
                     [([], sum(1 for peer in list(r.peers.values()) if peer.admitted))])
         yield counter("peers_admitted", "Handshakes completed (a worker that reconnects counts again).",
-                      r.admissions)
+                      r.admission.admissions)
 
 
 class _Histogram:
@@ -117,7 +114,7 @@ class _Histogram:
 class ReducerMetrics:
     """The timings the reducer observes when metrics are on, and the registry they are served from."""
 
-    def __init__(self, reducer: "Reducer") -> None:
+    def __init__(self, reducer: Any) -> None:  # a reducer.Reducer
         self.kernel = _Histogram(KERNEL_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
         self.lag_count: List[int] = []  # by rank

@@ -152,7 +152,7 @@ def fold_in_order(deterministic: bool, order, inputs: List[np.ndarray]) -> bytes
     results = [m[2] for m in sock.sent if protocol.unpack(m[1]).type is MsgType.RESULT]
     assert len(results) == WORLD, "every rank gets the result"
     assert len(set(results)) == 1
-    assert reducer.pool.held_bytes == 0 and not reducer.rounds
+    assert reducer.pool.held_bytes == 0 and not reducer.rounds.rounds
     return results[0]
 
 

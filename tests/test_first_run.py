@@ -154,13 +154,13 @@ def test_a_send_to_a_worker_that_said_bye_is_no_warning_and_no_loss(caplog):
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.DEBUG, logger="reduction_server"):
-            reducer.ping_peers()  # the heartbeat finds rank 1's connection gone
+            reducer.members.ping_peers()  # the heartbeat finds rank 1's connection gone
             reducer.handle([zmq.Frame(b"r1"), zmq.Frame(_header("BYE", b"", dict(rank=1, world=2, job=3)))])
-            reducer.check_unreachable()
+            reducer.members.check_unreachable()
     finally:
         logger.removeHandler(caplog.handler)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert "closed its communicator (BYE)" in reducer.lost[1]  # a departure, not a lost connection
+    assert "closed its communicator (BYE)" in reducer.members.lost[1]  # a departure, not a lost connection
     assert any("send_failed" in r.getMessage() for r in caplog.records)
 
 

@@ -150,7 +150,7 @@ def test_a_worker_never_lets_libzmq_reconnect_a_connection():
     with a new socket and a new proof."""
     with reducers(1, workers=1, token=TOKEN) as group:
         with rs.Communicator(group.addresses, 0, 1, job_token=TOKEN) as comm:
-            assert [s.getsockopt(zmq.RECONNECT_IVL) for s in comm._engine._sockets] == [-1]
+            assert [s.getsockopt(zmq.RECONNECT_IVL) for s in comm._engine.connections.sockets] == [-1]
 
 
 def test_a_genuine_reducer_on_this_host_still_gets_the_shared_memory_offer():

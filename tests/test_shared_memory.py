@@ -164,13 +164,14 @@ def test_an_answer_about_no_chunk_frees_no_slot():
     engine = Engine(("127.0.0.1:1",), 0, 1, job_token="", job_id=0, generation=0, window=2, timeout=1,
                     connect_timeout=1, io_threads=1, shared=True)
     try:
-        engine._free_slots[0], engine._slot_of[0] = [1], {(0, 0): 0}  # slot 0 holds (seq 0, chunk 0)
+        slots = engine.slots
+        slots.free[0], slots.slot_of[0] = [1], {(0, 0): 0}  # slot 0 holds (seq 0, chunk 0)
         keyless = protocol.unpack(protocol.error_header(ErrorCode.INTERNAL, b"internal error"))
-        assert engine._release_slot(0, keyless) is None
-        assert engine._slot_of[0] == {(0, 0): 0} and engine._free_slots[0] == [1]
+        assert slots.release(0, keyless) is None
+        assert slots.slot_of[0] == {(0, 0): 0} and slots.free[0] == [1]
         answer = Header(MsgType.RESULT_SHM, dtype=7, world=1, nchunks=1, count=1, total=1, nbytes=4)
-        assert engine._release_slot(0, answer) == 0
-        assert engine._slot_of[0] == {} and sorted(engine._free_slots[0]) == [0, 1]
+        assert slots.release(0, answer) == 0
+        assert slots.slot_of[0] == {} and sorted(slots.free[0]) == [0, 1]
     finally:
         engine.close()  # never started: this only closes its wake-up pipe
 
@@ -249,9 +250,9 @@ def test_slots_come_back_after_a_failed_collective_and_are_used_again(group):
         with pytest.raises(CollectiveError, match="disagree"):
             comm.all_reduce(np.ones(100_000 + rank * 64, np.float32))
         deadline = time.monotonic() + 5
-        while any(len(free) < window for free in engine._free_slots) and time.monotonic() < deadline:
+        while any(len(free) < window for free in engine.slots.free) and time.monotonic() < deadline:
             time.sleep(0.01)  # late answers free the last slots on the engine thread
-        assert [len(free) for free in engine._free_slots] == [window, window]
+        assert [len(free) for free in engine.slots.free] == [window, window]
         before = engine.chunks_shared
         for _ in range(3):
             np.testing.assert_array_equal(comm.all_reduce(np.ones(100_000, np.float32)), 2)
@@ -266,7 +267,7 @@ def test_ranks_offer_no_segment_with_rs_shm_off(group, monkeypatch):
 
     def body(comm, rank):
         np.testing.assert_array_equal(comm.all_reduce(np.ones(10, np.int32)), 2)
-        return comm._engine.chunks_shared, comm._engine._segments
+        return comm._engine.chunks_shared, comm._engine.slots.segments
 
     job = secrets.randbits(63)
     results = cluster.run_ranks(2, lambda rank: rs.Communicator(group.addresses, rank, 2, job_id=job, **OPTIONS),
@@ -306,7 +307,7 @@ def test_a_reducer_across_a_link_is_offered_no_segment():
         try:
             x = np.arange(1 << 16, dtype=np.float32)
             np.testing.assert_array_equal(comm.all_reduce(x), x)
-            assert comm._engine._segments == [None] and comm._engine.chunks_shared == 0
+            assert comm._engine.slots.segments == [None] and comm._engine.chunks_shared == 0
         finally:
             comm.close()
         reducer.terminate()

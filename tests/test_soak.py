@@ -25,7 +25,8 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server import protocol, reducer as reducer_module
+from reduction_server import protocol
+from reduction_server.reducer import admission as admission_module
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 
@@ -119,17 +120,17 @@ def test_what_a_reducer_keeps_about_strangers_is_dropped_when_they_go(monkeypatc
     for identity in strangers[10:20]:
         reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
     assert len(reducer.strikes) == 2990
-    reducer.check_unreachable()
+    reducer.members.check_unreachable()
     # Silent for FORGET_AFTER_S: forgotten, except the dropped peers that are still sending.
     later = reducer.now + FORGET_AFTER_S + 1
     reducer.now = later - 1
     for identity in strangers[:10]:
         reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
-    reducer.forget_strangers(later)
+    reducer.admission.forget_strangers(later)
     assert sorted(reducer.strikes) == sorted(strangers[:10]) and reducer.peers == {}
     # And the table is capped, whatever the rate of new identities.
-    monkeypatch.setattr(reducer_module, "MAX_STRIKE_ENTRIES", 100)
+    monkeypatch.setattr(admission_module, "MAX_STRIKE_ENTRIES", 100)
     for identity in strangers:
         reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
-    reducer.forget_strangers(reducer.now)
+    reducer.admission.forget_strangers(reducer.now)
     assert len(reducer.strikes) == 100

@@ -21,12 +21,14 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 keras = pytest.importorskip("keras", reason="keras 3 is not installed (it comes with tensorflow >= 2.16)")
 
 import reduction_server.client.tensorflow as rstf  # noqa: E402
-from cluster import ROOT, reducers, run_example, run_workers  # noqa: E402
+from cluster import ROOT, SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(SCRIPTS))  # report, when this module runs as a rank's script
 import keras_fit  # noqa: E402
 import tf_custom_loop  # noqa: E402
+from report import report  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 PER = 4  # rows per rank per step
@@ -344,7 +346,7 @@ def _worker():
     out["broadcast"] = variables[0].numpy().tolist()
     out["mismatch"] = _mismatch(rank, world)
     rstf.shutdown()
-    print(json.dumps(out))
+    report(out)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:

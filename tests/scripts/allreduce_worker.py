@@ -10,6 +10,7 @@ import numpy as np  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
 from reference import check, make_input  # noqa: E402
+from report import report  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
                     failures.append(f"broadcast of {count} from root {root} gave {x[:4]}")
                 done += 1
         comm.barrier()
-    print(json.dumps({"rank": rank, "done": done, "failures": failures[:20]}))
+    report({"rank": rank, "done": done, "failures": failures[:20]})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ and checks every result against NumPy. Prints one JSON line: rank, world, reduce
 
 EXPECT_RANK and EXPECT_WORLD, when set, are what discovery must have found.
 """
-import json
 import os
 import sys
 
@@ -12,6 +11,7 @@ import numpy as np
 
 import reduction_server.client as rs
 from reduction_server.discovery import discover_worker
+from report import report
 
 # (dtype, op, element count): small and multi-chunk buffers (RS_CHUNK_BYTES is set small by the
 # test, so the larger ones are spread over every reducer).
@@ -68,8 +68,8 @@ def main() -> None:
             failures.append("broadcast from the last rank gave the wrong values")
         checks += 1
         comm.barrier()
-        print(json.dumps({"rank": comm.rank, "world": comm.world_size, "reducers": list(comm.reducers),
-                          "source": place.source, "checks": checks, "failures": failures}))
+        report({"rank": comm.rank, "world": comm.world_size, "reducers": list(comm.reducers),
+                "source": place.source, "checks": checks, "failures": failures})
     sys.exit(1 if failures else 0)
 
 

@@ -49,7 +49,7 @@ def admit(reducer: Reducer, rank: int) -> None:
     """The handshake of rank, with the right proof (skipped if it is admitted); a rank whose
     connection the reducer ignores (too many malformed frames) comes back as a new one."""
     identity = RANKS[rank]
-    if reducer.rank_identity.get(rank) == identity:
+    if reducer.members.rank_identity.get(rank) == identity:
         return
     if reducer.strikes.get(identity, (0,))[0] >= MAX_STRIKES:
         identity = RANKS[rank] = b"rank%d-%d" % (rank, time.monotonic_ns())
@@ -120,7 +120,7 @@ def check(reducer: Reducer, seen: dict) -> None:
     pool = reducer.pool
     charged = {}
     held = 0
-    for rnd in reducer.rounds.values():
+    for rnd in reducer.rounds.rounds.values():
         if rnd.charged:
             charged[rnd.owner] = charged.get(rnd.owner, 0) + rnd.charged
         for rank, frame in rnd.held.items():
@@ -149,9 +149,9 @@ def main() -> None:
             deliver(reducer, identity, *frames)
         if fdp.ConsumeIntInRange(0, 15) == 0:  # time passes: timeouts, skipped rounds, strangers forgotten
             reducer.now = time.monotonic() + fdp.ConsumeIntInRange(0, 400)
-            reducer.expire_rounds(reducer.now)
-            reducer.check_skipped()
-            reducer.forget_strangers(reducer.now)
+            reducer.rounds.expire(reducer.now)
+            reducer.rounds.check_skipped()
+            reducer.admission.forget_strangers(reducer.now)
         check(reducer, seen)
         if time.monotonic() > stop:  # libFuzzer's own -max_total_time exits without a word
             print(f"atheris: {runs[0]} inputs, no violation; answers: {seen}", flush=True)

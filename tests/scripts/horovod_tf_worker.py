@@ -15,6 +15,7 @@ import tensorflow as tf  # noqa: E402
 import keras_fit  # noqa: E402
 import reduction_server.client.horovod.keras as hvd  # noqa: E402
 import tf_custom_loop  # noqa: E402
+from report import report  # noqa: E402
 
 
 def custom_loop(rank, world, steps, per, lr, predivide):
@@ -93,7 +94,7 @@ def main():
               "loop": custom_loop(rank, world, **spec["loop"]), "fit": fit(rank, world, **spec["fit"]),
               "warmup": fit(rank, world, **spec["warmup"])["history"]}
     hvd.shutdown()
-    print(json.dumps(result))
+    report(result)
 
 
 if __name__ == "__main__":

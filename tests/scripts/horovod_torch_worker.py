@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 import reduction_server.client.horovod.torch as hvd  # noqa: E402
 from torch_model import LR, STEPS, batch, make_model  # noqa: E402
+from report import report  # noqa: E402
 
 
 def flat(model):
@@ -109,7 +110,7 @@ def main():
               "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
               "train": {name: train(rank, world, config) for name, config in configs.items()}}
     hvd.shutdown()
-    print(json.dumps(result))
+    report(result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ broadcast), every result checked against tests/reference.py, until rank 0 has ru
 `{"warm": ...}` once WARMUP_SECONDS have passed (its RSS and open files then) and a last JSON line
 with the counts, the failures, and its RSS and open files at the end.
 """
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import psutil  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
 from reference import DTYPES, OPS, check, make_input  # noqa: E402
+from report import report  # noqa: E402
 
 COUNTS = [1, 7, 1000, 4099, 65_537, 300_000]  # a fixed set: a training job repeats its sizes
 
@@ -63,15 +63,15 @@ def main() -> None:
             i += 1
             if warm is None and time.monotonic() - start >= warmup:
                 warm = usage()
-                print(json.dumps({"warm": warm, "done": done}), flush=True)
+                report({"warm": warm, "done": done})
             if i % 8 == 0:  # every rank stops after the same collective: rank 0's clock decides
                 go = np.array([rank == 0 and time.monotonic() - start < seconds], np.int32)
                 done += 1
                 if comm.all_reduce(go, "max")[0] == 0:
                     break
         end = usage()  # with the communicator still open, like the warm-up figure
-    print(json.dumps({"rank": rank, "done": done, "failures": failures[:20], "warm": warm, "end": end,
-                      "seconds": time.monotonic() - start}), flush=True)
+    report({"rank": rank, "done": done, "failures": failures[:20], "warm": warm, "end": end,
+            "seconds": time.monotonic() - start})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """One rank of the timeline test: plain all-reduces, one fused step whose tensors arrive in
 reverse order, then an all-reduce the ranks disagree on (it fails). Rank 0 closes its
 communicator; the others leave the timeline to the exit hook."""
-import json
 import sys
 
 import numpy as np
@@ -9,6 +8,7 @@ import numpy as np
 import reduction_server.client as rs
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec
 from reduction_server.protocol import DType
+from report import report
 
 PLAIN = [1000, 300_000]  # one chunk; several chunks
 TENSORS = [("w1", 1000), ("b1", 10), ("w2", 2000), ("b2", 20), ("w3", 500)]
@@ -32,7 +32,7 @@ def main() -> None:
         raise AssertionError("an all-reduce of different sizes succeeded")
     except rs.CollectiveError:
         pass
-    print(json.dumps({"rank": comm.rank, "buckets": [[s.name for s in b.specs] for b in plan.buckets]}))
+    report({"rank": comm.rank, "buckets": [[s.name for s in b.specs] for b in plan.buckets]})
     sys.stdout.flush()
     if comm.rank == 0:
         comm.close()

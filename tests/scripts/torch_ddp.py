@@ -23,6 +23,7 @@ import reduction_server.client.torch as rst  # noqa: E402
 import torch_ops  # noqa: E402
 import torch_overlap  # noqa: E402
 from torch_model import STEPS, batch, make_model, train  # noqa: E402
+from report import report  # noqa: E402
 
 
 def flat(model):
@@ -75,7 +76,7 @@ def main():
         else:
             out[setup] = run(setup, spec, rank, world)
         print(f"rank {rank}: {setup} done", file=sys.stderr, flush=True)
-    print(json.dumps(out))
+    report(out)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """One rank: plain torch.distributed collectives through init_process_group("reduction_server")
 (no MASTER_ADDR: the discovery-only rendezvous). Checks every result against what each rank's
 known inputs give and prints {"rank", "done", "failures"} as one JSON line."""
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 import reduction_server.client.torch  # noqa: F401  (registers the backend)
+from report import report  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
           torch.uint8]
@@ -152,4 +152,4 @@ def main():
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    report(main())

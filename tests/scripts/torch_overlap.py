@@ -1,7 +1,6 @@
 """One rank: DDP through the reduction_server backend on a model of several buckets, recording
 in one sequence when each bucket's all-reduce is handed to the Communicator and when the first
 layer's weight gradient (the last one backward computes) is computed. Prints the order."""
-import json
 import sys
 import threading
 
@@ -10,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import reduction_server.client.torch  # noqa: F401  (registers the backend)
+from report import report
 
 LAYERS, WIDTH = 6, 256  # each layer's weight is 256 KiB: one bucket each at bucket_cap_mb=0.25
 
@@ -51,4 +51,4 @@ def main(bucket_cap_mb=0.25):
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(float(sys.argv[1]) if len(sys.argv) > 1 else 0.25)))
+    report(main(float(sys.argv[1]) if len(sys.argv) > 1 else 0.25))

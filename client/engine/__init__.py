@@ -1,0 +1,17 @@
+"""The progress engine of a worker: one background thread that owns its sockets and moves chunks.
+
+Rooms (each a module), in the order they may import each other:
+- identity.py: who the worker is (rank, world, job, generation), as its headers say it;
+- collective.py: one collective in flight, its chunk plan (chunking.py) and each chunk's state;
+- ledger.py: the collectives in flight, and every way one ends;
+- slots.py: shared-memory slots with reducers on this host;
+- connections.py: a socket per reducer, one connection each, lost and opened again;
+- handshake.py: the proofs of the job token both ways, and the first wait for every reducer;
+- pump.py: chunks out in one global order within each reducer's window;
+- results.py: everything reducers send back, settled against the chunks it answers;
+- engine.py: `Engine`, the thread and its loop, and the user side (start, submit, close).
+"""
+from .collective import Collective
+from .engine import Engine
+
+__all__ = ["Collective", "Engine"]

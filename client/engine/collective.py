@@ -1,0 +1,62 @@
+"""One collective in flight on a worker: its buffers, its chunk plan, and each chunk's state."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+from reduction_server.protocol import DType, ReduceOp
+
+from ..chunking import Chunk
+from ..timeline import Trace
+
+#: a chunk's state: not sent yet, sent and not answered, answered (or given up)
+UNSENT, SENT, ANSWERED = 0, 1, 2
+
+
+@dataclass
+class Collective:
+    """A collective handed to the engine; its Future completes with `result` or a CollectiveError."""
+
+    seq: int
+    dtype: DType
+    op: ReduceOp
+    root: int
+    send: Optional[memoryview]  # None: this rank contributes no payload (broadcast, not root)
+    recv: memoryview
+    total: int
+    chunks: List[Chunk]  # the plan (chunking.py): each chunk's bounds and reducer
+    result: Any
+    future: Future = field(default_factory=Future)
+    next: int = 0  # next chunk to send
+    answered: int = 0
+    state: bytearray = field(default=None)  # per chunk: UNSENT, SENT, ANSWERED
+    errors: List[Tuple[int, str]] = field(default_factory=list)  # (chunk, what went wrong)
+    last_progress: float = 0.0
+    blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
+    trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
+    traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
+    reducers: FrozenSet[int] = field(default=frozenset(), init=False)  # those its chunks go to
+
+    def __post_init__(self) -> None:
+        self.state = bytearray(len(self.chunks))
+        self.reducers = frozenset(chunk.reducer for chunk in self.chunks)
+
+    def describe(self) -> str:
+        what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
+        return f"collective seq={self.seq} ({what} of {self.total} x {self.dtype.name.lower()})"
+
+    def trace_facts(self) -> Tuple[str, Dict[str, Any]]:
+        """Its name and arguments on the timeline (timeline.py)."""
+        what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
+        return f"{what} #{self.seq}", {"seq": self.seq, "op": what, "dtype": self.dtype.name.lower(),
+                                       "count": self.total, "bytes": self.total * self.dtype.itemsize,
+                                       "chunks": len(self.chunks)}
+
+    def pending_on(self, r: int) -> bool:
+        """Whether a chunk of this collective on reducer r is not answered yet (sent or not)."""
+        return r in self.reducers and any(s != ANSWERED and c.reducer == r for c, s in zip(self.chunks, self.state))
+
+    def sent_to(self, r: int) -> bool:
+        """Whether a chunk of this collective was sent to reducer r and is not answered yet."""
+        return r in self.reducers and any(s == SENT and c.reducer == r for c, s in zip(self.chunks, self.state))

@@ -1,0 +1,198 @@
+"""The Engine: one background thread that owns a worker's sockets and moves every chunk.
+
+ZeroMQ sockets are not thread-safe, so a single thread sends every chunk and receives every
+result; user threads hand it collectives through a queue and a wake-up pipe and wait on each
+one's Future. The thread first handshakes with every reducer (handshake.py), then loops: take new
+collectives, pump chunks (pump.py), read what reducers send (results.py), watch connections
+(connections.py), heartbeat, and fail collectives that make no progress (ledger.py).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Deque, Optional, Tuple
+
+import zmq
+
+from reduction_server import encryption, shared_memory
+from reduction_server.errors import CollectiveError
+from reduction_server.log import get_logger
+from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
+                                       env_number)
+
+from .. import timeline
+from .collective import Collective
+from .connections import Connections
+from .handshake import Handshake
+from .identity import Identity
+from .ledger import Ledger
+from .pump import Pump
+from .results import Results
+from .slots import Slots
+
+log = get_logger("client")
+
+
+class Engine:
+    """A worker's progress engine: start() it, submit() collectives, close() it."""
+
+    def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
+                 job_id: int, generation: int, window: int, timeout: float,
+                 connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
+                 liveness_timeout: Optional[float] = None, encrypt: bool = False,
+                 shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES,
+                 sndbuf: int = 0) -> None:
+        if encrypt:
+            encryption.check(job_token)
+        self.reducers = reducers
+        self.rank = rank
+        me = Identity(rank, world_size, job_id, generation)
+        self.timeout = timeout
+        # The reducer fails a round after RS_TIMEOUT with the same message on every rank; this
+        # side's own limit is a backstop a little longer, for a reducer that cannot answer.
+        self.backstop = client_backstop(timeout)
+        heartbeat = heartbeat_interval or env_number(
+            "RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
+        liveness = liveness_timeout or env_number(
+            "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
+        self.heartbeat = heartbeat
+        self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
+        names = [f"reducer {r} ({address})" for r, address in enumerate(reducers)]
+        self.ledger = Ledger(me, names, self.timeline)
+        # A segment is offered only to a reducer on this host: only it can map one.
+        self.slots = Slots(me, [shared and shared_memory.is_local(address) for address in reducers], window,
+                           slot_bytes)
+        self.connections = Connections(me, reducers, self.ledger, self.slots, job_token=job_token, encrypt=encrypt,
+                                       heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf, io_threads=io_threads)
+        self.handshake = Handshake(me, self.connections, self.slots, job_token, connect_timeout)
+        self.pump = Pump(me, self.ledger, self.connections, self.slots, window, liveness)
+        self.results = Results(self.ledger, self.connections, self.handshake, self.slots)
+        self._queue: Deque[Collective] = deque()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
+        self._closing = False
+        self._ready = threading.Event()
+        self._startup_error: Optional[BaseException] = None
+        self._dead: Optional[str] = None  # why the engine stopped, once it has
+        self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """The smallest accumulator chunk any reducer accepts (from WELCOME): it caps the chunk size."""
+        return self.handshake.max_chunk_bytes
+
+    @property
+    def chunks_shared(self) -> int:
+        """Chunks that went through shared memory, both ways."""
+        return self.slots.chunks_shared
+
+    # -- user side -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect and handshake with every reducer; raises what went wrong (CollectiveError)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            self._thread.join()
+            os.close(self._wake_r)  # close() is never called on an engine that did not start
+            os.close(self._wake_w)
+            if self.timeline is not None:
+                self.timeline.release()
+            raise self._startup_error
+
+    def submit(self, coll: Collective) -> None:
+        """Hand a collective to the engine thread; its Future says how it ended."""
+        with self._lock:
+            if self._closing or self._dead:
+                raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
+                                      + (self._dead or "the communicator is closed"))
+            if self.timeline is not None and coll.traced:
+                coll.trace = self.timeline.submitted(coll.trace, *coll.trace_facts())
+            self._queue.append(coll)
+            self._wake()
+
+    def close(self) -> None:
+        """Fail what is pending, say BYE, close the sockets; waits for the engine thread."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        with self._lock:  # no submit() can be writing to the pipe while it closes
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        if self.timeline is not None:
+            self.timeline.release()
+
+    def _wake(self) -> None:
+        """Wake the engine thread; called with the lock held. A full pipe wakes it already."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    # -- engine thread -------------------------------------------------------------------
+    def _main(self) -> None:
+        self.connections.poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            self.connections.open_all()
+            self.handshake.wait_for_all()
+        except BaseException as exc:  # reported to the constructor
+            self._startup_error = exc
+            self.connections.close(bye=False)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: every waiter hears of it, nobody hangs
+            log.exception("engine of rank %d crashed", self.rank)
+            self._die(f"the communication engine crashed: {exc!r}")
+        finally:
+            self.connections.close(bye=True)
+
+    def _loop(self) -> None:
+        conn, ledger = self.connections, self.ledger
+        next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
+        wait = int(min(1.0, self.heartbeat) * 1000)
+        while True:
+            with self._lock:
+                while self._queue:
+                    ledger.start(self._queue.popleft())
+            if self._closing:
+                return self._die("the communicator was closed")
+            self.pump.run()
+            timeout = min(200, wait) if ledger.active else wait
+            if conn.reopen_at:
+                timeout = min(timeout, max(0, int((min(conn.reopen_at.values()) - time.monotonic()) * 1000)))
+            for item, _ in conn.poller.poll(timeout):
+                if item == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                kind, r = conn.index.get(item, ("", -1))
+                if kind == "data":
+                    self.results.drain(r)
+                elif kind == "monitor":
+                    conn.on_monitor(r)
+            now = time.monotonic()
+            conn.reopen_due(now, rejoin=True)
+            if now >= next_heartbeat:
+                conn.heartbeat_all()
+                next_heartbeat = now + self.heartbeat
+            if ledger.active:
+                ledger.expire(now, self.backstop, self.timeout)
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+            queued = list(self._queue)
+            self._queue.clear()
+        self.ledger.fail_all(reason, queued)

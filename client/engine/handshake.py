@@ -1,0 +1,138 @@
+"""The handshake with each reducer: its proof of the job token first, then this worker's.
+
+HELLO carries a nonce; the reducer's CHALLENGE must prove the token over it, bound to the
+reducer's index (its position in RS_REDUCERS), the job and the generation (auth.py). A reducer
+that cannot is refused, naming it and RS_JOB_TOKEN, and is sent nothing more: no AUTH, no
+shared-memory offer, no data. Only then does the AUTH go out, with this worker's proof and, to a
+reducer on this host, the shared-memory offer. At start the engine waits for every reducer's
+WELCOME, saying every WAITING_REPORT_S what it still waits for.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Iterable, Optional
+
+from reduction_server import auth, protocol
+from reduction_server.errors import CollectiveError, ProtocolError
+from reduction_server.log import NOTICE, event, get_logger
+from reduction_server.protocol import MsgType
+
+from .connections import CHALLENGED, PROGRESS, RECONNECT_S, Connections
+from .identity import Identity
+from .slots import Slots
+
+log = get_logger("client")
+
+#: seconds between the lines a worker logs while it waits for reducers to admit it
+WAITING_REPORT_S = 5.0
+
+
+class Handshake:
+    """Proofs both ways with every reducer, and the first wait for them all."""
+
+    def __init__(self, me: Identity, connections: Connections, slots: Slots, job_token: str,
+                 connect_timeout: float) -> None:
+        self.me = me
+        self.connections = connections
+        self.slots = slots
+        self.job_token = job_token
+        self.connect_timeout = connect_timeout
+        #: the smallest accumulator chunk any reducer accepts (from WELCOME): it caps the chunk size
+        self.max_chunk_bytes = 1 << 62
+
+    def answer_challenge(self, r: int, h: protocol.Header, payload: bytes) -> Optional[str]:
+        """Check reducer r's proof of the job token and, if it holds, send AUTH: this worker's
+        proof and, to a reducer on this host, the shared-memory offer. Returns why reducer r is
+        refused instead (then nothing at all is sent to it), or None."""
+        conn = self.connections
+        try:
+            nonce, proof = auth.parse_challenge(payload)
+        except ProtocolError as exc:
+            return f"{conn.name(r)} answered HELLO with a malformed CHALLENGE: {exc}"
+        if h.rank != r:
+            return (f"{conn.name(r)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {r}: each "
+                    "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
+        if not auth.verify_reducer(self.job_token, conn.nonces[r], proof, index=r, job=self.me.job,
+                                   generation=self.me.generation):
+            if not self.job_token:
+                why = "it requires a job token and this worker has none: set RS_JOB_TOKEN to the job's token"
+            elif not h.aux:
+                why = "it has no job token (it was started without RS_JOB_TOKEN)"
+            else:
+                why = "its RS_JOB_TOKEN is not this worker's (another job's reducer, or a mistyped token)"
+            return f"{conn.name(r)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
+        conn.progress[r] = CHALLENGED
+        facts: Dict[str, Any] = {}
+        offer = self.slots.offer(r)
+        if offer is not None:
+            facts["shared_memory"] = offer
+        proof = auth.worker_proof(self.job_token, nonce, job=self.me.job, generation=self.me.generation,
+                                  rank=self.me.rank, world=self.me.world)
+        conn.send_handshake(r, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
+        return None
+
+    def unproved_welcome(self, r: int) -> str:
+        return (f"{self.connections.name(r)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
+                "nothing was sent to it")
+
+    def wait_for_all(self) -> None:
+        """Wait until every reducer has proved the token and admitted this worker; a reducer whose
+        connection fails is tried again on a new one. Raises CollectiveError naming what failed."""
+        conn = self.connections
+        waiting = set(range(len(conn.sockets)))
+        started = time.monotonic()
+        deadline, report = started + self.connect_timeout, started + WAITING_REPORT_S
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                raise CollectiveError(f"rank {self.me.rank}: no reducer admitted this worker within "
+                                      f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}")
+            if now >= report:  # a worker that waits says for what, rather than look hung
+                event(log, NOTICE, "waiting_for_reducers", rank=self.me.rank, waited_s=f"{now - started:.0f}",
+                      connect_timeout_s=f"{self.connect_timeout:g}", waiting=self._waiting(waiting))
+                report = max(report + WAITING_REPORT_S, now + 1.0)
+            conn.reopen_due(now, rejoin=False)
+            until = min(deadline, report, *conn.reopen_at.values())
+            for item, _ in conn.poller.poll(max(0.01, until - now) * 1000):
+                kind, r = conn.index.get(item, ("", -1))
+                if kind == "monitor":
+                    closed, refused = conn.monitor_events(r)
+                    if refused:
+                        raise CollectiveError(f"rank {self.me.rank}: {conn.name(r)} refused this worker: {refused}")
+                    if closed:  # not there yet, or gone meanwhile: a new connection, a new handshake
+                        waiting.add(r)
+                        conn.reopen_at[r] = time.monotonic() + RECONNECT_S
+                elif kind == "data" and self._welcomed(r):
+                    waiting.discard(r)
+
+    def _welcomed(self, r: int) -> bool:
+        """Handle one handshake message from reducer r; whether it was its WELCOME."""
+        frames = self.connections.sockets[r].recv_multipart()
+        name = self.connections.name(r)
+        try:
+            h = protocol.unpack(frames[0])
+        except ProtocolError as exc:
+            raise CollectiveError(f"rank {self.me.rank}: {name} answered the handshake with a malformed frame: "
+                                  f"{exc}") from None
+        text = frames[1] if len(frames) > 1 else b""
+        if h.type is MsgType.CHALLENGE:
+            refused = self.answer_challenge(r, h, text)
+            if refused:
+                raise CollectiveError(f"rank {self.me.rank}: {refused}")
+        elif h.type is MsgType.WELCOME and self.connections.progress[r] != CHALLENGED:
+            raise CollectiveError(f"rank {self.me.rank}: {self.unproved_welcome(r)}")
+        elif h.type is MsgType.WELCOME:
+            self.connections.handshake_failures[r] = (0, 0.0)
+            welcome = json.loads(text)
+            self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
+            self.slots.welcomed(r, welcome)
+            return True
+        elif h.type in (MsgType.REJECT, MsgType.ERROR):
+            raise CollectiveError(f"rank {self.me.rank}: {name} refused this worker: {text.decode(errors='replace')}")
+        return False
+
+    def _waiting(self, waiting: Iterable[int]) -> str:
+        """The reducers in `waiting` and how far each one's handshake got, in words."""
+        conn = self.connections
+        return "; ".join(f"{conn.name(r)}: {PROGRESS[conn.progress[r]]}" for r in sorted(waiting))

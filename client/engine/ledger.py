@@ -1,0 +1,109 @@
+"""The collectives in flight on a worker, and every way one ends: all its chunks answered, an
+error, a lost reducer, no progress for the backstop, or the engine stopping."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence
+
+from reduction_server.errors import CollectiveError
+from reduction_server.protocol import Header
+
+from ..timeline import Timeline
+from .collective import ANSWERED, SENT, Collective
+from .identity import Identity
+
+
+class Ledger:
+    """Collectives started and not finished, and the chunks each reducer has not answered."""
+
+    def __init__(self, me: Identity, names: Sequence[str], timeline: Optional[Timeline]) -> None:
+        self.me = me
+        self.names = names  # "reducer r (address)", by reducer
+        self.timeline = timeline
+        self.active: Dict[int, Collective] = {}
+        self.sending: Deque[Collective] = deque()  # started, with chunks still to send, in order
+        self.inflight: List[int] = [0] * len(names)  # chunks sent and not answered, by reducer
+
+    def start(self, coll: Collective) -> None:
+        coll.last_progress = time.monotonic()
+        self.active[coll.seq] = coll
+        self.sending.append(coll)
+
+    def pending_chunk(self, h: Header) -> Optional[Collective]:
+        """The collective whose sent chunk h answers; None for a late answer (it already failed)."""
+        coll = self.active.get(h.seq)
+        if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT:
+            return None
+        return coll
+
+    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str]) -> None:
+        """Chunk k of coll was answered by reducer r (error: why it failed)."""
+        coll.state[k] = ANSWERED
+        self.inflight[r] -= 1
+        coll.answered += 1
+        coll.last_progress = time.monotonic()
+        if coll.trace is not None:
+            coll.trace.chunk_answered()
+        if error is not None:
+            coll.errors.append((k, f"chunk {k} on {self.names[r]}: {error}"))
+        if coll.answered == len(coll.chunks):
+            del self.active[coll.seq]
+            if coll.errors:
+                # The lowest chunk's error, not the first to arrive: every rank reports the same one.
+                more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
+                self.fail(coll, f"{min(coll.errors)[1]}{more}")
+            else:
+                if coll.trace is not None:
+                    self.timeline.finish(coll.trace)
+                coll.future.set_result(coll.result)
+
+    def fail(self, coll: Collective, reason: str) -> None:
+        if not coll.future.done():
+            if coll.trace is not None:
+                self.timeline.finish(coll.trace, reason)
+            coll.future.set_exception(CollectiveError(f"rank {self.me.rank}: {coll.describe()} failed: {reason}"))
+
+    def abandon(self, coll: Collective) -> None:
+        """Stop tracking a collective: its window slots free up, late answers are dropped."""
+        for k, s in enumerate(coll.state):
+            if s == SENT:
+                self.inflight[coll.chunks[k].reducer] -= 1
+            coll.state[k] = ANSWERED
+        self.active.pop(coll.seq, None)
+        if coll in self.sending:
+            self.sending.remove(coll)
+
+    def give_up(self, coll: Collective, reason: str) -> None:
+        self.abandon(coll)
+        self.fail(coll, reason)
+
+    def fail_sent_to(self, r: int, reason: str) -> None:
+        """Fail every collective with a chunk waiting on reducer r: its answers are unreadable."""
+        for coll in list(self.active.values()):
+            if coll.sent_to(r):
+                self.give_up(coll, reason)
+
+    def fail_pending_on(self, r: int, reason: str) -> None:
+        """Fail every collective with a chunk on reducer r not answered yet (sent or not): r is gone."""
+        for coll in list(self.active.values()):
+            if coll.pending_on(r):
+                self.give_up(coll, reason)
+        self.inflight[r] = 0
+
+    def expire(self, now: float, backstop: float, timeout: float) -> None:
+        """Fail collectives with chunks out and no progress for `backstop` seconds, naming the
+        reducers that did not answer."""
+        for coll in list(self.active.values()):
+            if now - coll.last_progress < backstop or SENT not in coll.state:
+                continue  # nothing in flight: it waits for window slots held by earlier collectives
+            waiting = sorted({c.reducer for c, s in zip(coll.chunks, coll.state) if s == SENT})
+            self.give_up(coll, (
+                f"no answer for {backstop:g} s (RS_TIMEOUT={timeout:g} and a margin) from "
+                + ", ".join(self.names[r] for r in waiting)
+                + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"))
+
+    def fail_all(self, reason: str, queued: Sequence[Collective] = ()) -> None:
+        """The engine stops: every collective in flight, and those still queued, fail with reason."""
+        for coll in [*self.active.values(), *queued]:
+            self.give_up(coll, reason)

@@ -1,0 +1,112 @@
+"""The chunk pump: chunks go out in one global order, never more than `window` unanswered per
+reducer.
+
+Every rank sends the same sequence (collective by collective, chunk by chunk), so every key a
+rank waits for is one that all ranks reach: the window cannot deadlock, and sending, summing and
+receiving overlap across reducers and across consecutive collectives. Each chunk is sent
+without a copy from the user's buffer, or through a shared-memory slot (slots.py).
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from reduction_server import protocol
+from reduction_server.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, OP_BROADCAST
+
+from .collective import SENT, Collective
+from .connections import Connections
+from .identity import Identity
+from .ledger import Ledger
+from .slots import Slots
+
+# Chunks go through pyzmq's backend send: its Python wrapper adds only draft-API options (~0.5 us a frame).
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_backend_send = zmq.backend.Socket.send
+
+
+class Pump:
+    """Sends the ledger's collectives' chunks as their reducers' windows allow."""
+
+    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, window: int,
+                 liveness: float) -> None:
+        self.me = me
+        self.ledger = ledger
+        self.connections = connections
+        self.slots = slots
+        self.window = window
+        self.liveness = liveness
+
+    def run(self) -> None:
+        """Send chunks in global order until one's reducer has a full window."""
+        ledger, inflight = self.ledger, self.ledger.inflight
+        while ledger.sending:
+            coll = ledger.sending[0]
+            if self.connections.down and coll.next == 0 and not self._startable(coll):
+                if ledger.sending and ledger.sending[0] is coll:
+                    return  # it waits for a lost reducer to come back
+                continue  # it failed and left the queue
+            while coll.next < len(coll.chunks):
+                k = coll.next
+                r = coll.chunks[k].reducer
+                if inflight[r] >= self.window:
+                    return
+                if not self._send_chunk(coll, k, r):
+                    # Its socket has no connection left (and never makes another): the reducer is
+                    # gone, though its monitor has not said so yet. This fails coll, among others.
+                    return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
+                coll.next += 1
+            ledger.sending.popleft()
+
+    def _startable(self, coll: Collective) -> bool:
+        """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
+        down = self.connections.down
+        waiting = [r for r in coll.reducers if r in down]
+        if not waiting:
+            return True
+        now = time.monotonic()
+        if coll.blocked_since is None:
+            coll.blocked_since = now
+        final = [r for r in waiting if not down[r][1]]
+        if final or now - coll.blocked_since >= self.liveness:
+            r = min(final or waiting)
+            reason = down[r][0]
+            if not final:
+                reason += f"; it did not come back within {self.liveness:g} s (RS_LIVENESS_TIMEOUT)"
+            self.ledger.give_up(coll, reason)
+        return False
+
+    def _send_chunk(self, coll: Collective, k: int, r: int) -> bool:
+        """Send chunk k of coll to reducer r; False if its connection is gone."""
+        offset, count, _ = coll.chunks[k]
+        size = ITEMSIZE[coll.dtype]
+        payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
+        nbytes = len(payload) if payload is not None else 0
+        slot = None
+        if payload is not None and coll.op is not OP_BROADCAST:
+            slot = self.slots.take(r, nbytes)
+        header = protocol.data_header(
+            MSG_DATA if slot is None else MSG_DATA_SHM, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
+            world=self.me.world, job=self.me.job, generation=self.me.generation, seq=coll.seq, chunk=k,
+            nchunks=len(coll.chunks), offset=offset, count=count, total=coll.total, nbytes=nbytes,
+            aux=coll.root if slot is None else slot)
+        if slot is not None:
+            self.slots.view(r, slot, nbytes)[:] = payload
+        sock = self.connections.sockets[r]
+        try:  # a window of chunks stays far below libzmq's queue: only a lost connection says Again
+            if payload is None or slot is not None:
+                _backend_send(sock, header, _NOBLOCK)
+            else:
+                _backend_send(sock, header, _NOBLOCK | _SNDMORE)
+                _backend_send(sock, payload, _NOBLOCK, False)  # a message's parts go out together
+        except zmq.Again:
+            return False
+        if slot is not None:
+            self.slots.put(r, slot, coll.seq, k)
+        coll.state[k] = SENT
+        self.ledger.inflight[r] += 1
+        coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
+        if coll.trace is not None:
+            coll.trace.chunk_sent()
+        return True

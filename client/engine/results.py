@@ -1,0 +1,160 @@
+"""The result path: every message a reducer sends a worker, after the first handshake.
+
+A RESULT is received with recv_into straight into the output buffer (no copy, nothing
+allocated); a RESULT_SHM is copied out of its shared-memory slot; an ERROR fails its chunk, and
+so its collective, with the reducer's words; a handshake message from a reducer that was lost
+readmits it (or refuses it). Each answer is checked against the chunk it answers (its offset,
+count, dtype and slot), and frees the chunk's slot whatever became of the collective.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import zmq
+
+from reduction_server import protocol
+from reduction_server.errors import ProtocolError
+from reduction_server.protocol import ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM, ErrorCode, MsgType
+
+from .collective import Collective
+from .connections import CHALLENGED, Connections
+from .handshake import Handshake
+from .ledger import Ledger
+from .slots import Slots
+
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+
+
+def _skip(sock: zmq.Socket, more: int) -> None:
+    """Read and drop the rest of a message."""
+    while more:
+        sock.recv(copy=False)
+        more = sock.getsockopt(_RCVMORE)
+
+
+class Results:
+    """Reads what each reducer sends and settles the chunks it answers."""
+
+    def __init__(self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots) -> None:
+        self.ledger = ledger
+        self.connections = connections
+        self.handshake = handshake
+        self.slots = slots
+
+    def drain(self, r: int) -> None:
+        """Handle every message reducer r's socket holds now."""
+        conn = self.connections
+        sock = conn.sockets[r]
+        while True:
+            try:
+                raw = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            more = sock.getsockopt(_RCVMORE)
+            try:
+                h = protocol.unpack(raw)
+            except ProtocolError as exc:
+                _skip(sock, more)
+                self.ledger.fail_sent_to(r, f"{conn.name(r)} sent a malformed frame: {exc}")
+                continue
+            if conn.sockets[r] is not sock:
+                return  # it was lost and replaced while this message was handled
+            mtype = h.type
+            if mtype is MSG_RESULT:
+                self.slots.release(r, h)
+                self._result(r, sock, h, more)
+            elif mtype is MSG_RESULT_SHM:
+                _skip(sock, more)
+                self._shared_result(r, h, self.slots.release(r, h))
+            elif mtype is MSG_ERROR:
+                text = sock.recv().decode(errors="replace") if more else "(no message)"
+                _skip(sock, sock.getsockopt(_RCVMORE))
+                self.slots.release(r, h)
+                self._error(r, h, text)
+            elif mtype is MSG_PING:
+                _skip(sock, more)
+            elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in conn.down:
+                text = sock.recv() if more else b""
+                _skip(sock, sock.getsockopt(_RCVMORE))
+                self._rejoin(r, h, text)
+            else:
+                conn.event("unexpected_message", r, type=mtype.name)
+                _skip(sock, more)
+
+    def _rejoin(self, r: int, h: protocol.Header, text: bytes) -> None:
+        """The handshake of a reducer that was lost and answers a new connection."""
+        conn = self.connections
+        if h.type is MsgType.CHALLENGE:
+            refused = self.handshake.answer_challenge(r, h, text)
+            if refused:
+                conn.refuse(r, f"{refused} (when it came back)")
+        elif h.type is MsgType.WELCOME and conn.progress[r] != CHALLENGED:
+            conn.refuse(r, self.handshake.unproved_welcome(r))
+        elif h.type is MsgType.WELCOME:
+            try:
+                welcome = json.loads(text)
+            except ValueError:
+                welcome = {}
+            conn.readmitted(r, welcome if isinstance(welcome, dict) else {}, self.handshake.max_chunk_bytes)
+        else:
+            conn.refuse(r, f"{conn.name(r)} came back but refused this worker: {text.decode(errors='replace')}")
+
+    def _result(self, r: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
+        coll = self.ledger.pending_chunk(h)
+        if coll is None:
+            return _skip(sock, more)
+        offset, count, _ = coll.chunks[h.chunk]
+        size = ITEMSIZE[coll.dtype]
+        if not more or self._misshapen(h, coll):
+            _skip(sock, more)
+            return self.ledger.chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))
+        view = coll.recv[offset * size:(offset + count) * size]
+        received = sock.recv_into(view)
+        error = None
+        if received != len(view):
+            error = f"{self.connections.name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
+        _skip(sock, sock.getsockopt(_RCVMORE))
+        self.ledger.chunk_done(coll, h.chunk, r, error)
+
+    @staticmethod
+    def _misshapen(h: protocol.Header, coll: Collective) -> bool:
+        """Whether an answer's offset, count or dtype differ from its chunk's."""
+        chunk = coll.chunks[h.chunk]
+        return (h.offset, h.count) != (chunk.offset, chunk.count) or h.dtype != coll.dtype
+
+    def _shape_error(self, r: int, h: protocol.Header, coll: Collective) -> str:
+        offset, count, _ = coll.chunks[h.chunk]
+        return (f"{self.connections.name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+                f"(dtype code {h.dtype}), expected {count} at {offset}")
+
+    def _shared_result(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
+        coll = self.ledger.pending_chunk(h)
+        if coll is None:
+            return  # late: its slot is free again all the same
+        offset, count, _ = coll.chunks[h.chunk]
+        size = coll.dtype.itemsize
+        error = None
+        if slot is None or slot != h.aux:
+            error = (f"{self.connections.name(r)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
+                     "sent " + ("as a frame" if slot is None else f"in slot {slot}"))
+        elif self._misshapen(h, coll):
+            error = self._shape_error(r, h, coll)
+        else:
+            coll.recv[offset * size:(offset + count) * size] = self.slots.view(r, slot, count * size)
+            self.slots.chunks_shared += 1
+        self.ledger.chunk_done(coll, h.chunk, r, error)
+
+    def _error(self, r: int, h: protocol.Header, text: str) -> None:
+        conn = self.connections
+        if h.aux == ErrorCode.NOT_ADMITTED and r not in conn.down:
+            # It no longer knows this worker (it serves another job now, or declared this worker
+            # lost): nothing more can be sent to it. No new handshake: that could take the
+            # reducer back from the job that replaced this one.
+            return conn.lose(r, f"it no longer admits this worker: {text}", reconnect=False)
+        coll = self.ledger.pending_chunk(h)
+        if coll is None:
+            # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
+            conn.event("reducer_error", r, key=h.describe(), reason=text)
+            return
+        self.ledger.chunk_done(coll, h.chunk, r, text)

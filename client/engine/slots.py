@@ -1,0 +1,92 @@
+"""Shared-memory slots between a worker and the reducers on its own host.
+
+With RS_SHM on (the default), the AUTH to each reducer whose address is one of this host's
+offers a segment of `window` payload slots (reduction_server/shared_memory.py), sent only once
+that reducer has proved the job token. A reducer that maps it says so in its WELCOME; chunks of a
+reduction then go through a free slot (DATA_SHM) and come back in it (RESULT_SHM), which saves
+the socket copies. A slot is free again only once the reducer has answered its chunk, whatever
+became of the collective, so a late result never overwrites a newer chunk; a chunk that finds no
+free slot, or a reducer without the segment, travels as a frame. A new connection gets a new
+segment.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from reduction_server import shared_memory
+from reduction_server.log import get_logger
+from reduction_server.protocol import Header
+
+from .identity import Identity
+
+log = get_logger("client")
+
+
+class Slots:
+    """Per reducer: the segment offered on its connection, its free slots, and which slot each
+    unanswered chunk sent through it is in."""
+
+    def __init__(self, me: Identity, offers: Sequence[bool], window: int, slot_bytes: int) -> None:
+        self.me = me
+        self.offers = list(offers)  # whether reducer r may be offered a segment (it is on this host)
+        self.window = window
+        # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
+        self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
+        self.segments: List[Optional[shared_memory.Segment]] = [None] * len(offers)
+        self.free: List[List[int]] = [[] for _ in offers]  # empty until the reducer maps the segment
+        self.slot_of: List[Dict[Tuple[int, int], int]] = [{} for _ in offers]  # (seq, chunk) -> slot
+        self.chunks_shared = 0  # chunks that went through shared memory (both ways)
+
+    def offer(self, r: int) -> Optional[dict]:
+        """A new segment for reducer r's connection, as its AUTH offers it; None: no offer."""
+        self.drop(r)
+        if not self.offers[r]:
+            return None
+        try:
+            self.segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
+        except OSError as exc:  # no memfd here: frames only
+            log.debug("rank %d: no shared-memory segment for reducer %d: %s", self.me.rank, r, exc)
+            return None
+        return self.segments[r].offer
+
+    def welcomed(self, r: int, welcome: dict) -> None:
+        """Reducer r admitted this worker: its slots are usable if it mapped the segment."""
+        if welcome.get("shared_memory") is True and self.segments[r] is not None:
+            self.free[r] = list(range(self.segments[r].slots))
+        else:
+            self.drop(r)
+
+    def drop(self, r: int) -> None:
+        if self.segments[r] is not None:
+            self.segments[r].close()
+            self.segments[r] = None
+        self.free[r] = []
+        self.slot_of[r] = {}
+
+    def take(self, r: int, nbytes: int) -> Optional[int]:
+        """A free slot of reducer r that holds nbytes (not taken yet: see put), or None."""
+        free = self.free[r]
+        return free[-1] if free and nbytes <= self.slot_bytes else None
+
+    def put(self, r: int, slot: int, seq: int, chunk: int) -> None:
+        """Chunk `chunk` of collective `seq` went out in `slot` (the one take() gave)."""
+        self.free[r].pop()
+        self.slot_of[r][seq, chunk] = slot
+        self.chunks_shared += 1
+
+    def view(self, r: int, slot: int, nbytes: int) -> memoryview:
+        return self.segments[r].slot(slot, nbytes)
+
+    def release(self, r: int, h: Header) -> Optional[int]:
+        """The slot of the chunk reducer r has answered with h, now free again; None if that
+        chunk did not go through shared memory."""
+        if h.nchunks == 0 or not self.me.owns(h):
+            return None  # an answer about no chunk (an ERROR about a frame, not a key)
+        slot = self.slot_of[r].pop((h.seq, h.chunk), None)
+        if slot is not None:
+            self.free[r].append(slot)
+        return slot
+
+    def close(self) -> None:
+        for r in range(len(self.segments)):
+            self.drop(r)

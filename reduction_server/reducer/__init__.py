@@ -1,0 +1,24 @@
+"""The reducer: receive chunk contributions from W workers, sum them, send the sum back.
+
+One ROUTER socket; every worker connects a DEALER to it. A worker is admitted by the handshake;
+then each DATA message is one rank's contribution to one key (job, generation, seq, chunk),
+folded into that key's accumulator; when all W ranks have contributed, the result goes back to
+every rank. A worker on the reducer's own host may send its chunks through shared-memory slots
+(shared_memory.py). Each concept has its room:
+
+- core.py: `Reducer`, the socket and its event loop, each message handed to its room;
+- admission.py: the handshake and the job token both ways, the job served, strangers;
+- membership.py: the admitted ranks, their heartbeats, their loss;
+- rounds.py: the state of each key and its transitions (open, complete, failed, forgotten);
+- fold.py: loading and folding contributions, finishing results, the memory that takes;
+- outbox.py: every send, non-blocking, with its failure accounting;
+- process.py: `serve`, from configuration and binding to the stop summary.
+
+Each room imports only those below it in this order: outbox, membership, fold, rounds,
+admission, core, process.
+"""
+from .admission import FORGET_AFTER_S, MAX_STRIKES
+from .core import Reducer
+from .process import serve
+
+__all__ = ["FORGET_AFTER_S", "MAX_STRIKES", "Reducer", "serve"]

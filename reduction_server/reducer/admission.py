@@ -1,0 +1,200 @@
+"""Who gets in: the handshake (HELLO, CHALLENGE, AUTH, WELCOME), the job token both ways, the
+job a reducer serves, and strangers (peers that are not admitted, and their malformed frames).
+
+A HELLO is answered by a CHALLENGE that carries this reducer's proof of the job token over the
+worker's nonce (auth.py) and a nonce for the worker's own proof; the AUTH that answers it admits
+the worker (WELCOME) when its proof holds, and may offer shared-memory slots. A HELLO for a
+newer generation, or for another job, replaces the job served once it authenticates; one for an
+older generation is refused, and a reconnecting worker never takes the reducer from the job it
+serves now. A peer that sends MAX_STRIKES malformed frames is ignored from then on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Dict, Optional, Tuple
+
+import zmq
+
+from .. import auth, protocol, shared_memory
+from ..log import event, get_logger
+from ..protocol import ErrorCode, Header, MsgType
+from ..settings import MAX_WINDOW
+from .membership import Membership, Peer
+from .outbox import Outbox
+from .rounds import Rounds
+
+log = get_logger("reducer")
+
+# Frames from one peer that could not be parsed before it is ignored for good.
+MAX_STRIKES = 16
+# What the reducer knows of a peer that is not admitted (its malformed-frame count, a HELLO it did
+# not follow with AUTH) is dropped once the peer has been silent this long, or at once when a send
+# finds its connection gone; at most MAX_STRIKE_ENTRIES strike counts are kept (the oldest go).
+FORGET_AFTER_S = 60.0
+MAX_STRIKE_ENTRIES = 65536
+
+
+class Clock:
+    """The reducer loop's idea of now, read by the rooms (set once per loop turn)."""
+
+    now = 0.0
+
+
+class Admission:
+    """The handshake and the strangers of one reducer."""
+
+    def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, index: int, name: str,
+                 job_token: str, max_chunk_bytes: int, deterministic: bool, encrypt: bool, shared: bool) -> None:
+        self.outbox = outbox
+        self.members = members
+        self.rounds = rounds
+        self.clock = clock
+        self.index = index
+        self.name = name
+        self.job_token = job_token
+        self.max_chunk_bytes = max_chunk_bytes
+        self.deterministic = deterministic
+        self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
+        self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
+        self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
+        self.admissions = 0
+
+    def ignored(self, identity: bytes) -> bool:
+        """Whether `identity` sent too many malformed frames to be heard any more."""
+        strikes = self.strikes.get(identity)
+        if strikes is not None and strikes[0] >= MAX_STRIKES:
+            self.strikes[identity] = (strikes[0], self.clock.now)  # still there: not forgotten while it keeps sending
+            return True
+        return False
+
+    def hello(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        job = self.members.job
+        if not 0 < h.world <= protocol.MAX_WORLD_SIZE or h.rank >= h.world:
+            return self.outbox.reject(identity, f"rank {h.rank} / world size {h.world} is out of range")
+        if self.members.fixed_world is not None and h.world != self.members.fixed_world:
+            return self.outbox.reject(identity, (
+                f"{self.name} serves {self.members.fixed_world} workers (--workers / RS_WORLD_SIZE) "
+                f"but rank {h.rank} says the world size is {h.world}"))
+        if job is not None and h.job == job[0] and h.generation < job[1]:
+            return self.outbox.reject(identity, (
+                f"rank {h.rank} belongs to generation {h.generation} of job {h.job:#x}, "
+                f"but {self.name} already serves generation {job[1]}"))
+        try:
+            info = json.loads(payload.bytes) if payload is not None else {}
+        except ValueError as exc:
+            return self.outbox.reject(identity, f"HELLO payload is not valid JSON: {exc}")
+        if isinstance(info, dict) and info.get("rejoin") and job is not None and (h.job, h.generation) != job:
+            # A worker reconnecting after losing this reducer never replaces the job it serves now.
+            return self.outbox.reject(identity, (
+                f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
+                f"{self.name} serves job {job[0]:#x} generation {job[1]} now"))
+        try:
+            theirs = bytes.fromhex(info["nonce"]) if isinstance(info, dict) else b""
+        except (KeyError, TypeError, ValueError):
+            theirs = b""
+        if len(theirs) != auth.NONCE_BYTES:
+            return self.outbox.reject(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
+                                                "(\"nonce\", hex) for this reducer to prove the job token against")
+        # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
+        proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation)
+        nonce = auth.new_nonce()
+        self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
+                                            hello_at=self.clock.now)
+        payload = auth.challenge(nonce, proof)
+        self.outbox.send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
+                                                         job=h.job, generation=h.generation,
+                                                         aux=int(bool(self.job_token))), payload])
+
+    def auth(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        members = self.members
+        peer = members.peers.get(identity)
+        if peer is None or peer.admitted:
+            return self.malformed(identity, "AUTH without a HELLO before it")
+        claimed, rest = auth.split_auth(payload.bytes if payload is not None else b"")
+        if self.job_token and not auth.verify_worker(self.job_token, peer.nonce, claimed, job=peer.job,
+                                                     generation=peer.generation, rank=peer.rank, world=peer.world):
+            del members.peers[identity]
+            event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
+                  reason="proof does not match RS_JOB_TOKEN")
+            return self.outbox.reject(identity, f"rank {peer.rank}: authentication failed: wrong or missing job "
+                                                "token (RS_JOB_TOKEN)")
+        try:
+            facts = json.loads(rest) if rest else {}
+        except ValueError as exc:
+            del members.peers[identity]
+            return self.outbox.reject(identity, f"rank {peer.rank}: AUTH payload after the proof is not valid JSON: {exc}")
+        if members.job != (peer.job, peer.generation):
+            self._start_job(peer)
+        elif members.world != peer.world:
+            del members.peers[identity]
+            return self.outbox.reject(identity, (
+                f"rank {peer.rank} says the world size is {peer.world} but the other ranks of job "
+                f"{peer.job:#x} said {members.world}"))
+        members.admit(peer)
+        self.admissions += 1
+        offer = facts.get("shared_memory") if isinstance(facts, dict) else None
+        if offer is not None and self.shared:
+            try:
+                peer.segment = shared_memory.Segment.attach(offer, max_slots=MAX_WINDOW,
+                                                            max_slot_bytes=self.max_chunk_bytes)
+            except shared_memory.Unavailable as exc:
+                event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
+        welcome = json.dumps({"index": self.index, "world_size": members.world,
+                              "max_chunk_bytes": self.max_chunk_bytes,
+                              "deterministic": self.deterministic, "encrypted": self.encrypt,
+                              "shared_memory": peer.segment is not None}).encode()
+        self.outbox.send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=members.world or 0,
+                                                         job=peer.job, generation=peer.generation), welcome])
+        event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
+              job=hex(peer.job), generation=peer.generation)
+
+    def _start_job(self, peer: Peer) -> None:
+        """A new job or generation replaces the old one: its rounds and peers are dropped."""
+        old = self.members.job
+        dropped = self.rounds.drop_all()
+        if old is not None:
+            event(log, logging.WARNING, "job_replaced", reducer=self.index, old_job=hex(old[0]),
+                  old_generation=old[1], job=hex(peer.job), generation=peer.generation, dropped_rounds=dropped)
+        self.members.start_job((peer.job, peer.generation), peer.world)
+
+    def ping(self, identity: bytes) -> None:
+        """A worker's heartbeat. From then on it is expected to keep sending them."""
+        peer = self.members.peers.get(identity)
+        if peer is not None and peer.admitted:
+            peer.heartbeats = True
+        elif peer is None:  # a worker this reducer dropped (its job was replaced, or it was lost)
+            job = self.members.job
+            self.outbox.error(identity, ErrorCode.NOT_ADMITTED, (
+                f"{self.name}: this worker is not admitted (any more)"
+                + (f"; this reducer serves job {job[0]:#x} generation {job[1]} now" if job else "")))
+
+    def malformed(self, identity: bytes, reason: str) -> None:
+        """A frame that could not be used: answered, counted, and the peer dropped at MAX_STRIKES."""
+        strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
+        self.strikes[identity] = (strikes, self.clock.now)
+        event(log, logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
+              reason=reason, strikes=strikes)
+        if strikes >= MAX_STRIKES:
+            event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
+                  reason=f"{MAX_STRIKES} malformed messages")
+            peer = self.members.peers.get(identity)
+            if peer is not None and peer.admitted and self.members.rank_identity.get(peer.rank) == identity:
+                # its later messages are ignored: the other ranks must not wait for its contributions
+                self.members.lose_rank(peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on")
+            self.members.peers.pop(identity, None)
+        self.outbox.error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
+
+    def forget_strangers(self, now: float) -> None:
+        """Drop what is kept about peers that are not admitted and went silent (FORGET_AFTER_S):
+        their strike counts and unanswered HELLOs. Bounded even under a flood of identities."""
+        cutoff = now - FORGET_AFTER_S
+        for identity in [i for i, (_, heard) in self.strikes.items() if heard < cutoff]:
+            del self.strikes[identity]
+        if len(self.strikes) > MAX_STRIKE_ENTRIES:
+            oldest = sorted(self.strikes, key=lambda i: self.strikes[i][1])
+            for identity in oldest[:len(self.strikes) - MAX_STRIKE_ENTRIES]:
+                del self.strikes[identity]
+        peers = self.members.peers
+        for identity in [i for i, p in peers.items() if not p.admitted and p.hello_at < cutoff]:
+            del peers[identity]

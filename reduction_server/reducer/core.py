@@ -1,0 +1,272 @@
+"""The Reducer: one ROUTER socket, its event loop, and each message handed to its room.
+
+Every message gets an answer: a RESULT, or an ERROR that names the ranks involved; nothing a
+client sends can take the reducer down (an exception while handling one is reported to its
+sender as INTERNAL).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Union
+
+import zmq
+
+from .. import encryption, protocol
+from ..accumulator import AccumulatorPool
+from ..errors import ProtocolError
+from ..log import event, get_logger
+from ..protocol import MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
+from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
+                        DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
+from .admission import Admission, Clock
+from .membership import Membership, Peer
+from .outbox import Outbox
+from .rounds import Rounds
+
+if TYPE_CHECKING:
+    from ..metrics import ReducerMetrics
+
+log = get_logger("reducer")
+
+_NOBLOCK = int(zmq.NOBLOCK)
+# After a connection closes, heartbeat peers are probed this many seconds later (the one whose
+# pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
+PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
+# Messages handled before housekeeping: under load, messages come in bursts.
+_BATCH = 256
+
+
+class Reducer:
+    """One reducer: admission, membership, rounds and the outbox over one ROUTER socket."""
+
+    def __init__(self, socket: zmq.Socket, *, index: int = 0, address: str = "",
+                 world_size: Optional[int] = None, job_token: str = "",
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
+                 max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES, max_rounds: int = DEFAULT_MAX_ROUNDS,
+                 round_timeout: float = DEFAULT_TIMEOUT,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+                 liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
+                 encrypt: bool = False, shared: bool = False) -> None:
+        self.socket = socket
+        self.index = index
+        self.name = f"reducer {index}" + (f" ({address})" if address else "")
+        self.round_timeout = round_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.encrypt = encrypt
+        self.clock = Clock()
+        self.clock.now = self.started = time.monotonic()
+        self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
+        self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
+        self.members = Membership(self.outbox, index, world_size, liveness_timeout, on_lost=self._rank_lost)
+        self.rounds = Rounds(self.outbox, self.members, self.pool, index=index, name=self.name,
+                             max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
+                             deterministic=deterministic)
+        self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, index=index, name=self.name,
+                                   job_token=job_token, max_chunk_bytes=max_chunk_bytes, deterministic=deterministic,
+                                   encrypt=encrypt, shared=shared)
+        self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
+        self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
+        self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
+        self.bytes_in = 0
+        self.bytes_shared_in = 0  # of bytes_in, those that came through shared memory
+
+    # -- what the metrics, the stop summary and the tests read ------------------------------
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.clock.now = value
+
+    @property
+    def metrics(self) -> Optional["ReducerMetrics"]:
+        return self.rounds.metrics
+
+    @metrics.setter
+    def metrics(self, value: Optional["ReducerMetrics"]) -> None:
+        self.rounds.metrics = value
+
+    @property
+    def peers(self) -> Dict[bytes, Peer]:
+        return self.members.peers
+
+    @property
+    def strikes(self) -> dict:
+        return self.admission.strikes
+
+    @property
+    def bytes_shared(self) -> int:
+        """Bytes in and out that went through shared memory."""
+        return self.bytes_shared_in + self.rounds.bytes_shared_out
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Serve until should_stop() says so (it is asked at least every 100 ms)."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API).
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED)
+        poller.register(monitor, zmq.POLLIN)
+        tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
+        next_tick = time.monotonic() + tick
+        next_heartbeat = time.monotonic() + self.heartbeat_interval
+        members = self.members
+        try:
+            while not should_stop():
+                wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
+                events = dict(poller.poll(10 if members.gone else wait))
+                self.clock.now = time.monotonic()
+                if self.socket in events:
+                    for _ in range(_BATCH):
+                        try:
+                            frames = self._recv()
+                        except zmq.Again:
+                            break
+                        self.handle(frames)
+                if members.gone:
+                    # After a batch: a worker that closed its connection sent BYE first, and libzmq
+                    # may fail a send to it before that BYE is read. Read, then judge.
+                    members.check_unreachable()
+                if monitor in events and self._drain_monitor(monitor):
+                    self.probes = [self.clock.now + d for d in PROBE_DELAYS]
+                self.pool.reap()
+                now = self.clock.now = time.monotonic()
+                if self.probes and now >= self.probes[0]:
+                    while self.probes and now >= self.probes[0]:
+                        self.probes.pop(0)
+                    members.ping_peers()
+                if now >= next_heartbeat:
+                    members.ping_peers()
+                    next_heartbeat = now + self.heartbeat_interval
+                if now >= next_tick:
+                    self.rounds.check_skipped()
+                    self.rounds.expire(now)
+                    self.admission.forget_strangers(now)
+                    next_tick = now + tick
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def _recv(self) -> List[zmq.Frame]:
+        """One message's frames, without copies. Each frame's own `more` flag ends the loop:
+        recv_multipart asks the socket (getsockopt) after every frame, twice the cost."""
+        frame = self.socket.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self.socket.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> bool:
+        """Read the socket's events; True if a connection closed that may be a worker's (a
+        failed security handshake is logged instead: that peer was never admitted)."""
+        closed = 0
+        while monitor.poll(0):
+            failure = encryption.handshake_failure(monitor.recv_multipart(), self.encrypt)
+            if failure is None:
+                closed += 1
+                continue
+            reason, certain = failure
+            # A failure of known cause is followed by its EVENT_DISCONNECTED; one of unknown cause
+            # may be any connection dropped mid-handshake (a peer that gave up first), so it counts
+            # as a closed connection and is logged below the warning level.
+            closed += -1 if certain else 1
+            self.handshake_failures += 1
+            if self.clock.now >= self.next_handshake_log.get(reason, 0.0):  # a worker retries every 100 ms
+                self.next_handshake_log[reason] = self.clock.now + 10.0
+                event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
+                      reason=reason, certain=certain, failures=self.handshake_failures)
+        return closed > 0
+
+    def _gone(self, identity: bytes) -> None:
+        """A send found identity's connection closed: forget its strikes now, judge its rank after the batch."""
+        self.admission.strikes.pop(identity, None)
+        if identity in self.members.peers:
+            self.members.gone.append(identity)
+
+    def _rank_lost(self, rank: int, text: str) -> Dict[str, int]:
+        return self.rounds.rank_lost(rank, text)
+
+    # -- one message ---------------------------------------------------------------------
+    def handle(self, frames: List[zmq.Frame]) -> None:
+        """Dispatch one message; never raises."""
+        identity = frames[0].bytes
+        if self.admission.ignored(identity):
+            return  # a peer that keeps sending garbage is dropped
+        try:
+            self._dispatch(identity, frames)
+        except Exception:  # a bug must not take the reducer down; report it to the sender
+            text = traceback.format_exc()
+            log.error("internal error handling a message from %s:\n%s", identity.hex(), text)
+            self.outbox.error(identity, ErrorCode.INTERNAL, f"{self.name}: internal error: {text.splitlines()[-1]}")
+
+    def _dispatch(self, identity: bytes, frames: List[zmq.Frame]) -> None:
+        if len(frames) not in (2, 3):
+            return self.admission.malformed(
+                identity, f"expected a header and at most one payload frame, got {len(frames) - 1} frames")
+        try:
+            h = protocol.unpack(frames[1].buffer)
+        except ProtocolError as exc:
+            return self.admission.malformed(identity, str(exc))
+        payload = frames[2] if len(frames) == 3 else None
+        if h.type is MSG_DATA_SHM:
+            return self._shared_data(identity, h, payload)
+        size = len(payload) if payload is not None else 0
+        if size != h.nbytes:
+            reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
+            if h.type is MsgType.DATA and self.members.admitted(identity) is not None:
+                # Through _data: a claim of another rank or job, or of a chunk over the size cap,
+                # is answered as such (to the sender) before the payload is looked at.
+                return self._data(identity, h, payload, bad_payload=reason)
+            return self.admission.malformed(identity, reason)
+        if h.type is MSG_DATA:  # nearly every message: tested first
+            self.bytes_in += size
+            self._data(identity, h, payload)
+        elif h.type is MsgType.HELLO:
+            self.admission.hello(identity, h, payload)
+        elif h.type is MsgType.AUTH:
+            self.admission.auth(identity, h, payload)
+        elif h.type is MsgType.BYE:
+            self.members.leave(identity)
+        elif h.type is MsgType.PING:
+            self.admission.ping(identity)
+        else:
+            self.admission.malformed(identity, f"a worker does not send {h.type.name} messages")
+
+    def _shared_data(self, identity: bytes, h: Header, frame: Optional[zmq.Frame]) -> None:
+        """A DATA_SHM: the contribution is in slot h.aux of the sender's segment."""
+        peer = self.members.admitted(identity)
+        slot, h.type, h.aux = h.aux, MsgType.DATA, 0  # from here on it is a DATA like any other
+        view, bad = None, None
+        if peer is None:
+            pass  # _data answers NOT_ADMITTED
+        elif frame is not None:
+            bad = "a DATA_SHM message carries its payload in a shared-memory slot, not in a frame"
+        elif peer.segment is None:
+            bad = f"rank {peer.rank} sent DATA_SHM but has no shared-memory segment with {self.name}"
+        else:
+            try:
+                view = peer.segment.slot(slot, h.nbytes)
+            except ValueError as exc:
+                bad = f"rank {peer.rank}: {exc}"
+        if view is not None:
+            self.bytes_in += h.nbytes
+            self.bytes_shared_in += h.nbytes
+        self._data(identity, h, view, bad_payload=bad, slot=slot)
+
+    def _data(self, identity: bytes, h: Header, payload: Union[zmq.Frame, memoryview, None],
+              bad_payload: Optional[str] = None, slot: Optional[int] = None) -> None:
+        peer = self.members.admitted(identity)
+        if peer is None:
+            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
+                                     f"{self.name}: DATA for {h.describe()} from a peer that has not completed the "
+                                     "handshake", about=h)
+        if (h.rank, h.job, h.generation) != (peer.rank, peer.job, peer.generation):
+            return self.outbox.error(identity, ErrorCode.STALE, (
+                f"{self.name}: rank {peer.rank} of job {peer.job:#x} generation {peer.generation} sent "
+                f"{h.describe()} claiming rank {h.rank}"), about=h)
+        self.rounds.contribute(peer, h, payload, bad_payload, slot)

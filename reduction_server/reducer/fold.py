@@ -1,0 +1,141 @@
+"""How the contributions to one round become its result, and the memory that takes.
+
+The first contribution is loaded into an accumulator from the pool (float32 for the 16-bit
+floats), or, for a dtype that accumulates in itself, becomes the accumulator: a shared-memory
+slot, or a received frame of its own, summed into in place and sent back as the result without a
+copy. The others are folded in by the native kernels (the GIL released). In deterministic mode
+they are folded in rank order whatever their arrival order, early ones held until their turn.
+Every byte kept is charged to the pool's budget and to a rank's (accumulator.py).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+import zmq
+
+from .. import _native
+from ..accumulator import AccumulatorPool
+from ..protocol import OP_BROADCAST, Header, ReduceOp
+from ..round import Round
+
+Payload = Union[zmq.Frame, memoryview, None]
+#: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
+#: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
+BATCHED_RECV_BYTES = 64 << 10
+
+
+class Folder:
+    """Folds contributions into rounds' accumulators and finishes their results."""
+
+    def __init__(self, pool: AccumulatorPool, deterministic: bool) -> None:
+        self.pool = pool
+        self.deterministic = deterministic
+
+    def fold(self, rnd: Round, h: Header, payload: Payload) -> None:
+        """Fold h's payload (a frame, or a view of its shared-memory slot) into rnd; raises
+        PoolExhausted past a budget, ValueError for a contribution without the payload it needs."""
+        if h.op == OP_BROADCAST:  # h agrees with the round's first contribution
+            if h.rank == h.aux:
+                if payload is None:
+                    raise ValueError(f"broadcast root {h.rank} sent no payload")
+                rnd.adopted = payload  # the root's frame goes back out as it came: no copy
+            return
+        if payload is None:
+            raise ValueError("a contribution without a payload")
+        # A frame's view keeps the frame alive while it is held; a slot stays the worker's until
+        # it is answered, so its view needs nothing more.
+        in_slot = isinstance(payload, memoryview)
+        data = payload if in_slot else payload.buffer
+        if not self.deterministic:
+            return self._fold_one(rnd, h, h.rank, data, payload)
+        if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
+            if len(data) < BATCHED_RECV_BYTES and not in_slot:
+                # libzmq receives small messages into shared batch buffers: holding the frame would
+                # pin a whole buffer while counting only the message, so keep a copy instead.
+                data = payload.bytes
+            # Charged like a frame even when it is a slot (worker memory): the per-rank budget
+            # bounds what one rank can make the reducer keep, whichever way it came.
+            self.pool.hold(len(data), h.rank)
+        ready = rnd.in_rank_order(h.rank, data)
+        for rank, held in ready[1:]:
+            self.pool.unhold(len(held), rank)
+        for i, (rank, held) in enumerate(ready):  # the first is this very contribution: adoptable
+            self._fold_one(rnd, h, rank, held, payload if i == 0 else None)
+
+    def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
+                  payload: Payload = None) -> None:
+        """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
+        if rnd.accumulator is not None:
+            return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
+        # The first contribution. When the dtype accumulates in itself its memory becomes the
+        # accumulator, so nothing is copied in and the sum ends up in place: a shared-memory slot
+        # (the rank leaves it alone until it is answered) or a received frame of its own (not
+        # in a shared receive buffer), which then goes back out as the result.
+        if payload is not None and rnd.dtype.accumulator is rnd.dtype:
+            if isinstance(payload, memoryview):
+                rnd.accumulator, rnd.in_slot, rnd.owner = np.frombuffer(data, np.uint8), True, rank
+                return
+            if len(data) >= BATCHED_RECV_BYTES:
+                self.pool.hold(len(data), rank)  # memory kept on purpose, like a held frame
+                rnd.accumulator, rnd.adopted = np.frombuffer(data, np.uint8), payload
+                rnd.owner, rnd.charged = rank, len(data)
+                return
+        nbytes = h.count * rnd.dtype.accumulator.itemsize
+        rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
+        rnd.owner, rnd.charged = rank, nbytes
+        _native.load(rnd.accumulator, data, h.dtype)
+
+    def result(self, rnd: Round) -> Tuple[Union[zmq.Frame, np.ndarray], List[np.ndarray]]:
+        """A complete round's result (avg divided once, 16-bit floats rounded once), and the pool
+        buffers it lives in; raises PoolExhausted when rounding needs a buffer the budget lacks."""
+        h, buffers = rnd.first, []
+        if rnd.op is ReduceOp.BROADCAST:
+            return rnd.adopted, buffers
+        acc = rnd.accumulator
+        if not rnd.in_slot and rnd.adopted is None:  # pool memory
+            buffers.append(acc)
+        if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
+            out = self.pool.acquire(h.count * rnd.dtype.itemsize)
+            buffers.append(out)
+            _native.store(acc, out, h.dtype, h.op, rnd.world)
+            return out, buffers
+        if rnd.op is ReduceOp.AVG:
+            _native.store(acc, acc, h.dtype, h.op, rnd.world)
+        return acc, buffers
+
+    def sent(self, rnd: Round, buffers: List[np.ndarray], frame: Optional[zmq.Frame]) -> None:
+        """rnd's result went out (from `buffers`, or an adopted frame, as `frame`): its memory
+        returns to the pool once libzmq has released every copy."""
+        rnd.accumulator = None
+        held = 0
+        if rnd.adopted is not None and rnd.charged:
+            # An adopted frame's memory stays counted until libzmq has sent the result from it, as
+            # a pool buffer's does; its rank no longer accounts for it.
+            held, rnd.charged = rnd.charged, 0
+            self.pool.discharge(rnd.owner, held)
+        self.discharge(rnd)
+        if buffers or held:
+            self.pool.release(buffers, frame.tracker if frame is not None else None, held=held)
+
+    def free(self, rnd: Round) -> None:
+        """Give back everything rnd keeps (it failed, or its job was replaced)."""
+        if rnd.accumulator is not None:
+            if not rnd.in_slot and rnd.adopted is None:  # a slot or frame is not the pool's
+                self.pool.release([rnd.accumulator])
+            rnd.accumulator = None
+        self.discharge(rnd)
+        for rank, frame in rnd.held.items():
+            self.pool.unhold(len(frame), rank)
+        rnd.held.clear()
+        rnd.slots.clear()
+        rnd.adopted = None
+
+    def discharge(self, rnd: Round) -> None:
+        """The rank charged for rnd's accumulator no longer accounts for it."""
+        if rnd.charged:
+            if rnd.adopted is not None:  # an adopted frame was held, not taken from the pool
+                self.pool.unhold(rnd.charged, rnd.owner)
+            else:
+                self.pool.discharge(rnd.owner, rnd.charged)
+            rnd.charged = 0

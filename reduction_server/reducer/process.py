@@ -1,0 +1,153 @@
+"""`reduction-server serve`: one reducer process, from its configuration to its exit.
+
+Its place (address, port, index, world size, token) comes from the arguments, else from the
+cluster spec or the RS_* variables (discovery.py); it binds, says so on stdout (and to a
+launcher's --ready-fd), logs its configuration, serves until SIGTERM or SIGINT, and logs a
+summary when it stops.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+import zmq
+
+from .. import encryption, protocol, shared_memory
+from ..errors import ConfigError, ListenError
+from ..log import NOTICE, event, get_logger
+from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
+                        DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT,
+                        env_flag, env_number, socket_send_buffer)
+from .core import Reducer
+
+log = get_logger("reducer")
+
+
+def _bind(socket: zmq.Socket, host: str, port: int) -> int:
+    """Bind and return the port; a ListenError says in one line why it cannot, and what to do."""
+    if ":" in host:
+        socket.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    try:
+        if port == 0:
+            return socket.bind_to_random_port(f"tcp://{host}")
+        socket.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as exc:
+        where = f"tcp://{host}:{port or '*'}"
+        if exc.errno == zmq.EADDRINUSE:
+            raise ListenError(f"cannot listen on {where}: the port is already in use (another reducer or program "
+                              "listens there); stop it, or choose another port (--port; 0 picks a free one)") from None
+        if exc.errno == zmq.EADDRNOTAVAIL:
+            raise ListenError(f"cannot listen on {where}: {host} is not an address of this host "
+                              "(--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)") from None
+        raise ListenError(f"cannot listen on {where}: {exc}") from None
+    return port
+
+
+def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
+          index: Optional[int] = None, deterministic: Optional[bool] = None,
+          metrics_port: Optional[int] = None, ready_fd: Optional[int] = None) -> int:
+    """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
+    the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
+    0 or unset: no metrics). Once it listens, the bound port and a newline are written to
+    `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
+    from ..discovery import discover_reducer
+
+    if ready_fd is not None:
+        try:
+            os.fstat(ready_fd)
+        except OSError as exc:
+            raise ConfigError(f"--ready-fd {ready_fd} is not an open file descriptor: {exc.strerror}") from None
+    place = discover_reducer() if None in (host, port, index) else None
+    host = host or (place.host if place else "0.0.0.0")
+    port = port if port is not None else (place.port if place else 0)
+    index = index if index is not None else (place.index if place else 0)
+    if workers is None:
+        workers = place.world_size if place else None
+        if workers is None and os.environ.get("RS_WORLD_SIZE"):
+            workers = int(env_number("RS_WORLD_SIZE", 0, minimum=1))
+    token = os.environ.get("RS_JOB_TOKEN", place.job_token if place else "")
+    if deterministic is None:
+        deterministic = env_flag("RS_DETERMINISTIC")
+    encrypt = env_flag("RS_ENCRYPT")
+    if encrypt:
+        encryption.check(token)
+
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
+    socket.setsockopt(zmq.LINGER, 0)
+    max_chunk = int(env_number("RS_MAX_CHUNK_BYTES", DEFAULT_MAX_CHUNK_BYTES, minimum=1024))
+    # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
+    socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
+    sndbuf = socket_send_buffer()
+    if sndbuf:  # before bind: libzmq copies a socket's options into its listener, and each accepted connection gets them
+        socket.setsockopt(zmq.SNDBUF, sndbuf)
+    heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
+    liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
+    protocol.set_heartbeats(socket, heartbeat, liveness)
+    if encrypt:
+        encryption.secure_reducer(socket, token)
+    try:
+        bound = _bind(socket, host, port)
+    except ListenError:
+        socket.close(linger=0)
+        context.term()
+        raise
+    reducer = Reducer(
+        socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
+        max_chunk_bytes=max_chunk,
+        max_accumulator_bytes=int(env_number("RS_MAX_ACCUMULATOR_BYTES", DEFAULT_MAX_ACCUMULATOR_BYTES, minimum=1024)),
+        max_peer_bytes=int(env_number("RS_MAX_PEER_BYTES", DEFAULT_MAX_PEER_BYTES, minimum=1024)),
+        max_rounds=int(env_number("RS_MAX_ROUNDS", DEFAULT_MAX_ROUNDS, minimum=1)),
+        round_timeout=env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.1, kind=float),
+        heartbeat_interval=heartbeat,
+        liveness_timeout=liveness,
+        deterministic=deterministic,
+        encrypt=encrypt,
+        shared=shared_memory.enabled(),
+    )
+    if metrics_port is None:
+        metrics_port = int(env_number("RS_METRICS_PORT", 0, minimum=0, maximum=65535))
+    elif not 0 <= metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
+    if metrics_port:
+        from ..metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+
+        reducer.metrics = ReducerMetrics(reducer)
+        reducer.metrics.serve(host, metrics_port)
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
+          f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
+          f"deterministic={'on' if deterministic else 'off'}", flush=True)
+    event(log, NOTICE, "started", reducer=index, address=f"{host}:{bound}", workers=workers or "from_hello",
+          auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic, max_chunk_bytes=max_chunk,
+          max_accumulator_bytes=reducer.pool.max_bytes, max_peer_bytes=reducer.pool.max_rank_bytes,
+          max_rounds=reducer.rounds.max_rounds, timeout_s=reducer.round_timeout,
+          heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness, sndbuf=sndbuf or "auto",
+          metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
+    if ready_fd is not None:
+        try:
+            with os.fdopen(ready_fd, "w") as ready:
+                ready.write(f"{bound}\n")
+        except BrokenPipeError:
+            pass  # the launcher gave up on this reducer already, and stops it
+    try:
+        reducer.run(lambda: bool(stopping))
+    finally:
+        socket.close(linger=0)
+        context.term()
+        if reducer.metrics is not None:
+            reducer.metrics.stop()
+    rounds = reducer.rounds
+    failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
+    event(log, NOTICE, "stopped", reducer=index, completed=rounds.completed, failed=rounds.failed,
+          failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=rounds.bytes_out,
+          bytes_shared_memory=reducer.bytes_shared,
+          peers_admitted=reducer.admission.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
+          open_rounds=len(rounds.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
+    return 0

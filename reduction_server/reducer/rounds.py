@@ -1,0 +1,294 @@
+"""The rounds of a reducer: the state of each key (one chunk of one collective), and every
+transition between its states, in one place, as BytePS keeps a server's per-key state.
+
+    OPEN --every rank contributed--> (result sent to every rank) --> forgotten
+    OPEN --a disagreement, a lost rank, a budget, RS_TIMEOUT--> FAILED --every rank answered--> forgotten
+
+A round opens with its key's first contribution. Each contribution is folded into the
+accumulator as it arrives (deterministic mode: in rank order, holding early ones); once all W
+ranks have contributed, the result goes back to every rank and the accumulator returns to the
+pool once libzmq has released it. A FAILED round has given up its memory and answers each rank
+once with the same ERROR, including ranks that contribute after it failed; it is forgotten once
+every rank has been answered or is lost, or after RETAIN_FAILED_S + 2 x RS_TIMEOUT. Rounds reach
+the workers only through the Outbox.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Dict, Optional, Union
+
+import numpy as np
+import zmq
+
+from .. import protocol
+from ..accumulator import AccumulatorPool, PoolExhausted
+from ..log import event, get_logger
+from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, ErrorCode, Header, MsgType
+from ..round import Round, format_ranks
+from .fold import Folder, Payload
+from .membership import Membership, Peer
+from .outbox import Outbox, clip
+
+if TYPE_CHECKING:
+    from ..metrics import ReducerMetrics
+
+log = get_logger("reducer")
+
+# Failed rounds are kept (without their memory) so that ranks that contribute late get the same
+# error as the others; at most this many, each for at most RETAIN_FAILED_S + 2 x RS_TIMEOUT.
+MAX_FAILED_ROUNDS = 65536
+RETAIN_FAILED_S = 60.0
+
+
+class Rounds:
+    """Every open or failed round of the job served, by key."""
+
+    def __init__(self, outbox: Outbox, members: Membership, pool: AccumulatorPool, *, index: int, name: str,
+                 max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool) -> None:
+        self.outbox = outbox
+        self.members = members
+        self.pool = pool
+        self.folder = Folder(pool, deterministic)
+        self.index = index
+        self.name = name
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_rounds = max_rounds
+        self.round_timeout = round_timeout
+        self.rounds: Dict[tuple, Round] = {}
+        self.round_started: Dict[tuple, float] = {}
+        self.failed_kept = 0  # rounds in self.rounds that failed (kept to answer late contributions)
+        self.metrics: Optional["ReducerMetrics"] = None  # timings, when metrics are served
+        # Plain counters for the stop summary and the metrics (metrics.py reads them at scrape time).
+        self.completed = 0
+        self.failed = 0
+        self.failed_codes: Dict[str, int] = {}
+        self.bytes_out = 0
+        self.bytes_shared_out = 0
+
+    @property
+    def open_count(self) -> int:
+        return sum(1 for rnd in self.rounds.values() if rnd.error is None)
+
+    # -- OPEN: contributions ---------------------------------------------------------------
+    def contribute(self, peer: Peer, h: Header, payload: Payload, bad_payload: Optional[str] = None,
+                   slot: Optional[int] = None) -> None:
+        """An admitted peer's contribution h to its key (its rank, job and generation checked)."""
+        if h.count * ACCUMULATOR_ITEMSIZE[h.dtype] > self.max_chunk_bytes:
+            return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+                f"rank {h.rank} sent a chunk of {h.count} x {DTYPES[h.dtype].name.lower()}, over this reducer's "
+                f"limit of {self.max_chunk_bytes} bytes per chunk"))
+        if bad_payload is not None:
+            return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
+        if h.seq > peer.max_seq:
+            peer.max_seq = h.seq
+        key = h.key
+        if key not in self.rounds and len(self.rounds) >= self.max_rounds:
+            in_flight = len(self.rounds) - self.failed_kept
+            if in_flight >= self.max_rounds:
+                return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+                    f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
+                    f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
+                    "collectives in the same order stay within their window (RS_WINDOW) of each other"))
+        rnd = self._round_for(h)
+        if rnd.error is not None:
+            return self._answer_failed(rnd, h.rank, h)
+        lost = self.members.lost
+        if lost:
+            gone = [rank for rank in lost if rank not in rnd.contributed]
+            if gone:
+                return self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
+                                 + "; ".join(lost[rank] for rank in sorted(gone)[:8]), extra=h)
+        reason = rnd.disagreement(h)
+        if reason is not None:
+            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
+            return self.fail(rnd, code, reason, extra=h)
+        arrived = time.monotonic() if self.metrics is not None else 0.0
+        try:
+            self.folder.fold(rnd, h, payload)
+        except PoolExhausted as exc:
+            return self.fail(rnd, ErrorCode.TOO_LARGE, str(exc), extra=h)
+        except ValueError as exc:
+            return self.fail(rnd, ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}", extra=h)
+        rnd.contributed[h.rank] = h
+        if slot is not None:  # its result goes back into the same slot of the same segment
+            rnd.slots[h.rank] = (peer.segment, slot)
+        if self.metrics is not None:
+            self.metrics.contributed(h.rank, self.round_started[key], arrived)
+        if rnd.complete:
+            self._finish(rnd)
+
+    # -- OPEN -> result sent -> forgotten -----------------------------------------------------
+    def _finish(self, rnd: Round) -> None:
+        h = rnd.first
+        try:
+            out, buffers = self.folder.result(rnd)
+        except PoolExhausted as exc:  # every rank hears it, and the accumulator is freed
+            return self.fail(rnd, ErrorCode.TOO_LARGE, f"{h.describe()} cannot be sent: {exc}")
+        frame = self._send_result(rnd, out)
+        if self.metrics is not None:
+            self.metrics.finished(self.round_started.get(h.key))
+        self._forget(h.key)
+        self.folder.sent(rnd, buffers, frame)
+        self.completed += 1
+
+    def _send_result(self, rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> Optional[zmq.Frame]:
+        """The result to every rank: into its shared-memory slot, or as a frame (made once, the
+        first time a rank needs it, and returned)."""
+        h, members = rnd.first, self.members
+        nbytes = h.count * rnd.dtype.itemsize
+        header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
+        frame = None
+        # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
+        # after every copy out of its slot.
+        order = range(rnd.world) if not rnd.in_slot else [*(r for r in range(rnd.world) if r != rnd.owner), rnd.owner]
+        for rank in order:
+            identity = members.rank_identity.get(rank)
+            if identity is None:
+                event(log, logging.INFO if rank in members.lost else logging.ERROR, "result_undeliverable",
+                      reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
+                continue
+            segment, slot = rnd.slots.get(rank, (None, 0))
+            peer = members.peers.get(identity)
+            if segment is not None and peer is not None and segment is peer.segment:
+                if not (rnd.in_slot and rank == rnd.owner):  # the owner's slot holds the sum already
+                    segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
+                if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
+                    self.bytes_out += nbytes
+                    self.bytes_shared_out += nbytes
+                continue
+            if frame is None:
+                frame = self._result_frame(rnd, out)
+            if self.outbox.send(identity, [header, frame]):
+                self.bytes_out += len(frame)
+        return frame
+
+    @staticmethod
+    def _result_frame(rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> zmq.Frame:
+        """The result as a frame: a broadcast root's as it came; a pool buffer or an adopted
+        frame's memory without a copy, tracked so that it counts until sent; a slot copied, since
+        libzmq sends later, when the slot's owner may be using it again."""
+        if isinstance(out, zmq.Frame):
+            return out
+        if rnd.in_slot:
+            return zmq.Frame(out, copy=True)
+        return zmq.Frame(out, copy=False, track=True)
+
+    # -- OPEN -> FAILED -> forgotten ----------------------------------------------------------
+    def _fail_contribution(self, peer: Peer, h: Header, code: ErrorCode, reason: str) -> None:
+        """A contribution that cannot be used fails its whole round, so no rank waits for it."""
+        rnd = self._round_for(h)
+        if rnd.error is not None:
+            return self._answer_failed(rnd, peer.rank, h)
+        self.fail(rnd, code, reason, extra=h)
+
+    def _round_for(self, h: Header) -> Round:
+        """The round of h's key; a new one, with h as its first contribution, if there is none."""
+        rnd = self.rounds.get(h.key)
+        if rnd is None:
+            rnd = self.rounds[h.key] = Round(first=h, world=self.members.world)
+            self.round_started[h.key] = time.monotonic()
+        return rnd
+
+    def fail(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
+        """rnd fails: its memory goes back, and every rank that contributed (and `extra`'s
+        sender) hears why; ranks that contribute later hear the same."""
+        reason = clip(reason)
+        if rnd.error is None and self.rounds.get(rnd.first.key) is rnd:
+            self.failed_kept += 1
+        rnd.error = f"{self.name}: {reason}"
+        rnd.code = code
+        rnd.failed_at = time.monotonic()
+        self.failed += 1
+        self.failed_codes[code.name] = self.failed_codes.get(code.name, 0) + 1
+        event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
+              code=code.name, reason=reason)
+        self.folder.free(rnd)
+        for rank, h in list(rnd.contributed.items()):
+            self._answer_failed(rnd, rank, h)
+        if extra is not None:
+            self._answer_failed(rnd, extra.rank, extra)
+
+    def _answer_failed(self, rnd: Round, rank: int, about: Header) -> None:
+        identity = self.members.rank_identity.get(rank)
+        if identity is not None:
+            self.outbox.error(identity, rnd.code, rnd.error, about=about)
+        if rank not in rnd.answered:
+            rnd.answered.append(rank)
+        self._maybe_forget(rnd)
+
+    def _maybe_forget(self, rnd: Round) -> None:
+        """A failed round is forgotten once every rank has been answered (or is lost)."""
+        answered = len(rnd.answered)
+        lost = self.members.lost
+        if answered < rnd.world and lost:
+            answered += sum(1 for rank in lost if rank not in rnd.answered)
+        if answered >= rnd.world:
+            self._forget(rnd.first.key)
+
+    def rank_lost(self, rank: int, text: str) -> Dict[str, int]:
+        """Fail every open round `rank` has not contributed to; what it did, for the log line."""
+        failed = 0
+        for rnd in list(self.rounds.values()):
+            if rnd.error is None and rank not in rnd.contributed:
+                self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: {text}")
+                failed += 1
+            elif rnd.error is not None:
+                self._maybe_forget(rnd)
+        return {"failed_rounds": failed, "open_rounds": self.open_count,
+                "accumulator_bytes_in_use": self.pool.in_use_bytes}
+
+    def check_skipped(self) -> None:
+        """A rank sends its collectives in seq order, so a rank that already contributed to a
+        later seq here will never contribute to an open round of an earlier one (the collective
+        failed on its side, e.g. while a reducer was down): that round fails now, not at RS_TIMEOUT."""
+        for rnd in list(self.rounds.values()):
+            if rnd.error is not None or (rnd.first.job, rnd.first.generation) != self.members.job:
+                continue
+            skipped = [rank for rank in rnd.missing if self.members.seq_of(rank) > rnd.first.seq]
+            if skipped:
+                self.fail(rnd, ErrorCode.LOST, (
+                    f"{rnd.first.describe()} cannot complete: ranks {format_ranks(skipped)} went on to later "
+                    f"collectives without contributing (it failed on their side); ranks "
+                    f"{format_ranks(rnd.contributed)} contributed"))
+
+    def expire(self, now: float) -> None:
+        """Fail rounds that waited longer than the timeout for their last contributions. The
+        failed round is kept (without its memory) so that a rank that contributes late gets the
+        same message as the others; it is forgotten once every rank has been answered."""
+        retain = RETAIN_FAILED_S + 2 * self.round_timeout
+        failed = 0
+        for key, started in list(self.round_started.items()):
+            rnd = self.rounds.get(key)
+            if rnd is None:
+                self.round_started.pop(key, None)
+                continue
+            if rnd.error is None:
+                if now - started >= self.round_timeout:
+                    self.fail(rnd, ErrorCode.STALE, (
+                        f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
+                        f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
+                    failed += 1
+            elif now - rnd.failed_at >= retain:
+                self._forget(key)
+            else:
+                failed += 1
+        if failed > MAX_FAILED_ROUNDS:  # bounded: the oldest failed rounds go first
+            for key in [k for k, r in self.rounds.items() if r.error is not None][:failed - MAX_FAILED_ROUNDS]:
+                self._forget(key)
+
+    def drop_all(self) -> int:
+        """Forget every round, giving its memory back (a new job replaces the old one); how many."""
+        dropped = len(self.rounds)
+        for rnd in self.rounds.values():
+            self.folder.free(rnd)
+        self.rounds.clear()
+        self.failed_kept = 0
+        self.round_started.clear()
+        return dropped
+
+    def _forget(self, key: tuple) -> None:
+        rnd = self.rounds.pop(key, None)
+        if rnd is not None and rnd.error is not None:
+            self.failed_kept -= 1
+        self.round_started.pop(key, None)
