@@ -59,10 +59,44 @@ class Handle:
         return self._future.result(timeout)
 
     def done(self) -> bool:
+        """Whether the collective has finished (successfully or not)."""
         return self._future.done()
 
 
 class Communicator:
+    """One rank's view of the job: collectives over the reducers, NCCL-style.
+
+    Every rank makes one with the same reducers, world size and job, and issues the same
+    collectives in the same order. `Communicator.from_env()` takes all of it from the environment
+    (discovery.py); the settings left None come from their RS_* variables (README, settings.py).
+
+    Args:
+        reducers: the reducers' addresses, "host:port" (or "[ipv6]:port"), as a list or one
+            comma-separated string; reducer i must be started with index i.
+        rank: this rank, 0 <= rank < world_size.
+        world_size: the number of ranks W.
+        job_token: the job's shared secret (RS_JOB_TOKEN); each reducer must prove it before
+            anything is sent to it, and this rank proves it back. "" for a job without one.
+        job_id: the job's identity; None derives it from the token. Ranks of one job agree on it.
+        generation: the job's generation; a newer one replaces an older one on the reducers.
+        chunk_bytes: the largest chunk a collective is cut into (RS_CHUNK_BYTES); the same on
+            every rank.
+        window: chunks in flight per reducer (RS_WINDOW).
+        pipeline_depth: chunks per reducer a collective is cut into at least (RS_PIPELINE_DEPTH);
+            the same on every rank.
+        timeout: seconds a collective may wait for its results (RS_TIMEOUT).
+        connect_timeout: seconds to wait for every reducer to admit this rank (RS_CONNECT_TIMEOUT).
+        io_threads: libzmq I/O threads (RS_IO_THREADS).
+        encrypt: CurveZMQ on every connection, keys from the token (RS_ENCRYPT).
+        shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
+        send_buffer: the kernel send buffer of each connection in bytes, 0 for the kernel's
+            autotuning (RS_SNDBUF).
+
+    Raises:
+        ConfigError: a setting is malformed or out of range (the message names it).
+        CollectiveError: a reducer did not admit this rank within connect_timeout, or refused it.
+    """
+
     def __init__(self, reducers: Sequence[str], rank: int, world_size: int, *,
                  job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
                  chunk_bytes: Optional[int] = None, window: Optional[int] = None,
@@ -125,6 +159,8 @@ class Communicator:
         return self.all_reduce_async(x, op, out).wait()
 
     def all_reduce_async(self, x: Any, op: OpLike = "sum", out: Any = None) -> Handle:
+        """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
+        not change until then; collectives complete in the order they were started."""
         op = ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:
             raise ValueError("broadcast is not a reduction op; use broadcast()")
@@ -140,6 +176,7 @@ class Communicator:
         return self.broadcast_async(x, root).wait()
 
     def broadcast_async(self, x: Any, root: int = 0) -> Handle:
+        """broadcast without waiting: a Handle whose wait() gives x once it holds root's value."""
         if not (isinstance(root, int) and 0 <= root < self.world_size):
             raise ValueError(f"broadcast root {root!r} is out of range for world size {self.world_size}")
         buf = wire_view(x, writable=True, what="broadcast buffer")

@@ -1,4 +1,4 @@
-"""Where this process sits in the job, read from its environment (DESIGN.md section 3).
+"""Where this process sits in the job, read from its environment (docs/design.md, "Roles").
 
 A worker learns its rank, the world size and the reducers' addresses; a reducer learns its
 index and the port it listens on. Sources, first match wins:
@@ -10,9 +10,7 @@ index and the port it listens on. Sources, first match wins:
 4. the launcher's variables: RANK/WORLD_SIZE (torchrun, PyTorchJob), HOROVOD_RANK/HOROVOD_SIZE,
    OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
 
-In a cluster spec the primary replica (workerpool0, chief or master) is host 0 and the workers
-follow it; the reducer pool (workerpool2 or ps) holds the reducers; evaluators take no part.
-Anything missing, malformed or contradictory is a ConfigError naming the variable: a wrong guess
+The cluster specs are parsed in cluster_spec.py. Anything missing, malformed or contradictory is a ConfigError naming the variable: a wrong guess
 here would hang or silently corrupt a whole job.
 """
 from __future__ import annotations
@@ -23,15 +21,13 @@ import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
+from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
 from .errors import ConfigError
 
 __all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
            "job_id_from", "parse_address"]
-
-_VERTEX_POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
-_TF_POOLS = ("chief", "master", "worker", "ps", "evaluator")
 
 # (rank, size) pairs, highest priority first.
 _LOCAL_VARIABLES = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
@@ -41,8 +37,6 @@ _LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"),
                        ("HOROVOD_RANK", "HOROVOD_SIZE"),
                        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]+")  # DNS name or IPv4 address
-_IPV6 = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?")  # with optional zone
 _JOB_ID_NUMBER = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]+")
 
 
@@ -76,43 +70,6 @@ class ReducerPlace:
     source: str  # the variable that decided the index
 
 
-def parse_address(text: str, variable: str) -> tuple[str, int]:
-    """Split "host:port" or "[ipv6]:port" into (host, port); the host loses its brackets.
-
-    Raises ConfigError naming `variable` when the text is not such an address or the port is
-    not in 1..65535.
-    """
-    entry = text.strip()
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"{variable}: {text!r} is not a host:port address: {why}")
-
-    if entry.startswith("["):
-        host, bracket, rest = entry[1:].partition("]")
-        if not bracket:
-            raise bad("'[' without a closing ']'")
-        if not _IPV6.fullmatch(host):
-            raise bad(f"{host!r} inside [...] is not an IPv6 address")
-        if not rest.startswith(":"):
-            raise bad("expected [ipv6]:port")
-        port_text = rest[1:]
-    else:
-        host, colon, port_text = entry.rpartition(":")
-        if not colon:
-            raise bad("no :port")
-        if ":" in host:
-            # "::1:5555" could split several ways; brackets make it unambiguous.
-            raise bad("write IPv6 addresses in brackets, like [::1]:5555")
-        if not _HOSTNAME.fullmatch(host):
-            raise bad("the host is empty or has characters a host name cannot have")
-    if not (port_text.isascii() and port_text.isdigit()):
-        raise bad(f"the port {port_text!r} is not a number")
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise bad(f"the port {port} is not in 1..65535")
-    return host, port
-
-
 def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
     """This worker's rank, world size and reducers, from `environ` (default os.environ)."""
     env = _Environment(environ)
@@ -124,7 +81,7 @@ def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
     rank, world_size, source = _worker_rank(env, local_rank, local_world_size)
     _, reducers = _reducer_addresses(env)
     token, job_id, generation = _identity(env)
-    return WorkerPlace(rank=rank, world_size=world_size, reducers=tuple(_join(h, p) for h, p in reducers),
+    return WorkerPlace(rank=rank, world_size=world_size, reducers=tuple(join_address(h, p) for h, p in reducers),
                        local_rank=local_rank, local_world_size=local_world_size, job_token=token,
                        job_id=job_id, generation=generation, source=source)
 
@@ -132,7 +89,7 @@ def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
 def discover_reducers(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
     """The reducers' addresses alone: what a job's unique id carries before ranks are known."""
     _, reducers = _reducer_addresses(_Environment(environ))
-    return tuple(_join(h, p) for h, p in reducers)
+    return tuple(join_address(h, p) for h, p in reducers)
 
 
 def job_id_from(token: str) -> int:
@@ -163,31 +120,6 @@ def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[Re
                         job_id=job_id, generation=generation, source=source)
 
 
-@dataclass(frozen=True)
-class _Task:
-    type: str
-    index: int
-    role: str  # "worker", "reducer" or "evaluator"
-    position: int  # host index for a worker, reducer index for a reducer
-
-
-@dataclass(frozen=True)
-class _Cluster:
-    """A parsed CLUSTER_SPEC or TF_CONFIG, reduced to what discovery needs."""
-
-    variable: str
-    hosts: int  # worker hosts: the primary plus the workers
-    reducer_pool: str  # "workerpool2" or "ps"
-    reducers: tuple[str, ...]
-    task: Optional[_Task]  # None when the document has no "task"
-    job: Any  # CLUSTER_SPEC's "job" field, None when absent (or for TF_CONFIG)
-
-    def require_task(self) -> _Task:
-        if self.task is None:
-            raise ConfigError(f'{self.variable} has no "task" key, so this process cannot tell its role')
-        return self.task
-
-
 class _Environment:
     """The variables discovery reads, validated one way, with the cluster spec parsed once."""
 
@@ -214,94 +146,13 @@ class _Environment:
         return int(value)
 
     @cached_property
-    def spec(self) -> Optional[_Cluster]:
+    def spec(self) -> Optional[Cluster]:
         """CLUSTER_SPEC if set, else TF_CONFIG if set: Vertex AI sets both, and they agree."""
         for variable in ("CLUSTER_SPEC", "TF_CONFIG"):
             text = self.text(variable)
             if text is not None:
-                return _parse_cluster(variable, text)
+                return parse_cluster(variable, text)
         return None
-
-
-def _parse_cluster(variable: str, text: str) -> _Cluster:
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{variable} is not valid JSON: {error.msg} at line {error.lineno} "
-                          f"column {error.colno}") from None
-    if not isinstance(document, dict):
-        raise ConfigError(f'{variable} must be a JSON object with "cluster" and "task" keys')
-    cluster = document.get("cluster")
-    if not isinstance(cluster, dict):
-        raise ConfigError(f'{variable} has no "cluster" object')
-    pools: dict[str, tuple[str, ...]] = {}
-    for name, entries in cluster.items():
-        if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
-            raise ConfigError(f'{variable}: cluster.{name} must be a list of "host:port" strings')
-        pools[name] = tuple(entries)
-    raw_task = document.get("task")
-    if raw_task is not None and not isinstance(raw_task, dict):
-        raise ConfigError(f'{variable}: "task" must be an object with "type" and "index"')
-    task_type = raw_task.get("type") if raw_task is not None else None
-    if raw_task is not None and (not isinstance(task_type, str) or not task_type):
-        raise ConfigError(f'{variable}: task.type must be a non-empty string, got {task_type!r}')
-
-    # AI Platform's CLUSTER_SPEC for custom containers uses TF_CONFIG's names; Vertex AI's
-    # uses workerpoolN. Which one this is shows in any pool or task name.
-    names = set(pools) | ({task_type} if task_type else set())
-    vertex = variable == "CLUSTER_SPEC" and any(name in _VERTEX_POOLS for name in names)
-    known = _VERTEX_POOLS if vertex else _TF_POOLS
-    for name in pools:
-        if name not in known:
-            raise ConfigError(f"{variable}: unknown pool {name!r} in cluster (expected {', '.join(known)})")
-    if vertex:
-        if len(pools.get("workerpool0", ())) != 1:
-            raise ConfigError(f"{variable}: cluster.workerpool0 must hold exactly one primary replica, "
-                              f"found {len(pools.get('workerpool0', ()))}")
-        worker_pools, reducer_pool, evaluator_pool = ("workerpool0", "workerpool1"), "workerpool2", "workerpool3"
-    else:
-        heads = [name for name in ("chief", "master") if pools.get(name)]
-        if len(heads) == 2:
-            raise ConfigError(f"{variable}: cluster has both chief and master; the primary replica is one or the other")
-        if heads and len(pools[heads[0]]) > 1:
-            raise ConfigError(f"{variable}: cluster.{heads[0]} lists {len(pools[heads[0]])} entries; "
-                              f"a job has one {heads[0]}")
-        worker_pools, reducer_pool, evaluator_pool = (*heads, "worker"), "ps", "evaluator"
-    offsets: dict[str, int] = {}
-    hosts = 0
-    for name in worker_pools:
-        offsets[name] = hosts
-        hosts += len(pools.get(name, ()))
-    if hosts == 0:
-        raise ConfigError(f"{variable}: cluster has no chief, master or worker entries, so no worker hosts")
-
-    task = None
-    if raw_task is not None:
-        if task_type not in known:
-            raise ConfigError(f"{variable}: task type {task_type!r} is not one of {', '.join(known)}")
-        index = _task_index(variable, raw_task.get("index"))
-        listed = pools.get(task_type, ())
-        # TF_CONFIG never lists evaluators in "cluster", so an evaluator's index has nothing to check.
-        if index >= len(listed) and not (task_type == evaluator_pool and task_type not in pools):
-            raise ConfigError(f"{variable}: task {task_type}[{index}] is beyond cluster.{task_type}, "
-                              f"which lists {len(listed)} entries")
-        if task_type == reducer_pool:
-            task = _Task(task_type, index, "reducer", index)
-        elif task_type == evaluator_pool:
-            task = _Task(task_type, index, "evaluator", index)
-        else:
-            task = _Task(task_type, index, "worker", offsets[task_type] + index)
-    return _Cluster(variable=variable, hosts=hosts, reducer_pool=reducer_pool,
-                    reducers=pools.get(reducer_pool, ()), task=task,
-                    job=document.get("job") if variable == "CLUSTER_SPEC" else None)
-
-
-def _task_index(variable: str, index: Any) -> int:
-    if isinstance(index, str) and index.isascii() and index.isdigit():
-        return int(index)
-    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise ConfigError(f"{variable}: task.index must be a non-negative integer, got {index!r}")
-    return index
 
 
 def _rank_pair(env: _Environment, rank_name: str, size_name: str) -> Optional[tuple[int, int]]:
@@ -344,7 +195,7 @@ def _local_placement(env: _Environment) -> tuple[int, int]:
                       f"LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or HOROVOD_LOCAL_RANK says which one this is")
 
 
-def _worker_task(spec: _Cluster) -> _Task:
+def _worker_task(spec: Cluster) -> Task:
     """This process's task in the spec; an error if it is a reducer or an evaluator."""
     task = spec.require_task()
     if task.role == "reducer":
@@ -379,7 +230,7 @@ def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], .
     """(where the list came from, [(host, port)] in reducer-index order)."""
     text = env.text("RS_REDUCERS")
     if text is not None:
-        return "RS_REDUCERS", _address_list("RS_REDUCERS", text.split(","))
+        return "RS_REDUCERS", address_list("RS_REDUCERS", text.split(","))
     spec = env.spec
     if spec is None:
         raise ConfigError("RS_REDUCERS is not set and neither CLUSTER_SPEC nor TF_CONFIG is, so there are "
@@ -388,27 +239,7 @@ def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], .
         raise ConfigError(f"RS_REDUCERS is not set and {spec.variable} has no {spec.reducer_pool} pool "
                           f"(the reducers); add that pool to the job or set RS_REDUCERS")
     where = f"{spec.variable} cluster.{spec.reducer_pool}"
-    return where, _address_list(where, spec.reducers)
-
-
-def _address_list(where: str, entries: Sequence[str]) -> tuple[tuple[str, int], ...]:
-    seen: dict[tuple[str, int], int] = {}
-    addresses = []
-    for position, entry in enumerate(entries):
-        if not entry.strip():
-            raise ConfigError(f"{where} has an empty entry at position {position}")
-        host, port = parse_address(entry, where)
-        key = (host.lower(), port)  # host names are case-insensitive
-        if key in seen:
-            # Two indices for one reducer would send it two shares of the buffer.
-            raise ConfigError(f"{where} lists {_join(host, port)} twice (positions {seen[key]} and {position})")
-        seen[key] = position
-        addresses.append((host, port))
-    return tuple(addresses)
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return where, address_list(where, spec.reducers)
 
 
 def _reducer_world_size(env: _Environment) -> Optional[int]:

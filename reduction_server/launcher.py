@@ -8,7 +8,6 @@ signal to the launcher stops every process, grandchildren included.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import select
@@ -19,19 +18,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Callable, Collection, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
+from .children import (POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit,
+                       signal_name, stop_all, wait_briefly)
 from .settings import ONE_HOST_PIPELINE_DEPTH
 
 _PREFIX = "reduction-server run:"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
-_POLL_S = 0.05  # how often the launcher looks for exited children
 _READER_JOIN_S = 2.0  # how long to wait for the last output after the children are gone
 _READY_S = 60.0  # how long a reducer may take to listen (imports, bind) before the job gives up
-_MAX_LINE = 64 * 1024  # longer lines are printed in pieces rather than buffered without bound
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -49,19 +47,13 @@ class _Layout:
 
 
 @dataclass
-class _Child:
-    label: str  # the output prefix: "rank 3" or "reducer 1"
-    proc: subprocess.Popen[bytes]
-
-
-@dataclass
 class _Job:
     layout: _Layout
     np: int
     command: List[str]
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
-    workers: List[_Child] = field(default_factory=list)
-    reducers: List[_Child] = field(default_factory=list)
+    workers: List[Child] = field(default_factory=list)
+    reducers: List[Child] = field(default_factory=list)
     readers: List[threading.Thread] = field(default_factory=list)
     output_lock: threading.Lock = field(default_factory=threading.Lock)
     signum: Optional[int] = None  # the first stop signal the launcher received
@@ -84,12 +76,12 @@ class _Job:
              f"{','.join(self.layout.reducer_addresses())}; "
              f"MASTER_ADDR={self.layout.connect_host} MASTER_PORT={self.layout.master_port}")
         while (code := self._outcome()) is None:
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         return code
 
     def stop(self) -> None:
         """Stop and reap every child, then let the readers copy the rest of their output."""
-        _stop(self.workers + self.reducers, _GRACE_S)
+        stop_all(self.workers + self.reducers, _GRACE_S)
         deadline = time.monotonic() + _READER_JOIN_S
         for reader in self.readers:
             # Bounded: a process that escaped its group could hold a pipe open forever.
@@ -97,7 +89,7 @@ class _Job:
 
     def _spawn_all(self) -> Optional[int]:
         env = _job_environment(self.layout, self.np)
-        die_with_parent = _die_with_parent_hook()
+        die_with_parent = die_with_parent_hook()
         # Reducers first, and workers only once every reducer listens: a port that another process
         # holds fails the job here, before any worker could reach a stranger there.
         ready: List[int] = []
@@ -122,7 +114,7 @@ class _Job:
                     return failure
             failure = self._await_reducers(ready)
         finally:
-            _close_all(ready)
+            close_all(ready)
         if failure is not None or self.signum is not None:
             return failure if failure is not None else self._outcome()
         for rank in range(self.np):
@@ -145,14 +137,14 @@ class _Job:
                 if time.monotonic() >= deadline:
                     _say(f"{child.label} did not listen at {address} within {_READY_S:g} s; stopping the job")
                     return 1
-                if not select.select([fd], [], [], _POLL_S)[0]:
+                if not select.select([fd], [], [], POLL_S)[0]:
                     continue
                 chunk = os.read(fd, 64)
                 if not chunk:  # it exited, or closed the pipe, before listening: its output says why
-                    status = _wait_briefly(child.proc)
+                    status = wait_briefly(child.proc)
                     _say(f"{child.label} exited before it listened at {address}"
-                         + (f" ({_describe(status)})" if status is not None else "") + "; stopping the job")
-                    return _exit_code(status) if status else 1
+                         + (f" ({describe(status)})" if status is not None else "") + "; stopping the job")
+                    return exit_code(status) if status else 1
                 said += chunk
             if said.strip() != str(port).encode():
                 _say(f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
@@ -161,7 +153,7 @@ class _Job:
         return None
 
     @staticmethod
-    def _spawn(children: List[_Child], label: str, argv: List[str], env: Dict[str, str],
+    def _spawn(children: List[Child], label: str, argv: List[str], env: Dict[str, str],
                die_with_parent: Optional[Callable[[], None]], cwd: Optional[str] = None,
                pass_fds: Sequence[int] = ()) -> Optional[int]:
         try:
@@ -173,12 +165,12 @@ class _Job:
         except OSError as exc:
             _say(f"cannot start {label} ({' '.join(argv)}): {exc}")
             return 127 if isinstance(exc, FileNotFoundError) else 126  # the shell's codes
-        children.append(_Child(label, proc))
+        children.append(Child(label, proc))
         return None
 
     def _start_readers(self) -> None:
         for child in self.workers + self.reducers:
-            reader = threading.Thread(target=_pump, args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
+            reader = threading.Thread(target=copy_output, args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
                                       name=f"output of {child.label}", daemon=True)
             reader.start()
             self.readers.append(reader)
@@ -186,23 +178,23 @@ class _Job:
     def _outcome(self) -> Optional[int]:
         """The job's exit code once it is decided, else None; says why when it is a failure."""
         if self.signum is not None:
-            _say(f"received {_signal_name(self.signum)}; stopping the job")
+            _say(f"received {signal_name(self.signum)}; stopping the job")
             return 128 + self.signum
         running = 0
         for child in self.workers:  # in rank order, so simultaneous failures report the lowest rank
-            status = _peek_exit(child.proc)
+            status = peek_exit(child.proc)
             if status is None:
                 running += 1
             elif status != 0:
-                _say(f"{child.label} {_describe(status)}; stopping the job")
-                return _exit_code(status)
+                _say(f"{child.label} {describe(status)}; stopping the job")
+                return exit_code(status)
         if running == 0:
             return 0
         for child, address in zip(self.reducers, self.layout.reducer_addresses()):
-            status = _peek_exit(child.proc)
+            status = peek_exit(child.proc)
             if status is not None:  # even a clean exit: the workers still need it
-                _say(f"{child.label} ({address}) {_describe(status)} while workers were running; stopping the job")
-                return _exit_code(status) or 1
+                _say(f"{child.label} ({address}) {describe(status)} while workers were running; stopping the job")
+                return exit_code(status) or 1
         return None
 
 
@@ -304,86 +296,6 @@ def _worker_environment(env: Dict[str, str], layout: _Layout, rank: int, np: int
     return dict(env, **{name: str(value) for name, value in ranks.items()})
 
 
-def _die_with_parent_hook() -> Optional[Callable[[], None]]:
-    """A preexec_fn that makes the child get SIGKILL when the launcher dies, even by SIGKILL.
-
-    Linux only (prctl); elsewhere children rely on the launcher's own cleanup. Strictly, the
-    signal comes when the forking *thread* exits: run_job forks and waits in the same thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: no dlopen in the child
-    launcher = os.getpid()
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
-        if os.getppid() != launcher:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return die_with_parent
-
-
-def _pump(stream: IO[bytes], prefix: str, lock: threading.Lock) -> None:
-    """Copy a child's output to our stdout, one prefixed whole line at a time."""
-    with stream:
-        for raw in iter(lambda: stream.readline(_MAX_LINE), b""):
-            # A partial last line has no newline; junk bytes must not stop the copying.
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            with lock:
-                try:
-                    sys.stdout.write(f"{prefix}{line}\n")
-                    sys.stdout.flush()
-                except (OSError, ValueError):
-                    pass  # our stdout is gone (closed pipe): keep draining so the child never blocks
-
-
-def _peek_exit(proc: subprocess.Popen[bytes]) -> Optional[int]:
-    """The child's status, Popen-style (negative: killed by that signal), None while it runs.
-
-    It does not reap the child: while a zombie holds its PID, that number (also its process
-    group's id) cannot be reused, so a later killpg cannot hit an unrelated process.
-    """
-    if proc.returncode is not None or not hasattr(os, "waitid"):
-        return proc.poll()
-    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _wait_briefly(proc: subprocess.Popen[bytes], seconds: float = 5.0) -> Optional[int]:
-    """The child's status once it has exited (within `seconds`; not reaped), else None."""
-    deadline = time.monotonic() + seconds
-    while (status := _peek_exit(proc)) is None and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-    return status
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _stop(children: Sequence[_Child], grace: float) -> None:
-    """SIGTERM every child's process group, SIGKILL whatever is left after `grace`, reap all."""
-    _signal_groups(children, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_peek_exit(child.proc) is None for child in children):
-        time.sleep(_POLL_S)
-    # Also the groups whose leader has exited: grandchildren may still be in them.
-    _signal_groups(children, signal.SIGKILL)
-    for child in children:
-        child.proc.wait()
-
-
-def _signal_groups(children: Sequence[_Child], signum: int) -> None:
-    for child in children:
-        if child.proc.returncode is None:  # not reaped yet, so its group id is still ours
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signum)
-
-
 @contextlib.contextmanager
 def _signals_recorded_by(job: _Job) -> Iterator[None]:
     """Route the stop signals to `job` for the duration; only the main thread may do that."""
@@ -396,23 +308,6 @@ def _signals_recorded_by(job: _Job) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-
-def _describe(status: int) -> str:
-    if status < 0:
-        return f"was killed by signal {-status} ({_signal_name(-status)})"
-    return f"exited with code {status}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:  # e.g. a real-time signal without a name of its own
-        return f"signal {signum}"
-
-
-def _exit_code(status: int) -> int:
-    return 128 - status if status < 0 else status
 
 
 def _usage_error(message: str) -> int:

@@ -10,16 +10,14 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator
 
 import pytest
 
 import reduction_server
-from cluster import ROOT, unreachable
+from cluster import unreachable
+from source_tree import ROOT, source_modules
 
-# Where each installed package's sources live in the repository (as setup.py maps them).
-SOURCE_ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
-                "reduction_server.bench": "bench"}
 # Not imported in the check: running it is running the command line.
 NOT_IMPORTED = {"reduction_server.__main__"}
 # Built from native/ rather than copied from a .py file.
@@ -40,19 +38,6 @@ for name in sys.argv[1:]:
         found[name] = {"missing": exc.name or "", "error": traceback.format_exc(limit=3)}
 print(json.dumps(found))
 """
-
-
-def source_modules() -> List[str]:
-    """Every module of the source tree, by the name it has once installed."""
-    names = []
-    for package, directory in SOURCE_ROOTS.items():
-        base = ROOT / directory
-        for path in sorted(base.rglob("*.py")):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            names.append(".".join([package, *parts]))
-    return names
 
 
 @pytest.fixture(scope="module")

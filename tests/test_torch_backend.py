@@ -14,6 +14,7 @@ if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 import reduction_server.client.torch as rst  # noqa: E402
+from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
 from cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
@@ -143,8 +144,8 @@ def test_example_runs_under_the_launcher(tmp_path):
 # -- in-process checks -------------------------------------------------------------------------
 
 def test_module_imports_the_real_torch_and_registers_the_backend():
-    assert rst.torch is sys.modules["torch"] and hasattr(rst.torch, "nn")
-    assert "site-packages" in rst.torch.__file__ or "dist-packages" in rst.torch.__file__
+    assert rst_tensors.torch is sys.modules["torch"] and hasattr(rst_tensors.torch, "nn")
+    assert "site-packages" in rst_tensors.torch.__file__ or "dist-packages" in rst_tensors.torch.__file__
     assert "reduction_server" in dist.Backend.backend_list
     assert dist.Backend.backend_capability["reduction_server"] == ["cpu", "cuda"]
 
@@ -169,7 +170,7 @@ def test_reduce_op_mapping_by_name():
 
 def test_device_checks():
     with pytest.raises(TypeError, match="cpu and cuda"):
-        rst.Staged(torch.ones(2, device="meta"), "x")
+        rst_tensors.Staged(torch.ones(2, device="meta"), "x")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the staging path itself is tested on GPU machines")
     # A CUDA tensor on a machine without CUDA: FakeTensorMode makes one without a device.
@@ -179,4 +180,4 @@ def test_device_checks():
         fake = torch.empty(4, device="cuda")
     assert fake.device.type == "cuda"
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        rst.Staged(fake, "all_reduce tensor")
+        rst_tensors.Staged(fake, "all_reduce tensor")

@@ -12,7 +12,7 @@ Collectives are matched across ranks by name (coordinator.py), fused up to
 HOROVOD_FUSION_THRESHOLD, and negotiated every HOROVOD_CYCLE_TIME ms. Handles are integers, as in
 Horovod: ``synchronize(handle)`` waits and returns the result, ``poll(handle)`` tests it. CPU
 tensors go to the wire without a copy; CUDA tensors through pinned host buffers
-(reduction_server.client.torch.Staged).
+(reduction_server.client.torch.tensors.Staged).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch  # the real torch: absolute import
 from reduction_server.protocol import ReduceOp
 
 from ..buffers import wire_view
-from ..torch import Staged
+from ..torch.tensors import Staged
 from .basics import (allgather_object, broadcast_object, coordinator, cross_rank, cross_size, init,
                      is_initialized, local_rank, local_size, rank, shutdown, size)
 from .compression import Compression

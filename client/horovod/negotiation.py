@@ -1,0 +1,137 @@
+"""The negotiation: every cycle, each rank's new requests reach every rank, so that all hold
+the same table of who asked for what and agree on what runs, in what order.
+
+The table is an all-reduce of a small array in which each rank fills its own row (its
+payload's length, a stopping flag and, when they fit in 512 bytes, the requests themselves; an
+integer sum with zeros elsewhere, so exact), and only for longer payloads a second all-reduce of
+a byte buffer filled the same way. Rank 0's clock travels in the table, so every rank judges a
+name's staleness alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from reduction_server.protocol import ReduceOp
+from reduction_server.settings import DEFAULT_CYCLE_TIME_MS, env_number
+
+from ..buffers import wire_view
+from ..communicator import Communicator
+from .requests import Request
+
+#: request bytes a rank sends inside the per-cycle table (more take a second exchange)
+_INLINE_BYTES = 512
+
+
+def cycle_time(environ: Optional[Mapping[str, str]] = None) -> float:
+    """Seconds between cycles: RS_CYCLE_TIME, else HOROVOD_CYCLE_TIME (both in ms), else 1 ms."""
+    environ = os.environ if environ is None else environ
+    for name in ("RS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"):
+        if environ.get(name, "").strip():
+            return env_number(name, DEFAULT_CYCLE_TIME_MS, minimum=0.0, maximum=10_000.0, kind=float,
+                              environ=environ) / 1000.0
+    return DEFAULT_CYCLE_TIME_MS / 1000.0
+
+
+@dataclass
+class _Pending:
+    """A name some ranks have submitted: every rank keeps the same table."""
+
+    first_seen: float  # rank 0's clock, so every rank judges staleness alike
+    requests: Dict[int, Request] = field(default_factory=dict)
+
+
+@dataclass
+class Cycle:
+    """What one cycle decided, the same on every rank."""
+
+    ready: List[Tuple[str, Dict[int, Request]]]  # names every rank has asked for, in the order to run them
+    stale: List[Tuple[str, str]]  # (name, why): asked for by some ranks only, for longer than the timeout
+    leaving: List[int]  # ranks that shut down
+    busy: bool  # whether anything was new or is still pending anywhere
+
+
+class Negotiation:
+    """The replicated table of names some ranks have asked for and others not yet."""
+
+    def __init__(self, comm: Communicator, stall_timeout: float) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.world_size
+        self.stall_timeout = stall_timeout
+        self.pending: Dict[str, _Pending] = {}
+
+    def cycle(self, new: Sequence[Request], stopping: bool) -> Cycle:
+        """Exchange this rank's new requests (and whether it stops) with every rank."""
+        payload = json.dumps([r.encode() for r in new], separators=(",", ":")).encode() if new else b""
+        # Each rank's row: payload length, stopping flag, rank 0's clock, and the payload itself when
+        # it fits (a few requests): one collective per cycle, a second only for a longer payload.
+        table = np.zeros((self.size, 3 + _INLINE_BYTES // 8), np.int64)
+        table[self.rank, :3] = (len(payload), stopping, int(time.monotonic() * 1e6) if self.rank == 0 else 0)
+        if len(payload) <= _INLINE_BYTES:
+            table[self.rank, 3:].view(np.uint8)[:len(payload)] = np.frombuffer(payload, np.uint8)
+        sum_in_place(self.comm, table, traced=False)  # every cycle: kept off the timeline
+        clock = table[0, 2] / 1e6
+        lengths = table[:, 0]
+        ready: List[Tuple[str, Dict[int, Request]]] = []
+        if lengths.any():
+            blobs = (exchange_bytes(self.comm, payload, lengths, traced=False) if lengths.max() > _INLINE_BYTES
+                     else [row[3:].view(np.uint8)[:n].tobytes() for row, n in zip(table, lengths)])
+            for r, blob in enumerate(blobs):
+                for item in json.loads(blob) if blob else ():
+                    self._arrived(r, Request.decode(item), clock, ready)
+        stale = self._expire(clock)
+        leaving = [int(r) for r in np.flatnonzero(table[:, 1])]
+        return Cycle(ready, stale, leaving, bool(ready or self.pending or lengths.any()))
+
+    def _arrived(self, rank: int, request: Request, clock: float,
+                 ready: List[Tuple[str, Dict[int, Request]]]) -> None:
+        pending = self.pending.setdefault(request.name, _Pending(clock))
+        pending.requests[rank] = request
+        if len(pending.requests) == self.size:
+            ready.append((request.name, self.pending.pop(request.name).requests))
+
+    def _expire(self, clock: float) -> List[Tuple[str, str]]:
+        """Names that some ranks submitted and others have not, for longer than the timeout."""
+        stale = []
+        for name, pending in list(self.pending.items()):
+            if clock - pending.first_seen <= self.stall_timeout:
+                continue
+            del self.pending[name]
+            have = sorted(pending.requests)
+            lacking = [r for r in range(self.size) if r not in pending.requests]
+            stale.append((name, (
+                f"rank {self.rank}: tensor {name!r} ({pending.requests[have[0]].describe()}) was submitted by "
+                f"ranks {have} but not by ranks {lacking} within {self.stall_timeout:g} s (RS_TIMEOUT); "
+                "every rank must submit every named collective")))
+        return stale
+
+
+def sum_in_place(comm: Communicator, array: np.ndarray, traced: bool = True) -> None:
+    """In-place sum of `array` over every rank."""
+    wire = wire_view(array, writable=True)
+    comm._start(wire, wire, ReduceOp.SUM, 0, None, traced=traced).wait()
+
+
+def exchange_bytes(comm: Communicator, payload: bytes, lengths: Sequence[int], traced: bool = True) -> List[bytes]:
+    """Every rank's payload, given every rank's length: each rank fills its own slice of a zero
+    buffer and the buffer is summed as bytes (exact: the other ranks add zeros)."""
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    buf = np.zeros(int(ends[-1]), np.uint8)
+    start = int(ends[comm.rank]) - len(payload)
+    buf[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
+    sum_in_place(comm, buf, traced)
+    raw = buf.tobytes()
+    return [raw[int(e - n):int(e)] for e, n in zip(ends, lengths)]
+
+
+def gather_bytes(comm: Communicator, payload: bytes) -> List[bytes]:
+    """Every rank's payload, in rank order (two all-reduces; call on every rank in the same order)."""
+    lengths = np.zeros(comm.world_size, np.int64)
+    lengths[comm.rank] = len(payload)
+    sum_in_place(comm, lengths)
+    return exchange_bytes(comm, payload, lengths) if lengths.any() else [b""] * comm.world_size

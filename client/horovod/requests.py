@@ -1,0 +1,91 @@
+"""What a rank asks for in a named collective: the Request every rank learns of it, the
+Submission this rank keeps (its buffers and Future), and whether the ranks' requests agree."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+from reduction_server.protocol import DType, ReduceOp
+
+from ..buffers import WireBuffer
+
+ALLREDUCE, ALLGATHER, BROADCAST = "allreduce", "allgather", "broadcast"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every rank learns about one rank's submission."""
+
+    name: str
+    kind: str
+    dtype: DType
+    shape: Tuple[int, ...]
+    op: ReduceOp = ReduceOp.SUM
+    root: int = 0
+    type_name: str = ""  # the framework's name for the dtype (torch.bool travels as uint8)
+
+    def encode(self) -> list:
+        return [self.name, self.kind, int(self.dtype), list(self.shape), int(self.op), self.root, self.type_name]
+
+    @classmethod
+    def decode(cls, item: list) -> "Request":
+        name, kind, dtype, shape, op, root, type_name = item
+        return cls(name, kind, DType(dtype), tuple(shape), ReduceOp(op), root, type_name)
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+    def describe(self) -> str:
+        text = f"{self.kind} of {list(self.shape)} {self.type_name or self.dtype.name.lower()}"
+        if self.kind == ALLREDUCE:
+            text += f" op {self.op.name.lower()}"
+        if self.kind == BROADCAST:
+            text += f" from root {self.root}"
+        return text
+
+
+@dataclass
+class Submission:
+    """This rank's side of a submission: its buffers and the Future its caller waits on."""
+
+    request: Request
+    send: Optional[WireBuffer]
+    out: Optional[WireBuffer]
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+def disagreement(name: str, requests: Mapping[int, Request]) -> Optional[str]:
+    """None when every rank's request for `name` is compatible, else the message naming them."""
+    first = requests[min(requests)]
+    for what, key in (("kind", lambda r: r.kind), ("dtype", lambda r: r.type_name or r.dtype.name.lower()),
+                      ("op", lambda r: r.op.name.lower() if r.kind == ALLREDUCE else ""),
+                      ("root", lambda r: r.root if r.kind == BROADCAST else 0),
+                      ("shape", lambda r: list(r.shape[1:]) if r.kind == ALLGATHER else list(r.shape)),
+                      ("rank", lambda r: len(r.shape) if r.kind == ALLGATHER else 0)):
+        values: Dict[str, List[int]] = {}
+        for rank in sorted(requests):
+            values.setdefault(str(key(requests[rank])), []).append(rank)
+        if len(values) > 1:
+            shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in values.items())
+            what = "shape (beyond the first dimension)" if what == "shape" and first.kind == ALLGATHER else what
+            what = "number of dimensions" if what == "rank" else what
+            return f"tensor {name!r}: ranks disagree on its {what}: {shown}"
+    return None
+
+
+def name_counter(prefix: str) -> Callable[[], str]:
+    """Horovod's automatic names ("allreduce.noname.7"): the same sequence on every rank that
+    makes the same unnamed calls in the same order."""
+    counter = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def next_name() -> str:
+        with lock:
+            return f"{prefix}.noname.{next(counter)}"
+    return next_name

@@ -1,0 +1,49 @@
+"""Keras callbacks: start every rank from rank 0's variables, and log metrics averaged over the ranks."""
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+import numpy as np
+
+from reduction_server.protocol import ReduceOp
+
+from .ops import broadcast_variables, reduce_arrays
+
+
+class BroadcastVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's weights and the optimizer's variables from `root_rank` when
+    training starts, so that every rank starts from root's state (Horovod's
+    BroadcastGlobalVariablesCallback). The optimizer is built first if it is not yet, so that a
+    restored optimizer state is broadcast too. Random-seed state (Dropout's) is not broadcast:
+    ranks keep drawing different masks."""
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        model = self.model
+        variables = list(model.weights)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            variables += list(optimizer.variables)
+        broadcast_variables(variables, self.root_rank)
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Average the epoch's logged metrics (loss, metrics, validation metrics) over every rank at
+    the end of each epoch, in place: put it before callbacks that read them (checkpoints, early
+    stopping, logging). Every rank must log the same metric names."""
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
+        if not keys:
+            return
+        values = [np.asarray(float(logs[k]), np.float64) for k in keys]
+        for key, value in zip(keys, reduce_arrays(values, [f"metric/{k}" for k in keys], ReduceOp.AVG, None)):
+            logs[key] = float(value)

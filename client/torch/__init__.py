@@ -1,0 +1,44 @@
+"""PyTorch adapter: a `torch.distributed` backend and DDP comm hooks over the reducers.
+
+Importing this module registers the backend ``"reduction_server"``::
+
+    import torch.distributed as dist
+    import reduction_server.client.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("reduction_server")      # rank and world size: arguments or environment
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+The process group implements what DDP and ordinary scripts call: allreduce (SUM, AVG, PRODUCT,
+MIN, MAX), allreduce_coalesced, broadcast, allgather and barrier. Each call hands its collective
+to the shared Communicator without waiting and returns a Work whose Future one background thread
+completes, in submission order, as the reducers answer: DDP's bucket all-reduces run while
+backward computes the earlier layers' gradients.
+
+For jobs that keep gloo or nccl as their process group, the same all-reduce is a DDP comm hook::
+
+    state = ReductionServerHookState.from_env()
+    ddp.register_comm_hook(state, reduction_server_hook)          # or reduction_server_fp16_hook,
+                                                                   #    reduction_server_bf16_hook
+
+Rendezvous: with MASTER_ADDR/MASTER_PORT set, ``init_process_group`` works as for any backend
+(torchrun). Without them, the ``env://`` rendezvous takes rank and world size from the
+arguments, RANK/WORLD_SIZE or the package's discovery (RS_RANK, CLUSTER_SPEC, TF_CONFIG, ...)
+and gives the group a process-local store: this backend needs no store, and a backend that does
+(gloo) fails with an error saying to set MASTER_ADDR/MASTER_PORT instead of hanging.
+
+CUDA tensors are staged through pinned host buffers (tensors.py).
+
+Modules: tensors (ops, dtypes, staging), pipeline (the completing thread), process_group (the
+backend), rendezvous (env:// without MASTER_ADDR, and the registration), hooks (DDP comm hooks).
+"""
+from .hooks import (ReductionServerHookState, reduction_server_bf16_hook, reduction_server_fp16_hook,
+                    reduction_server_hook)
+from .process_group import BACKEND_NAME, ReductionServerProcessGroup, create_backend
+from .rendezvous import register
+from .tensors import torch_reduce_op
+
+__all__ = ["BACKEND_NAME", "ReductionServerHookState", "ReductionServerProcessGroup", "create_backend",
+           "reduction_server_bf16_hook", "reduction_server_fp16_hook", "reduction_server_hook",
+           "torch_reduce_op"]
+
+register()

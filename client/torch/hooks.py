@@ -1,0 +1,73 @@
+"""DDP comm hooks over the reducers, for jobs that keep gloo or nccl as their process group::
+
+    state = ReductionServerHookState.from_env()
+    ddp.register_comm_hook(state, reduction_server_hook)          # or reduction_server_fp16_hook,
+                                                                   #    reduction_server_bf16_hook
+"""
+from typing import Any, Optional
+
+import torch  # the real torch: imports are absolute
+import torch.distributed as dist
+
+from reduction_server.protocol import ReduceOp
+
+from ..communicator import Communicator
+from .pipeline import Pipeline
+from .tensors import Staged, future_for
+
+
+class ReductionServerHookState:
+    """What the comm hooks need: a Communicator (default: from the environment) and the thread
+    that completes their Futures. ``ddp.register_comm_hook(state, reduction_server_hook)``."""
+
+    def __init__(self, communicator: Optional[Communicator] = None) -> None:
+        owns = communicator is None
+        self.communicator = communicator or Communicator.from_env()
+        self._pipeline = Pipeline(self.communicator, owns)
+
+    @classmethod
+    def from_env(cls, **options: Any) -> "ReductionServerHookState":
+        return cls(Communicator.from_env(**options)) if options else cls()
+
+    def close(self) -> None:
+        self._pipeline.close()
+
+
+def reduction_server_hook(state: ReductionServerHookState,
+                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's allreduce hook through the reducers: the bucket's gradients averaged over the ranks
+    (divided by the world size, then summed, as DDP's default does)."""
+    tensor = bucket.buffer()
+    tensor.div_(state.communicator.world_size)
+    return state._pipeline.all_reduce([tensor], ReduceOp.SUM, value=tensor)
+
+
+def _compressed_hook(state: ReductionServerHookState, bucket: dist.GradBucket, dtype: torch.dtype):
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(state.communicator.world_size)
+
+    def start():
+        staged = Staged(compressed, "compressed bucket")
+        wire = staged.wire(ReduceOp.SUM)
+        handle = state.communicator.all_reduce_async(wire, ReduceOp.SUM, out=wire)
+
+        def finish():
+            staged.finish()
+            with torch.no_grad():
+                buffer.copy_(compressed)
+            return buffer
+        return [handle], finish
+    return state._pipeline.run(start, future_for([buffer]))
+
+
+def reduction_server_fp16_hook(state: ReductionServerHookState,
+                               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """reduction_server_hook with the bucket sent as float16 (half the bytes; the reducers sum in
+    float32 and round once)."""
+    return _compressed_hook(state, bucket, torch.float16)
+
+
+def reduction_server_bf16_hook(state: ReductionServerHookState,
+                               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """reduction_server_hook with the bucket sent as bfloat16."""
+    return _compressed_hook(state, bucket, torch.bfloat16)

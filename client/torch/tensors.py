@@ -1,0 +1,105 @@
+"""torch tensors on the wire: torch's reduce ops, the dtypes the wire carries, and the staging of
+non-contiguous and CUDA tensors through contiguous host buffers.
+
+CUDA tensors go through pinned host buffers: copied to the host before the collective (after the
+producing stream's work) and back, on the completing thread's current stream, before the Future
+completes (the Future then orders its consumers after that copy).
+"""
+from typing import Any, Optional, Sequence
+
+import torch  # the real torch: imports are absolute
+import torch.distributed as dist
+
+from reduction_server.protocol import ReduceOp
+
+# torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
+# torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
+_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
+        "MAX": ReduceOp.MAX}
+
+# torch dtypes the wire carries as themselves.
+_NATIVE = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
+           torch.float64}
+for _name in ("uint32", "uint64"):
+    if hasattr(torch, _name):
+        _NATIVE.add(getattr(torch, _name))
+_COMPLEX = {torch.complex64, torch.complex128}  # sum and avg, as pairs of reals
+
+
+def torch_reduce_op(op: Any) -> ReduceOp:
+    """The protocol op for a torch ReduceOp (an instance, a RedOpType or a name such as "sum")."""
+    if not isinstance(op, (dist.ReduceOp.RedOpType, str)) and isinstance(getattr(op, "op", None),
+                                                                        dist.ReduceOp.RedOpType):
+        op = op.op  # a ReduceOp instance (AllreduceOptions.reduceOp)
+    name = op.name if isinstance(op, dist.ReduceOp.RedOpType) else str(op).strip().upper()
+    name = {"PROD": "PRODUCT", "MEAN": "AVG"}.get(name, name)
+    if name not in _OPS:
+        raise ValueError(f"the reduction_server backend does not support ReduceOp.{name}; "
+                         f"supported: {', '.join(_OPS)}")
+    return _OPS[name]
+
+
+def _require_cuda(tensor: torch.Tensor) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"a tensor on {tensor.device} was passed to reduction_server, but CUDA is not "
+                           "available in this process (torch.cuda.is_available() is False)")
+
+
+def check_device(tensor: Any, what: str) -> str:
+    """'cpu' or 'cuda'; anything else is a clear TypeError."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, not {type(tensor).__name__}")
+    kind = tensor.device.type
+    if kind == "cuda":
+        _require_cuda(tensor)
+    elif kind != "cpu":
+        raise TypeError(f"{what} is on {tensor.device}; the reduction_server backend takes cpu and cuda tensors")
+    return kind
+
+
+class Staged:
+    """One user tensor as a contiguous host tensor the Communicator can view, and the way back.
+
+    CPU contiguous tensors are used in place (zero copy). Non-contiguous tensors go through a
+    contiguous copy and CUDA tensors through a pinned host buffer; finish() copies the result back.
+    """
+
+    def __init__(self, tensor: torch.Tensor, what: str, *, load: bool = True) -> None:
+        self.tensor = tensor
+        self.cuda = check_device(tensor, what) == "cuda"
+        if self.cuda:
+            # Blocking copy: ordered after the work queued on the current stream (the producer).
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if load:
+                self.host.copy_(tensor)
+        elif tensor.is_contiguous():
+            self.host = tensor.detach()
+        else:
+            self.host = tensor.detach().contiguous() if load else torch.empty(tensor.shape, dtype=tensor.dtype)
+        self.copy_back = self.cuda or self.host.data_ptr() != tensor.data_ptr()
+
+    def finish(self) -> None:
+        if self.copy_back:
+            with torch.no_grad():
+                self.tensor.copy_(self.host, non_blocking=self.cuda)
+
+    def wire(self, op: Optional[ReduceOp]) -> Any:
+        """The host tensor as a wire dtype: op None means broadcast (any dtype, as bytes)."""
+        host, dtype = self.host, self.host.dtype
+        if dtype in _NATIVE:
+            return host
+        if op is None:
+            return host.reshape(-1).view(torch.uint8)
+        if dtype in _COMPLEX and op in (ReduceOp.SUM, ReduceOp.AVG):
+            return torch.view_as_real(host)
+        if dtype == torch.bool and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
+            return host.view(torch.uint8)  # 0/1: max is or, min and product are and
+        raise TypeError(f"the reduction_server backend cannot reduce {dtype} with {op.name}; dtypes: "
+                        + ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE))
+                        + " (complex: sum and avg; bool: min, max, product)")
+
+
+def future_for(tensors: Sequence[torch.Tensor]) -> torch.futures.Future:
+    """A torch Future for a collective of `tensors`, on their CUDA devices when they have some."""
+    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
