@@ -4,14 +4,14 @@
 
 RS_BENCH_KERNEL_MIB (comma-separated accumulator sizes in MiB, default "4,64") picks the sizes.
 """
-import os
 
 import pytest
 
+from reduction_server import settings
 from reduction_server.bench.kernel_cases import OPS, case
 from reduction_server.protocol import DType
 
-SIZES_MIB = [float(s) for s in os.environ.get("RS_BENCH_KERNEL_MIB", "4,64").split(",")]
+SIZES_MIB = [float(s) for s in settings.read("RS_BENCH_KERNEL_MIB").split(",")]
 
 
 @pytest.mark.parametrize("mib", SIZES_MIB)

@@ -13,11 +13,15 @@ from reduction_server.protocol import DType
 
 @dataclass
 class WireBuffer:
+    """A collective's buffer as the wire sees it: its element type, its element count, and the
+    same memory as C-contiguous bytes."""
+
     dtype: DType
     count: int  # elements
     data: memoryview  # the same memory, as C-contiguous bytes
 
     def describe(self) -> str:
+        """`count x dtype` in words (e.g. "1024 x float32"), for error messages."""
         return f"{self.count} x {self.dtype.name.lower()}"
 
 

@@ -41,6 +41,7 @@ def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
 
 
 def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
+    """The reducer that sums chunk `chunk` of collective `seq`: (seq + chunk) mod num_reducers."""
     return (seq + chunk) % num_reducers
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import threading
 from concurrent.futures import Future
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -20,8 +19,8 @@ from reduction_server.discovery import discover_worker, job_id_from, parse_addre
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
 from reduction_server.shared_memory import enabled as shared_memory_enabled
-from reduction_server.settings import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, MAX_PIPELINE_DEPTH, MAX_WINDOW,
-                                       env_flag, env_number, socket_send_buffer, tuning)
+from reduction_server import settings
+from reduction_server.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan
@@ -123,7 +122,7 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.reducers = tuple(a.strip() for a in reducers)
-        job_token = os.environ.get("RS_JOB_TOKEN", "") if job_token is None else job_token
+        job_token = settings.read("RS_JOB_TOKEN") if job_token is None else job_token
         self.job_id = job_id_from(job_token) if job_id is None else job_id
         self.generation = generation
         self.chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
@@ -133,11 +132,10 @@ class Communicator:
         self._engine = Engine(
             self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
             window=_bounded(window, "window", "RS_WINDOW", MAX_WINDOW),
-            timeout=timeout or env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float),
-            connect_timeout=connect_timeout or env_number("RS_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
-                                                          minimum=0.01, kind=float),
-            io_threads=io_threads or int(env_number("RS_IO_THREADS", 1, minimum=1)),
-            encrypt=env_flag("RS_ENCRYPT") if encrypt is None else encrypt,
+            timeout=timeout or settings.read("RS_TIMEOUT"),
+            connect_timeout=connect_timeout or settings.read("RS_CONNECT_TIMEOUT"),
+            io_threads=io_threads or settings.read("RS_IO_THREADS"),
+            encrypt=settings.read("RS_ENCRYPT") if encrypt is None else encrypt,
             # Reducers on this host take chunks through shared memory (RS_SHM, on by default).
             shared=shared_memory_enabled() if shared_memory is None else shared_memory,
             slot_bytes=self.chunk_bytes,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -18,7 +17,7 @@ import numpy as np
 
 from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.protocol import DType, ReduceOp
-from reduction_server.settings import DEFAULT_FUSION_THRESHOLD, env_number
+from reduction_server import settings
 
 from .buffers import WireBuffer, wire_view
 from .communicator import Communicator, Handle
@@ -28,33 +27,37 @@ from .timeline import Trace
 def fusion_threshold(environ: Optional[Mapping[str, str]] = None) -> int:
     """Bytes per bucket: RS_FUSION_THRESHOLD, else HOROVOD_FUSION_THRESHOLD, else 64 MiB.
     0 turns fusion off (one bucket per tensor), as in Horovod."""
-    environ = os.environ if environ is None else environ
-    for name in ("RS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"):
-        if environ.get(name, "").strip():
-            return int(env_number(name, DEFAULT_FUSION_THRESHOLD, minimum=0, environ=environ))
-    return DEFAULT_FUSION_THRESHOLD
+    return settings.first_set(("RS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"), environ)
 
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One tensor of a fusion plan: its name, shape and wire dtype."""
+
     name: str
     shape: Tuple[int, ...]
     dtype: DType
 
     @property
     def count(self) -> int:
+        """Its number of elements (the product of its shape)."""
         return math.prod(self.shape)  # per tensor per step: np.prod costs ~10 us
 
     @property
     def nbytes(self) -> int:
+        """Its size in bytes on the wire."""
         return self.count * self.dtype.itemsize
 
     def describe(self) -> str:
+        """`name[shape]:dtype`, as error messages and the plan's fingerprint spell it."""
         return f"{self.name}{list(self.shape)}:{self.dtype.name.lower()}"
 
 
 @dataclass
 class Bucket:
+    """One fused buffer of a plan: its tensors (all of one dtype), each one's element offset in
+    it, and its total element count."""
+
     index: int
     dtype: DType
     specs: List[TensorSpec] = field(default_factory=list)
@@ -97,6 +100,7 @@ class FusionPlan:
         return self.buckets[b], i
 
     def summary(self) -> str:
+        """The plan in one line (tensors, bytes, buckets, threshold), for error messages."""
         return (f"{len(self.specs)} tensors, {sum(s.nbytes for s in self.specs)} bytes, "
                 f"{len(self.buckets)} buckets, threshold {self.threshold}")
 

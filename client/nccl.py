@@ -49,6 +49,8 @@ def get_unique_id(environ: Optional[Mapping[str, str]] = None) -> bytes:
 
 
 def parse_unique_id(unique_id: bytes) -> dict:
+    """The reducers, token and job id in a get_unique_id() id (bytes or str); raises ConfigError
+    if it is not one or is corrupt."""
     if isinstance(unique_id, str):
         unique_id = unique_id.encode()
     if not isinstance(unique_id, (bytes, bytearray)) or not unique_id.startswith(_PREFIX):
@@ -67,6 +69,7 @@ def parse_unique_id(unique_id: bytes) -> dict:
 
 
 def communicator_from_unique_id(unique_id: bytes, rank: int, world_size: int, **options) -> Communicator:
+    """A Communicator for `rank` of `world_size` in the job a unique id describes; `options` go to Communicator."""
     uid = parse_unique_id(unique_id)
     return Communicator(uid["reducers"], rank, world_size, job_token=uid["token"], job_id=uid["job"], **options)
 
@@ -78,6 +81,9 @@ class NcclCommunicator:
         self._comm = communicator_from_unique_id(commId, rank, ndev)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int = 0) -> None:
+        """ncclAllReduce: reduce `count` elements at host address sendbuf over all ranks into
+        recvbuf (which may be sendbuf); returns when done. ValueError for an op that is not
+        NCCL's."""
         dtype, op = DType(datatype), ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:  # the wire's code for broadcast, not an NCCL op
             raise ValueError(f"op {int(op)} is not an NCCL reduction op; use bcast() or broadcast()")
@@ -86,12 +92,15 @@ class NcclCommunicator:
             self._comm._start(src, dst, op, 0, None).wait()
 
     def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int = 0) -> None:
+        """ncclBroadcast: root's `count` elements at sendbuf into recvbuf on every rank; returns when done."""
         dtype = DType(datatype)
         if self._comm.rank == root and sendbuf != recvbuf and count:
             raw_view(recvbuf, count, dtype).data[:] = raw_view(sendbuf, count, dtype).data
         self.bcast(recvbuf, count, datatype, root, stream)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int = 0) -> None:
+        """ncclBcast: overwrite `count` elements at buff on every rank with root's, in place;
+        returns when done. ValueError for a root out of range."""
         if not 0 <= root < self._comm.world_size:
             raise ValueError(f"broadcast root {root} is out of range for {self._comm.world_size} ranks")
         buf = raw_view(buff, count, DType(datatype))
@@ -100,12 +109,15 @@ class NcclCommunicator:
             self._comm._start(src, buf, ReduceOp.BROADCAST, root, None).wait()
 
     def rank_id(self) -> int:
+        """This communicator's rank (ncclCommUserRank)."""
         return self._comm.rank
 
     def size(self) -> int:
+        """The number of ranks (ncclCommCount)."""
         return self._comm.world_size
 
     def destroy(self) -> None:
+        """Close the underlying Communicator (ncclCommDestroy; abort() is the same)."""
         self._comm.close()
 
     abort = destroy

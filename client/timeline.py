@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from reduction_server import settings
+
 _lock = threading.Lock()
 _open: Dict[str, "Timeline"] = {}  # resolved path -> the timeline writing it
 
@@ -44,7 +46,7 @@ def timeline_path(template: str, rank: int) -> str:
 
 def acquire(rank: int) -> Optional["Timeline"]:
     """The timeline for this rank if RS_TIMELINE is set (else None); release() it when done."""
-    template = os.environ.get("RS_TIMELINE", "").strip()
+    template = settings.read("RS_TIMELINE")
     if not template:
         return None
     path = os.path.abspath(timeline_path(template, rank))
@@ -75,6 +77,7 @@ class Trace:
         self.copy_s = 0.0  # time spent copying tensors into the bucket (fusion)
 
     def chunk_sent(self) -> None:
+        """A chunk went out now: the first sets first_send, every one moves last_send."""
         now = time.perf_counter()
         if self.first_send is None:
             self.first_send = now
@@ -86,6 +89,7 @@ class Trace:
         self.copy_s += now - started
 
     def chunk_answered(self) -> None:
+        """A chunk's answer arrived now: the first sets first_result."""
         if self.first_result is None:
             self.first_result = time.perf_counter()
 

@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Mapping, Optional
 
 from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
+from . import settings
 from .errors import ConfigError
 
 __all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
@@ -100,7 +101,7 @@ def job_id_from(token: str) -> int:
 def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[ReducerPlace]:
     """This reducer's index and port, or None when the environment names no reducer role."""
     env = _Environment(environ)
-    index = env.integer("RS_REDUCER_INDEX", minimum=0)
+    index = env.integer("RS_REDUCER_INDEX")
     if index is not None:
         source = index_name = "RS_REDUCER_INDEX"
     else:
@@ -136,10 +137,12 @@ class _Environment:
             raise ConfigError(f"{name} is set but empty; give it a value or unset it")
         return value.strip()
 
-    def integer(self, name: str, minimum: int) -> Optional[int]:
+    def integer(self, name: str) -> Optional[int]:
+        """A whole number at least the registry's minimum for `name` (settings.py), or None if unset."""
         value = self.text(name)
         if value is None:
             return None
+        minimum = int(settings.BY_NAME[name].least)
         if not (value.isascii() and value.isdigit()) or int(value) < minimum:
             wanted = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
             raise ConfigError(f"{name} must be {wanted}, got {value!r}")
@@ -157,8 +160,8 @@ class _Environment:
 
 def _rank_pair(env: _Environment, rank_name: str, size_name: str) -> Optional[tuple[int, int]]:
     """(rank, size) from two variables; None if neither is set."""
-    rank = env.integer(rank_name, minimum=0)
-    size = env.integer(size_name, minimum=1)
+    rank = env.integer(rank_name)
+    size = env.integer(size_name)
     if rank is None and size is None:
         return None
     if rank is None or size is None:
@@ -171,10 +174,10 @@ def _rank_pair(env: _Environment, rank_name: str, size_name: str) -> Optional[tu
 
 def _local_placement(env: _Environment) -> tuple[int, int]:
     """(local rank, processes on this host), from the launcher or RS_PROCS_PER_HOST."""
-    per_host = env.integer("RS_PROCS_PER_HOST", minimum=1)
+    per_host = env.integer("RS_PROCS_PER_HOST")
     for rank_name, size_name in _LOCAL_VARIABLES:
-        rank = env.integer(rank_name, minimum=0)
-        size = env.integer(size_name, minimum=1)
+        rank = env.integer(rank_name)
+        size = env.integer(size_name)
         if rank is None and size is None:
             continue
         if rank is None:
@@ -243,20 +246,20 @@ def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], .
 
 
 def _reducer_world_size(env: _Environment) -> Optional[int]:
-    world_size = env.integer("RS_WORLD_SIZE", minimum=1)
+    world_size = env.integer("RS_WORLD_SIZE")
     if world_size is not None:
         return world_size
     spec = env.spec
     if spec is None:
         return None
     # A reducer host has no LOCAL_WORLD_SIZE of its own: the workers' count comes from the job.
-    return spec.hosts * (env.integer("RS_PROCS_PER_HOST", minimum=1) or 1)
+    return spec.hosts * (env.integer("RS_PROCS_PER_HOST") or 1)
 
 
 def _identity(env: _Environment) -> tuple[str, int, int]:
     """(job token, job id, generation): what every process of one job shares."""
-    token = env.environ.get("RS_JOB_TOKEN", "")
-    generation = env.integer("RS_GENERATION", minimum=0)
+    token = settings.read("RS_JOB_TOKEN", env.environ)
+    generation = env.integer("RS_GENERATION")
     return token, _job_id(env, token), generation or 0
 
 

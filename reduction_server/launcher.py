@@ -22,6 +22,7 @@ from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequenc
 
 from .children import (POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit,
                        signal_name, stop_all, wait_briefly)
+from . import settings
 from .settings import ONE_HOST_PIPELINE_DEPTH
 
 _PREFIX = "reduction-server run:"
@@ -278,7 +279,7 @@ def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
         env.pop(name, None)
     env.update(
         # A caller-provided token lets processes outside this launcher join the same job.
-        RS_JOB_TOKEN=os.environ.get("RS_JOB_TOKEN") or secrets.token_hex(16),
+        RS_JOB_TOKEN=settings.read("RS_JOB_TOKEN") or secrets.token_hex(16),
         RS_REDUCERS=",".join(layout.reducer_addresses()),
         RS_WORLD_SIZE=str(np),
         PYTHONUNBUFFERED="1",  # so Python children's lines show up as they happen
@@ -286,6 +287,7 @@ def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
     # Every rank is on this host: fewer, larger chunks (the caller's setting wins, as on every rank).
     if not env.get("RS_PIPELINE_DEPTH", "").strip():
         env["RS_PIPELINE_DEPTH"] = str(ONE_HOST_PIPELINE_DEPTH)
+    settings.read("RS_PIPELINE_DEPTH", env)  # a bad value is refused here, naming it, not in every rank
     return env
 
 

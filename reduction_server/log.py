@@ -8,9 +8,10 @@ stop. Per-peer and per-round events are INFO or DEBUG; problems are WARNING or E
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
+
+from . import settings
 
 _configured = False
 NOTICE = 25
@@ -31,13 +32,15 @@ def get_logger(name: str) -> logging.Logger:
     if not _configured:
         _configured = True
         root = logging.getLogger("reduction_server")
-        level = os.environ.get("RS_LOG_LEVEL", "NOTICE").strip().upper()
+        level = settings.read("RS_LOG_LEVEL").upper()
         root.setLevel(logging.getLevelName(level) if level in _LEVELS else NOTICE)
         if not root.handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
             root.addHandler(handler)
         root.propagate = False
+        if level not in _LEVELS:  # loggers are made at import: a clear line, not an exception there
+            root.warning("RS_LOG_LEVEL=%r is not one of %s; logging at NOTICE", level, ", ".join(settings.LOG_LEVELS))
     return logging.getLogger(f"reduction_server.{name}")
 
 

@@ -33,7 +33,7 @@ import stat
 from typing import Any, Dict, Optional, Tuple
 
 from .errors import ReductionServerError
-from .settings import env_flag
+from . import settings
 
 _MAGIC = b"RSSHM1\0\0"
 _NONCE_BYTES = 16
@@ -52,7 +52,7 @@ class Unavailable(ReductionServerError):
 
 def enabled() -> bool:
     """RS_SHM (default on where supported): offer (worker) or accept (reducer) shared-memory slots."""
-    return env_flag("RS_SHM", default=True) and SUPPORTED
+    return settings.read("RS_SHM") and SUPPORTED
 
 
 def is_local(address: str) -> bool:

@@ -14,9 +14,14 @@ from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.source_tree import ROOT  # imports nothing of reduction_server
 
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+
+import reduction_server.client as rs  # noqa: E402  (after the tree left sys.path)
+from reduction_server import _native  # noqa: E402
+from helpers.cluster import Reducers, reducers  # noqa: E402
+from helpers.jobs import connect, new_job  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,3 +32,37 @@ def _away_from_the_tree() -> Iterator[None]:
         yield
     finally:
         os.chdir(previous)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Reducers]:
+    """Two reducers on loopback for a module's tests (job token helpers.cluster.TOKEN); each
+    must outlive every test of the module."""
+    with reducers(2) as g:
+        yield g
+        assert g.alive(), "a reducer died during the tests"
+
+
+@pytest.fixture(scope="module", params=["shared-memory", "frames"])
+def transport_group(request) -> Iterator[Reducers]:
+    """Two reducers, once with chunks in shared-memory slots (they share this host with the test's
+    ranks) and once with RS_SHM=0 on them, through the sockets as between hosts."""
+    with reducers(2, extra_env={"RS_SHM": "0"} if request.param == "frames" else None) as g:
+        yield g
+        assert g.alive(), "a reducer died during the tests"
+
+
+@pytest.fixture
+def solo(group: Reducers) -> Iterator[rs.Communicator]:
+    """A one-rank communicator over `group`: enough for argument checks and single-rank results."""
+    with connect(group, 0, 1, new_job()) as comm:
+        yield comm
+
+
+@pytest.fixture(params=_native.available_isas())
+def isa(request) -> Iterator[str]:
+    """Each instruction-set level this CPU supports, selected in the kernels for one test."""
+    previous = _native._select_isa(request.param)
+    assert _native.isa() == request.param
+    yield request.param
+    _native._select_isa(previous)

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from cluster import reducers, run_workers
-from reference import DTYPES, OPS
+from helpers.cluster import reducers, run_workers
+from helpers.reference import DTYPES, OPS
 
 # Small chunks so that modest sizes still make many chunks, several per reducer, with a tail.
 CHUNK = 65536

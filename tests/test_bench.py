@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-pytest.importorskip("pytest_benchmark", reason="the bench extra is not installed (pip install -e '.[bench]')")
-pytest.importorskip("matplotlib", reason="the bench extra is not installed (pip install -e '.[bench]')")
+pytest.importorskip("pytest_benchmark", reason="the bench extra is not installed (pip install '.[bench]')")
+pytest.importorskip("matplotlib", reason="the bench extra is not installed (pip install '.[bench]')")
 
 from reduction_server.bench import kernels, loopback, netem  # noqa: E402
 

@@ -16,9 +16,11 @@ import pytest
 
 from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
 
-from cluster import child_env, free_port_range, reducers
-from test_metrics import scrape, value
-from test_reducer_errors import Peer, check_sum_works, communicator, data
+from helpers.cluster import child_env, reducers
+from helpers.metrics import scrape, value
+from helpers.ports import free_port_range
+from helpers.jobs import check_sum_works, communicator
+from helpers.peers import Peer, data
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -2,28 +2,18 @@
 `reduction-server serve` takes its port and worker count from the spec, workers their rank and
 the reducers' addresses. Real processes on loopback."""
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from cluster import SCRIPTS, child_env, collect
+from helpers.cluster import SCRIPTS, child_env, collect
+from helpers.ports import free_ports
 
 CASES = {"sequential": [{"dtype": d, "op": o, "count": 70_001, "seed": i}
                         for i, (d, o) in enumerate([("float32", "sum"), ("float16", "avg"), ("int64", "max"),
                                                     ("bfloat16", "sum"), ("uint8", "min")])],
          "broadcast": [100]}
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def vertex_spec(ports, workers, task_type, index):

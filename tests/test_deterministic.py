@@ -30,14 +30,13 @@ from reduction_server import protocol
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import Reducer
 
-from capture import CapturingSocket
-from cluster import child_env, reducers, run_ranks
-from handshake import hello_payload
-from test_reducer_errors import Peer, data
+from helpers.capture import CapturingSocket
+from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.handshake import hello_payload
+from helpers.peers import Peer, data
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "test-token"
 WORLD = 4
 CHUNK = 64 * 1024  # several chunks per collective, spread over the reducers
 SIZES = [1, 999, 100_003]  # one element, one chunk, many chunks

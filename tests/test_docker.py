@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,9 +30,10 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
-from cluster import collect, unreachable
+from helpers.cluster import collect, unreachable
+from helpers.ports import free_ports
+from helpers.source_tree import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "deploy_worker.py"
 MIRROR = os.environ.get("RS_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 TAG = f"rs-test-{uuid.uuid4().hex[:10]}"
@@ -255,17 +255,6 @@ def image(engine: Engine) -> Iterator[Dict]:
         _remove(work)
 
 
-def _free_ports(count: int) -> List[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _cluster_spec(reducers: List[str], workers: List[str], task_type: str, index: int) -> str:
     """What Vertex AI sets: the four pools (no evaluators here), the task, and the job."""
     return json.dumps({
@@ -305,7 +294,7 @@ def test_image_is_small_non_root_and_serves(image: Dict, engine: Engine) -> None
 
 def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dict, engine: Engine) -> None:
     started = time.monotonic()
-    ports = _free_ports(4)
+    ports = free_ports(4)
     reducers = [f"127.0.0.1:{p}" for p in ports[:2]]
     workers = [f"127.0.0.1:{p}" for p in ports[2:]]
     names = []

@@ -19,12 +19,11 @@ import reduction_server.client as rs
 from reduction_server import CollectiveError, protocol
 from reduction_server.errors import ConfigError
 
-from cluster import SCRIPTS, child_env, reducers, run_ranks, run_workers
-from test_reducer_errors import check_sum_works
+from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
+from helpers.jobs import check_sum_works
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "test-token"
 ENCRYPT = {"RS_ENCRYPT": "1"}
 CONNECT_TIMEOUT = 20.0  # a refusal must come long before this
 JOB = json.dumps({"sequential": [

@@ -15,9 +15,10 @@ from reduction_server import settings
 from reduction_server.cli import build_parser
 from reduction_server.reducer import Reducer
 
-from capture import CapturingSocket
-from cluster import ROOT, child_env, free_port_range
-from handshake import hello_payload
+from helpers.capture import CapturingSocket
+from helpers.cluster import ROOT, child_env
+from helpers.ports import free_port_range
+from helpers.handshake import hello_payload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,7 +115,7 @@ def test_each_subcommand_help_has_a_summary_an_example_and_its_variables(verb, r
     assert summary.endswith(".") and "\n" not in summary and summary in text
     assert "example:\n  " in text and example in text
     names = [v.name for v in settings.variables_read_by(*readers)]
-    listed = re.findall(r"^  (RS_[A-Z_]+) ", text.split("environment variables it reads:", 1)[1], re.M)
+    listed = re.findall(r"^  ([A-Z][A-Z0-9_]+) ", text.split("environment variables it reads:", 1)[1], re.M)
     assert listed == names and (names or "none of its own" in text)
 
 

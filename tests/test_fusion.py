@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from cluster import reducers, run_ranks
+from helpers.cluster import TOKEN, run_ranks
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
 from reduction_server.protocol import DType
 from reduction_server.settings import DEFAULT_FUSION_THRESHOLD
@@ -65,13 +65,6 @@ def test_duplicate_names_and_unknown_names_are_errors():
 
 
 # -- fused all-reduce through reducers -------------------------------------------------------
-TOKEN = "test-token"
-
-
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2) as g:
-        yield g
 
 
 def ranks(group, world, body, **options):

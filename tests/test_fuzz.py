@@ -33,10 +33,11 @@ from reduction_server.errors import ProtocolError
 from reduction_server.discovery import job_id_from
 from reduction_server.protocol import DType, MsgType, ReduceOp
 
-from cluster import SCRIPTS, child_env, reducers
-from handshake import auth_payload, hello_payload
-from test_reducer_errors import (TOKEN, Peer, RawZmtp, check_sum_works, communicator, data, job_loop, ok, parallel,
-                                 rss, wait_until_idle)
+from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers
+from helpers.handshake import auth_payload, hello_payload
+from helpers.jobs import check_sum_works, communicator, job_loop, ok, parallel, wait_until_idle
+from helpers.peers import Peer, RawZmtp, data
+from helpers.probes import rss
 
 FUZZ_SECONDS = float(os.environ.get("RS_FUZZ_SECONDS", "3"))
 pytestmark = pytest.mark.timeout(120 + 4 * FUZZ_SECONDS)
@@ -171,7 +172,7 @@ def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
             """Fuzz for FUZZ_SECONDS once the job runs; its RSS before."""
             try:
                 assert started.wait(30), "the job did not start"
-                base = rss(group)
+                base = rss(group.procs[0].pid)
                 huge_zmtp_frame(group.addresses[0])
                 stop = time.monotonic() + FUZZ_SECONDS
                 while time.monotonic() < stop:
@@ -190,7 +191,7 @@ def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
         print(f"{rogues.sent} fuzz messages beside {n0} checked all-reduces; answers: {rogues.answers}")
         assert rogues.sent > 100 and rogues.answers.get("ERROR", 0) > 50
         wait_until_idle(group)
-        grown = rss(group) - base
+        grown = rss(group.procs[0].pid) - base
         assert grown < RSS_GROWTH, f"the reducer grew by {grown >> 20} MiB"
         check_sum_works(comms)
         for comm in comms:
@@ -231,7 +232,7 @@ def test_admitted_ranks_fuzzing_contributions_get_errors_and_valid_collectives_s
     job = 0xF022
     with reducers(1, workers=2, extra_env={"RS_TIMEOUT": "2", "RS_DETERMINISTIC": "1"}) as group:
         ranks = [Peer(group.addresses[0]) for _ in range(2)]
-        base = rss(group)
+        base = rss(group.procs[0].pid)
         seq = [VALID_SEQS]  # valid collectives: above the fuzzed keys, which then count as skipped
 
         @BATCH
@@ -258,7 +259,7 @@ def test_admitted_ranks_fuzzing_contributions_get_errors_and_valid_collectives_s
         while time.monotonic() < stop:
             batch()
         wait_until_idle(group)
-        grown = rss(group) - base
+        grown = rss(group.procs[0].pid) - base
         assert grown < RSS_GROWTH, f"the reducer grew by {grown >> 20} MiB"
         for peer in ranks:
             peer.close()

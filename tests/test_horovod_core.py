@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from cluster import reducers, run_ranks
+from helpers.cluster import TOKEN, reducers, run_ranks
 from reduction_server.client import Communicator
 from reduction_server.client.buffers import wire_view
 from reduction_server.client.horovod.coordinator import (ALLGATHER, ALLREDUCE, BROADCAST, Coordinator, Request,
@@ -16,7 +16,6 @@ from reduction_server.client.horovod.coordinator import (ALLGATHER, ALLREDUCE, B
 from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.protocol import ReduceOp
 
-TOKEN = "core-token"
 
 
 def submit(coord, name, array, kind=ALLREDUCE, op=ReduceOp.SUM, root=0, out=True):
@@ -46,12 +45,6 @@ def coordinators(group, world, **options):
         comm.data_collectives = []
         return Coordinator(comm, **options)
     return make
-
-
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2, token=TOKEN) as g:
-        yield g
 
 
 def run(world, group, body, **options):

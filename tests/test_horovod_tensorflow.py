@@ -13,7 +13,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
                                               "the adapter needs it")
 
-from cluster import ROOT, reducers, run_workers  # noqa: E402
+from helpers.cluster import ROOT, reducers, run_workers  # noqa: E402
+from helpers.reference import assert_close  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
 import keras_fit  # noqa: E402
@@ -36,11 +37,6 @@ def run_job(world):
 @pytest.fixture(params=[2, 3], ids=lambda w: f"W{w}")
 def job(request):
     return request.param, run_job(request.param)
-
-
-def assert_close(got, want, what, rtol=1e-5, atol=1e-6):
-    got, want = np.asarray(got), np.asarray(want)
-    assert np.allclose(got, want, rtol=rtol, atol=atol), f"{what}: max error {float(np.max(np.abs(got - want)))}"
 
 
 def test_custom_loop_matches_a_single_process(job):

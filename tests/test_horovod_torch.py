@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
-from cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402

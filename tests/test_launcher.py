@@ -19,11 +19,11 @@ from typing import Dict, Iterator, List
 import psutil
 import pytest
 
-from cluster import free_port_range
+from helpers.ports import free_port_range
+from helpers.source_tree import ROOT
 from reduction_server.settings import ONE_HOST_PIPELINE_DEPTH
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = [sys.executable, str(REPO / "tests" / "scripts" / "launcher_worker.py")]
+WORKER = [sys.executable, str(ROOT / "tests" / "scripts" / "launcher_worker.py")]
 TIMEOUT_S = 60  # for any one launcher run; a hang fails the test
 PREFIXED = re.compile(r"^\[(rank|reducer) \d+\] ")
 
@@ -270,6 +270,6 @@ def test_bad_arguments_exit_2_with_a_message(args: List[str], message: str) -> N
 
 
 def test_a_command_that_cannot_start_gives_127() -> None:
-    result = run_launcher("-np", "2", "--", str(REPO / "no-such-command"))
+    result = run_launcher("-np", "2", "--", str(ROOT / "no-such-command"))
     assert result.returncode == 127, result
     assert "cannot start rank 0" in result.stderr and "Traceback" not in result.stderr

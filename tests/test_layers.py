@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from typing import Dict, List, Set
 
-from source_tree import ROOT, source_modules
+from helpers.source_tree import ROOT, source_modules
 
 
 def _resolve(module: str, level: int, name: str, is_package: bool) -> str:

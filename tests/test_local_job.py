@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from cluster import ROOT, child_env
+from helpers.cluster import ROOT, child_env
 
 
 def test_readme_local_job():
     command = shutil.which("reduction-server")
     if command is None:
-        pytest.skip("the reduction-server console script is not installed (pip install -e .)")
+        pytest.skip("the reduction-server console script is not installed (pip install .)")
     proc = subprocess.run(
         [command, "run", "-np", "4", "--reducers", "2", "--", sys.executable,
          "examples/allreduce_check.py", "--mib", "8", "--iters", "2"],

@@ -9,41 +9,23 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.request
-from typing import Dict, Tuple
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import reduction_server.client as rs
-from cluster import child_env, free_port_range, reducers, run_ranks
+from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.metrics import Samples, scrape, value
+from helpers.ports import free_port_range
 from reduction_server.client.chunking import plan_chunks
 from reduction_server.errors import CollectiveError
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "test-token"
 WORLD = 2
 BUDGET = 256 << 20
 # (dtype, element count) of each all-reduce the job runs: one chunk, several chunks, 16-bit floats.
 CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.int64, 7)]
-
-Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
-
-
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted({"reducer": "0", **labels}.items())))
-    assert key in samples, f"{name}{labels} not scraped; have {sorted(n for n, _ in samples)}"
-    return samples[key]
-
 
 def test_metrics_show_what_the_job_did():
     port = free_port_range(1)

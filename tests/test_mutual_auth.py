@@ -20,7 +20,7 @@ import reduction_server.client as rs
 from reduction_server import CollectiveError, auth, protocol
 from reduction_server.protocol import MsgType
 
-from cluster import child_env, reducers, run_ranks
+from helpers.cluster import child_env, reducers, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

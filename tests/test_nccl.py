@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-import cluster
-from cluster import reducers
+from helpers import cluster
+from helpers.cluster import TOKEN
 from reduction_server.client import nccl
 from reduction_server.client.nccl import NcclCommunicator, get_unique_id, parse_unique_id
-from reference import check, make_input, np_dtype
+from helpers.reference import check, make_input, np_dtype
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKEN = "test-token"
 
 DATATYPES = {  # NCCL constant -> dtype name in reference.py
     nccl.ncclInt8: "int8", nccl.ncclUint8: "uint8", nccl.ncclInt32: "int32", nccl.ncclUint32: "uint32",
@@ -26,13 +25,6 @@ DATATYPES = {  # NCCL constant -> dtype name in reference.py
     nccl.ncclFloat32: "float32", nccl.ncclFloat64: "float64", nccl.ncclBfloat16: "bfloat16",
 }
 OPS = {nccl.ncclSum: "sum", nccl.ncclProd: "prod", nccl.ncclMax: "max", nccl.ncclMin: "min", nccl.ncclAvg: "avg"}
-
-
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2) as g:
-        yield g
-        assert g.alive(), "a reducer died during the tests"
 
 
 @pytest.fixture

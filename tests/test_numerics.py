@@ -8,20 +8,14 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from cluster import reducers, run_ranks
+from helpers.cluster import TOKEN, run_ranks
 
 WORLD = 8  # enough contributions for 16-bit accumulation error to show
 
 
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2) as g:
-        yield g
-
-
 def reduce_everywhere(group, inputs):
     job = secrets.randbits(63)
-    make = lambda r: rs.Communicator(group.addresses, r, WORLD, job_token="test-token", job_id=job,  # noqa: E731
+    make = lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN, job_id=job,  # noqa: E731
                                      timeout=30, connect_timeout=30)
     return run_ranks(WORLD, make, lambda comm, r: comm.all_reduce(inputs[r]), limit=60)
 

@@ -6,7 +6,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from cluster import reducers, run_workers
+from helpers.cluster import reducers, run_workers
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,12 +28,12 @@ from reduction_server.client.engine import Engine
 from reduction_server.protocol import ErrorCode, Header, MsgType
 from reduction_server.shared_memory import Segment, Unavailable
 
-import cluster
-from cluster import reducers
+from helpers import cluster
+from helpers.cluster import TOKEN, reducers
 
 pytestmark = pytest.mark.timeout(60)
 
-OPTIONS = {"job_token": "test-token", "timeout": 5, "connect_timeout": 5, "chunk_bytes": 1 << 16}
+OPTIONS = {"job_token": TOKEN, "timeout": 5, "connect_timeout": 5, "chunk_bytes": 1 << 16}
 
 
 # -- the segment ---------------------------------------------------------------------------
@@ -177,13 +177,6 @@ def test_an_answer_about_no_chunk_frees_no_slot():
 
 
 # -- real reducers ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def group():
-    with reducers(2) as g:
-        yield g
-        assert g.alive(), "a reducer died during the tests"
-
-
 def run_ranks(group, world, body, shared=(True,), **options):
     """body(comm, rank) on every rank (threads); rank r uses slots when shared[r % len(shared)]."""
     job = secrets.randbits(63)

@@ -16,11 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from typing import List, Optional
+from typing import List
 
 import numpy as np
-import psutil
 import pytest
 import zmq
 
@@ -30,9 +28,10 @@ from reduction_server.reducer import admission as admission_module
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 
-from capture import CapturingSocket
-from cluster import SCRIPTS, child_env, collect, reducers, run_ranks
-from handshake import hello_payload
+from helpers.capture import CapturingSocket
+from helpers.cluster import SCRIPTS, TOKEN, child_env, collect, reducers, run_ranks
+from helpers.probes import open_fds, rss, settled_fds
+from helpers.handshake import hello_payload
 
 SOAK_SECONDS = float(os.environ.get("RS_SOAK_SECONDS", "20"))
 WARMUP_SECONDS = min(6.0, SOAK_SECONDS / 3)
@@ -43,40 +42,25 @@ WORKER_RSS_GROWTH = 64 << 20
 WORLD = 3
 
 
-def usage(pid: int) -> dict:
-    proc = psutil.Process(pid)
-    return {"rss": proc.memory_info().rss, "fds": proc.num_fds()}
-
-
-def settled_fds(pid: int, expected: Optional[int]) -> int:
-    """The process's open files once closing connections have been closed (at most 5 s)."""
-    deadline = time.monotonic() + 5
-    count = psutil.Process(pid).num_fds()
-    while count != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-        count = psutil.Process(pid).num_fds()
-    return count
-
-
 def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_were():
     with reducers(2, workers=WORLD, extra_env={"RS_TIMEOUT": "60"}) as group:
         # A first short job: libzmq and pyzmq open some files on first use (I/O thread mailboxes,
         # the zero-copy tracker's thread), which stay open; after it the reducers are idle.
-        run_ranks(WORLD, lambda r: rs.Communicator(group.addresses, r, WORLD, job_token="test-token"),
+        run_ranks(WORLD, lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN),
                   lambda comm, r: comm.all_reduce(np.ones(1 << 20, np.float32)))
         idle = [settled_fds(p.pid, None) for p in group.procs]
         procs: List[subprocess.Popen] = []
         for rank in range(WORLD):
             env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(WORLD),
-                             "RS_JOB_TOKEN": "test-token", "RS_CHUNK_BYTES": str(256 << 10)})
+                             "RS_JOB_TOKEN": TOKEN, "RS_CHUNK_BYTES": str(256 << 10)})
             procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "soak_worker.py"), str(SOAK_SECONDS),
                                            str(WARMUP_SECONDS)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         first = procs[0].stdout.readline()  # rank 0 is warm: every size, dtype and op has been seen
         assert '"warm"' in first, first + (procs[0].stderr.read() if procs[0].poll() is not None else "")
-        warm = [usage(p.pid) for p in group.procs]
+        warm = [{"rss": rss(p.pid), "fds": open_fds(p.pid)} for p in group.procs]
         results = collect(procs, timeout=60 + 2 * SOAK_SECONDS)
-        end = [usage(p.pid) for p in group.procs]
+        end = [{"rss": rss(p.pid), "fds": open_fds(p.pid)} for p in group.procs]
         after_job = [settled_fds(p.pid, fds) for p, fds in zip(group.procs, idle)]
         assert group.alive()
         logs = group.stop()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from cluster import child_env, reducers, run_ranks
+from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from reduction_server.errors import ConfigError
 from reduction_server.settings import socket_send_buffer
 
@@ -39,7 +39,7 @@ def test_rs_sndbuf_sets_both_ends_of_every_connection(monkeypatch):
             comm.barrier()
             return y, buffers
 
-        make = lambda rank: rs.Communicator(group.addresses, rank, 2, job_token="test-token", timeout=10,
+        make = lambda rank: rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, timeout=10,
                                             connect_timeout=10)
         for y, buffers in run_ranks(2, make, body):
             np.testing.assert_array_equal(y, x * 3)
@@ -57,7 +57,7 @@ def test_without_rs_sndbuf_the_kernel_tunes_the_buffers(monkeypatch):
     x = np.ones(4 << 20, dtype=np.float32)
     with reducers(1, extra_env={"RS_SHM": "0"}) as group:
         ports = [a.rsplit(":", 1)[1] for a in group.addresses]
-        with rs.Communicator(group.addresses, 0, 1, job_token="test-token", timeout=10, connect_timeout=10) as comm:
+        with rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, timeout=10, connect_timeout=10) as comm:
             comm.all_reduce(x)
             buffers = send_buffers(ports)
     assert len(buffers) == 2 and min(buffers) > 2 * REQUESTED, buffers

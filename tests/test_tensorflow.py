@@ -21,7 +21,7 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 keras = pytest.importorskip("keras", reason="keras 3 is not installed (it comes with tensorflow >= 2.16)")
 
 import reduction_server.client.tensorflow as rstf  # noqa: E402
-from cluster import ROOT, SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.cluster import ROOT, SCRIPTS, reducers, run_example, run_workers  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -29,8 +29,8 @@ sys.path.insert(0, str(SCRIPTS))  # report, when this module runs as a rank's sc
 import keras_fit  # noqa: E402
 import tf_custom_loop  # noqa: E402
 from report import report  # noqa: E402
+from helpers.reference import assert_close  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 PER = 4  # rows per rank per step
 LOOP = dict(steps=6, lr=0.1)
 FIT = dict(steps=5, epochs=2, lr=0.05)
@@ -48,13 +48,6 @@ def fit_reference(world):
     keras_fit.fit(model, FIT["steps"], world * PER, rank=0, world=1, lr=FIT["lr"], epochs=FIT["epochs"],
                   distributed=False)
     return keras_fit.weights(model)
-
-
-def assert_close(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, what
-    err = float(np.max(np.abs(got - want)))
-    assert np.allclose(got, want, rtol=RTOL, atol=ATOL), f"{what}: max error {err}"
 
 
 # -- the examples under the launcher, 2 workers -------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Dict, List
 
 import pytest
 
-from cluster import reducers, run_workers
+from helpers.cluster import reducers, run_workers
 from reduction_server.client.timeline import timeline_path
 
 pytestmark = pytest.mark.timeout(120)

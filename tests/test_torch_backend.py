@@ -3,7 +3,6 @@ DDP over init_process_group("reduction_server") against a single-process referen
 gloo, the comm hooks, overlap of bucket all-reduces with backward, plain collectives, and the
 device checks."""
 import json
-import socket
 import sys
 
 import pytest
@@ -15,25 +14,14 @@ if not dist.is_available():
 
 import reduction_server.client.torch as rst  # noqa: E402
 from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
-from cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.ports import free_ports
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
 
 RTOL = 1e-5
 ATOL = 1e-7
-
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def reference(world):

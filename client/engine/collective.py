@@ -43,6 +43,8 @@ class Collective:
         self.reducers = frozenset(chunk.reducer for chunk in self.chunks)
 
     def describe(self) -> str:
+        """The collective in words for error messages: its seq, what it is (broadcast, or
+        all_reduce and its op), its count and dtype."""
         what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
         return f"collective seq={self.seq} ({what} of {self.total} x {self.dtype.name.lower()})"
 

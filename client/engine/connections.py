@@ -77,6 +77,7 @@ class Connections:
         self.context: Optional[zmq.Context] = None
 
     def name(self, r: int) -> str:
+        """Reducer r as messages name it: "reducer r (host:port)"."""
         return f"reducer {r} ({self.addresses[r]})"
 
     def open_all(self) -> None:
@@ -123,6 +124,8 @@ class Connections:
         self.send_handshake(r, MsgType.HELLO, json.dumps(facts).encode())
 
     def send_handshake(self, r: int, mtype: MsgType, payload: bytes) -> None:
+        """Queue a handshake message (HELLO, AUTH) to reducer r without blocking; if its
+        connection already failed, it is dropped (the monitor reports the failure)."""
         try:
             self.sockets[r].send_multipart([self.me.header(mtype, payload), payload], zmq.NOBLOCK)
         except zmq.Again:
@@ -144,6 +147,8 @@ class Connections:
         self.hello(r, rejoin)
 
     def reopen_due(self, now: float, rejoin: bool) -> None:
+        """Open a new connection to every reducer whose reopen_at time has come by `now`;
+        `rejoin` marks their HELLOs as a rejoin."""
         for r, at in list(self.reopen_at.items()):
             if now >= at:
                 del self.reopen_at[r]
@@ -220,6 +225,7 @@ class Connections:
             pass
 
     def heartbeat_all(self) -> None:
+        """Send a PING to every reducer not down, without blocking; a full queue or a gone connection skips it."""
         ping = self.me.header(MsgType.PING)
         for r, sock in enumerate(self.sockets):
             if r in self.down:

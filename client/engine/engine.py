@@ -19,8 +19,7 @@ import zmq
 from reduction_server import encryption, shared_memory
 from reduction_server.errors import CollectiveError
 from reduction_server.log import get_logger
-from reduction_server.settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, client_backstop,
-                                       env_number)
+from reduction_server import settings
 
 from .. import timeline
 from .collective import Collective
@@ -52,11 +51,9 @@ class Engine:
         self.timeout = timeout
         # The reducer fails a round after RS_TIMEOUT with the same message on every rank; this
         # side's own limit is a backstop a little longer, for a reducer that cannot answer.
-        self.backstop = client_backstop(timeout)
-        heartbeat = heartbeat_interval or env_number(
-            "RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
-        liveness = liveness_timeout or env_number(
-            "RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
+        self.backstop = settings.client_backstop(timeout)
+        heartbeat = heartbeat_interval or settings.read("RS_HEARTBEAT_INTERVAL")
+        liveness = liveness_timeout or settings.read("RS_LIVENESS_TIMEOUT")
         self.heartbeat = heartbeat
         self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
         names = [f"reducer {r} ({address})" for r, address in enumerate(reducers)]

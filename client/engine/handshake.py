@@ -73,6 +73,7 @@ class Handshake:
         return None
 
     def unproved_welcome(self, r: int) -> str:
+        """Why reducer r is refused when it sent WELCOME before its CHALLENGE proved the job token."""
         return (f"{self.connections.name(r)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
                 "nothing was sent to it")
 

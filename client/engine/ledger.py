@@ -26,6 +26,7 @@ class Ledger:
         self.inflight: List[int] = [0] * len(names)  # chunks sent and not answered, by reducer
 
     def start(self, coll: Collective) -> None:
+        """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
         coll.last_progress = time.monotonic()
         self.active[coll.seq] = coll
         self.sending.append(coll)
@@ -59,6 +60,8 @@ class Ledger:
                 coll.future.set_result(coll.result)
 
     def fail(self, coll: Collective, reason: str) -> None:
+        """Fail coll's Future with a CollectiveError naming this rank, the collective and
+        `reason`, and end its timeline record; nothing if it has already completed."""
         if not coll.future.done():
             if coll.trace is not None:
                 self.timeline.finish(coll.trace, reason)
@@ -75,6 +78,7 @@ class Ledger:
             self.sending.remove(coll)
 
     def give_up(self, coll: Collective, reason: str) -> None:
+        """Stop tracking coll (abandon) and fail it with `reason`."""
         self.abandon(coll)
         self.fail(coll, reason)
 

@@ -57,6 +57,7 @@ class Slots:
             self.drop(r)
 
     def drop(self, r: int) -> None:
+        """Close reducer r's segment, if any, and forget its free slots and the chunks sent through them."""
         if self.segments[r] is not None:
             self.segments[r].close()
             self.segments[r] = None
@@ -75,6 +76,7 @@ class Slots:
         self.chunks_shared += 1
 
     def view(self, r: int, slot: int, nbytes: int) -> memoryview:
+        """The first nbytes of reducer r's shared-memory slot `slot`, writable."""
         return self.segments[r].slot(slot, nbytes)
 
     def release(self, r: int, h: Header) -> Optional[int]:
@@ -88,5 +90,6 @@ class Slots:
         return slot
 
     def close(self) -> None:
+        """Drop every reducer's segment."""
         for r in range(len(self.segments)):
             self.drop(r)

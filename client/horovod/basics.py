@@ -69,18 +69,22 @@ def _process() -> _Process:
 
 
 def coordinator() -> Coordinator:
+    """This process's Coordinator; raises ConfigError before hvd.init()."""
     return _process().coordinator
 
 
 def is_initialized() -> bool:
+    """Whether hvd.init() has run and shutdown() has not since (hvd.is_initialized())."""
     return _state is not None
 
 
 def size() -> int:
+    """The number of ranks in the job (hvd.size()); raises ConfigError before hvd.init()."""
     return _process().coordinator.size
 
 
 def rank() -> int:
+    """This process's rank (hvd.rank()); raises ConfigError before hvd.init()."""
     return _process().coordinator.rank
 
 
@@ -90,6 +94,7 @@ def local_rank() -> int:
 
 
 def local_size() -> int:
+    """The number of the job's processes on this host (hvd.local_size())."""
     return _process().local_size
 
 
@@ -99,6 +104,7 @@ def cross_rank() -> int:
 
 
 def cross_size() -> int:
+    """The number of hosts the job's processes run on (hvd.cross_size())."""
     return _process().cross_size
 
 

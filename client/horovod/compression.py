@@ -38,20 +38,26 @@ class Compressor:
 
     @staticmethod
     def compress(tensor: Any) -> Tuple[Any, Any]:
+        """(tensor to send, ctx that decompress() needs to undo the compression)."""
         raise NotImplementedError
 
     @staticmethod
     def decompress(tensor: Any, ctx: Any) -> Any:
+        """The received `tensor` restored with the ctx compress() returned."""
         raise NotImplementedError
 
 
 class NoneCompressor(Compressor):
+    """No compression (hvd.Compression.none): tensors travel as they are."""
+
     @staticmethod
     def compress(tensor: Any) -> Tuple[Any, Any]:
+        """`tensor` unchanged, and no ctx."""
         return tensor, None
 
     @staticmethod
     def decompress(tensor: Any, ctx: Any) -> Any:
+        """`tensor` unchanged."""
         return tensor
 
 
@@ -60,15 +66,20 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(tensor: Any) -> Tuple[Any, Any]:
+        """A floating-point `tensor` cast to float16, with its dtype as ctx; any other tensor
+        unchanged, with ctx None."""
         if not _is_float(tensor):
             return tensor, None
         return _cast(tensor, "float16"), tensor.dtype
 
     @staticmethod
     def decompress(tensor: Any, ctx: Any) -> Any:
+        """`tensor` cast back to the dtype in ctx; unchanged when ctx is None."""
         return tensor if ctx is None else _cast(tensor, ctx)
 
 
 class Compression:
+    """Horovod's hvd.Compression: the compressors by name, `none` and `fp16`."""
+
     none = NoneCompressor
     fp16 = FP16Compressor

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
 
 from reduction_server.errors import CollectiveError
-from reduction_server.settings import DEFAULT_TIMEOUT, env_number
+from reduction_server import settings
 
 from ..buffers import WireBuffer
 from ..communicator import Communicator
@@ -56,8 +56,7 @@ class Coordinator:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.world_size
         self.cycle_seconds = cycle_time() if cycle_seconds is None else cycle_seconds
-        self.negotiation = Negotiation(comm, env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.01, kind=float)
-                                       if stall_timeout is None else stall_timeout)
+        self.negotiation = Negotiation(comm, settings.read("RS_TIMEOUT") if stall_timeout is None else stall_timeout)
         self.runner = Runner(comm, fusion_threshold() if threshold is None else threshold, self._take)
         self._owns = owns_communicator
         self._lock = threading.Lock()
@@ -104,6 +103,8 @@ class Coordinator:
 
     @property
     def running(self) -> bool:
+        """Whether collectives can still be submitted: False after shutdown() or once a failure
+        ended the collectives."""
         return not self._stopping
 
     # -- the cycle thread --------------------------------------------------------------------

@@ -44,20 +44,26 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         return self.initial_lr * (1.0 + progress * (world - 1)) / world
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Keras hook: take steps_per_epoch from model.fit's params when it was not given; raises
+        ValueError if neither tells it."""
         if self.steps_per_epoch is None:
             self.steps_per_epoch = self.params.get("steps")
         if not self.steps_per_epoch:
             raise ValueError("LearningRateWarmupCallback needs steps_per_epoch (model.fit could not tell it)")
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Keras hook: remember the epoch that starts, for the per-batch learning rate."""
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Keras hook: during the warm-up epochs, set the optimizer's learning rate for the
+        progress made by the end of this batch."""
         epoch = self._epoch + (batch + 1) / self.steps_per_epoch  # whole epochs land on round numbers
         if self._epoch < self.warmup_epochs:
             self.model.optimizer.learning_rate.assign(self._learning_rate(epoch))
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Keras hook: print the warm-up learning rate when verbose, and log the current one as logs["lr"]."""
         if self.verbose and epoch < self.warmup_epochs:
             print(f"Epoch {epoch + 1}: learning rate warm-up at "
                   f"{float(self.model.optimizer.learning_rate.numpy()):.6g}")

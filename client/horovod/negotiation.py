@@ -10,7 +10,6 @@ name's staleness alike.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -18,7 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from reduction_server.protocol import ReduceOp
-from reduction_server.settings import DEFAULT_CYCLE_TIME_MS, env_number
+from reduction_server import settings
 
 from ..buffers import wire_view
 from ..communicator import Communicator
@@ -30,12 +29,7 @@ _INLINE_BYTES = 512
 
 def cycle_time(environ: Optional[Mapping[str, str]] = None) -> float:
     """Seconds between cycles: RS_CYCLE_TIME, else HOROVOD_CYCLE_TIME (both in ms), else 1 ms."""
-    environ = os.environ if environ is None else environ
-    for name in ("RS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"):
-        if environ.get(name, "").strip():
-            return env_number(name, DEFAULT_CYCLE_TIME_MS, minimum=0.0, maximum=10_000.0, kind=float,
-                              environ=environ) / 1000.0
-    return DEFAULT_CYCLE_TIME_MS / 1000.0
+    return settings.first_set(("RS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), environ) / 1000.0
 
 
 @dataclass

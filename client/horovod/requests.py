@@ -29,18 +29,22 @@ class Request:
     type_name: str = ""  # the framework's name for the dtype (torch.bool travels as uint8)
 
     def encode(self) -> list:
+        """The request as a JSON-able list, as it travels in the negotiation (decode() reverses it)."""
         return [self.name, self.kind, int(self.dtype), list(self.shape), int(self.op), self.root, self.type_name]
 
     @classmethod
     def decode(cls, item: list) -> "Request":
+        """The Request an encode() list describes."""
         name, kind, dtype, shape, op, root, type_name = item
         return cls(name, kind, DType(dtype), tuple(shape), ReduceOp(op), root, type_name)
 
     @property
     def count(self) -> int:
+        """Its number of elements (the product of its shape)."""
         return math.prod(self.shape)
 
     def describe(self) -> str:
+        """The request in words for error messages, e.g. "allreduce of [2, 3] float32 op sum"."""
         text = f"{self.kind} of {list(self.shape)} {self.type_name or self.dtype.name.lower()}"
         if self.kind == ALLREDUCE:
             text += f" op {self.op.name.lower()}"

@@ -43,6 +43,9 @@ class Runner:
         self._completer.join()
 
     def launch(self, ready: List[Tuple[str, Dict[int, Request]]]) -> None:
+        """Start one cycle's agreed names in their order: a name the ranks disagree on fails at
+        once; consecutive all-reduces of one dtype and op are fused up to the threshold;
+        broadcasts and allgathers run one by one."""
         batch: List[Submission] = []
         for name, requests in ready:
             problem = disagreement(name, requests)

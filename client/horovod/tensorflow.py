@@ -22,6 +22,7 @@ import tensorflow as tf  # the real tensorflow: absolute import
 from reduction_server.protocol import ReduceOp
 
 from .. import tensorflow as rstf
+from ..tensorflow.gradients import scaled
 from . import basics
 from .basics import (allgather_object, broadcast_object, cross_rank, cross_size, is_initialized, local_rank,
                      local_size, rank, shutdown, size)
@@ -42,16 +43,22 @@ class NegotiatedCollectives:
 
     @property
     def rank(self) -> int:
+        """This process's rank (hvd.rank())."""
         return basics.rank()
 
     @property
     def size(self) -> int:
+        """The number of ranks (hvd.size())."""
         return basics.size()
 
     def reduce(self, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp) -> List[np.ndarray]:
+        """Collectives.reduce: all-reduce the arrays with `op`, matched across ranks by `names`
+        and fused together; the results in new arrays."""
         return _negotiate(ALLREDUCE, arrays, names, op=op)
 
     def broadcast(self, arrays: Sequence[np.ndarray], names: Sequence[str], root: int) -> List[np.ndarray]:
+        """Collectives.broadcast: root's arrays on every rank, matched across ranks by `names`;
+        the results in new arrays."""
         return _negotiate(BROADCAST, arrays, names, root=root)
 
 
@@ -86,9 +93,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     check_process_set(process_set)
     rop = resolve_op(op, average)
     name = name or _names[ALLREDUCE]()
-    tensors = [rstf.scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
+    tensors = [scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
     reduced = rstf.grouped_allreduce(tensors, rop, compression, name=name)
-    return [rstf.scaled(t, postscale_factor) for t in reduced]
+    return [scaled(t, postscale_factor) for t in reduced]
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",

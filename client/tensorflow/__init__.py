@@ -52,7 +52,7 @@ tf.numpy_function collectives), gradients (tape and optimizer), callbacks (Keras
 from .callbacks import BroadcastVariablesCallback, MetricAverageCallback
 from .collectives import (Collectives, Compressor, FusedCollectives, collectives, init, is_initialized, rank,
                           shutdown, size, use_collectives)
-from .gradients import DistributedGradientTape, DistributedOptimizer, scaled
+from .gradients import DistributedGradientTape, DistributedOptimizer
 from .graph import XlaCompileError, dense, refuse_xla
 from .ops import allreduce, broadcast_variables, grouped_allreduce
 

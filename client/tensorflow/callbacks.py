@@ -23,6 +23,8 @@ class BroadcastVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Keras hook: overwrite the model's weights and the optimizer's variables (building it
+        first if needed) with root_rank's."""
         model = self.model
         variables = list(model.weights)
         optimizer = getattr(model, "optimizer", None)
@@ -39,6 +41,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     stopping, logging). Every rank must log the same metric names."""
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Keras hook: replace every numeric scalar in `logs` with its average over all ranks (one collective)."""
         if not logs:
             return
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))

@@ -20,9 +20,13 @@ class Compressor(Protocol):
     """What ``compression=`` takes (Horovod's Compression.none / Compression.fp16 shape): NumPy
     arrays in, NumPy arrays out. ``decompress`` must give back the original dtype."""
 
-    def compress(self, array: np.ndarray) -> Tuple[np.ndarray, Any]: ...
+    def compress(self, array: np.ndarray) -> Tuple[np.ndarray, Any]:
+        """(array to send, ctx that decompress() needs): `array` in its wire form."""
+        ...
 
-    def decompress(self, array: np.ndarray, ctx: Any) -> np.ndarray: ...
+    def decompress(self, array: np.ndarray, ctx: Any) -> np.ndarray:
+        """The received `array` restored with compress()'s ctx, in the original dtype."""
+        ...
 
 
 class Collectives(Protocol):
@@ -32,14 +36,24 @@ class Collectives(Protocol):
     (use_collectives)."""
 
     @property
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank."""
+        ...
 
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """The number of ranks."""
+        ...
 
-    def reduce(self, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp) -> List[np.ndarray]: ...
+    def reduce(self, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp) -> List[np.ndarray]:
+        """All-reduce `arrays` (identified by `names`) with `op` over every rank; the results, in
+        order, with the inputs' shapes and dtypes."""
+        ...
 
-    def broadcast(self, arrays: Sequence[np.ndarray], names: Sequence[str], root: int) -> List[np.ndarray]: ...
+    def broadcast(self, arrays: Sequence[np.ndarray], names: Sequence[str], root: int) -> List[np.ndarray]:
+        """Root's `arrays` (identified by `names`) on every rank; the results, in order, with the
+        inputs' shapes and dtypes."""
+        ...
 
 
 class FusedCollectives:
@@ -56,10 +70,12 @@ class FusedCollectives:
 
     @property
     def rank(self) -> int:
+        """The communicator's rank."""
         return self.communicator.rank
 
     @property
     def size(self) -> int:
+        """The communicator's world size."""
         return self.communicator.world_size
 
     def reduce(self, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp) -> List[np.ndarray]:
@@ -105,6 +121,7 @@ class FusedCollectives:
         return [buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape) for a, start in zip(arrays, offsets)]
 
     def close(self) -> None:
+        """Close the communicator if this object owns it (init() created it)."""
         if self._owns:
             self.communicator.close()
 
@@ -156,6 +173,7 @@ atexit.register(shutdown)  # say goodbye to the reducers even if the script neve
 
 
 def is_initialized() -> bool:
+    """Whether init() has set up a communicator or use_collectives() installed Collectives."""
     return _state.default is not None or _state.installed is not None
 
 
@@ -170,10 +188,12 @@ def collectives() -> Collectives:
 
 
 def rank() -> int:
+    """This process's rank, from the current Collectives (init() from the environment if needed)."""
     return collectives().rank
 
 
 def size() -> int:
+    """The number of ranks, from the current Collectives (init() from the environment if needed)."""
     return collectives().size
 
 

@@ -67,6 +67,8 @@ class DistributedGradientTape:
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+        """The wrapped tape's gradient(), all-reduced over every rank as one fused collective, in
+        the same structure; None gradients stay None."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads)  # None and IndexedSlices are leaves

@@ -20,16 +20,20 @@ class ReductionServerHookState:
     """What the comm hooks need: a Communicator (default: from the environment) and the thread
     that completes their Futures. ``ddp.register_comm_hook(state, reduction_server_hook)``."""
 
-    def __init__(self, communicator: Optional[Communicator] = None) -> None:
-        owns = communicator is None
+    def __init__(self, communicator: Optional[Communicator] = None, *,
+                 owns_communicator: Optional[bool] = None) -> None:
+        owns = communicator is None if owns_communicator is None else owns_communicator
         self.communicator = communicator or Communicator.from_env()
         self._pipeline = Pipeline(self.communicator, owns)
 
     @classmethod
     def from_env(cls, **options: Any) -> "ReductionServerHookState":
-        return cls(Communicator.from_env(**options)) if options else cls()
+        """A state over Communicator.from_env(**options), which close() closes."""
+        return cls(Communicator.from_env(**options), owns_communicator=True)
 
     def close(self) -> None:
+        """Close the Communicator if the state created it (what is pending fails), and stop the
+        completing thread after the queued Futures."""
         self._pipeline.close()
 
 

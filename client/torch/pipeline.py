@@ -41,6 +41,9 @@ class Pipeline:
     # Every collective: submit(start) under the lock, so the completion queue has submission order.
     def run(self, start: Callable[[], Tuple[List[Handle], Callable[[], Any]]],
             future: torch.futures.Future) -> torch.futures.Future:
+        """Call start() under the lock (it submits the collectives; returns their handles and a
+        finish callback) and queue them; `future` completes with finish()'s value or the error.
+        RuntimeError once closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the reduction_server process group has been shut down")
@@ -80,6 +83,7 @@ class Pipeline:
         return self.run(start, future_for(tensors))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], root: int) -> torch.futures.Future:
+        """Overwrite each tensor with root's, in place (sent as bytes); the Future's value is the list."""
         rank = self.communicator.rank
 
         def start():
@@ -97,6 +101,8 @@ class Pipeline:
 
     def all_gather(self, outputs: Sequence[Sequence[torch.Tensor]],
                    inputs: Sequence[torch.Tensor]) -> torch.futures.Future:
+        """Each input into outputs[i][rank] on every rank, as one broadcast per rank; the
+        Future's value is the output lists. ValueError for lists or tensors that do not match."""
         comm = self.communicator
         world, rank = comm.world_size, comm.rank
         if len(outputs) != len(inputs):
@@ -130,12 +136,15 @@ class Pipeline:
         return self.run(start, future_for([o for outs in outputs for o in outs]))
 
     def barrier(self) -> torch.futures.Future:
+        """A Future that completes once every rank has reached the barrier (a one-element all-reduce)."""
         def start():
             token = np.zeros(1, np.int32)
             return [self.communicator.all_reduce_async(token, ReduceOp.SUM, out=token)], lambda: None
         return self.run(start, torch.futures.Future())
 
     def close(self) -> None:
+        """Refuse new collectives, close the Communicator if owned (what is pending fails), and
+        join the thread once it has completed the queue."""
         with self._lock:
             if self._closed:
                 return

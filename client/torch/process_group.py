@@ -49,15 +49,19 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
 
     @property
     def communicator(self) -> Communicator:
+        """The Communicator this group's collectives go through (shared with groups over the same ranks)."""
         return self._pipeline.communicator
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """ProcessGroup.getBackendName: "reduction_server"."""
         return BACKEND_NAME
 
     def size(self) -> int:
+        """ProcessGroup.size: the world size."""
         return self._size
 
     def rank(self) -> int:
+        """ProcessGroup.rank: this process's rank."""
         return self._rank
 
     def __repr__(self) -> str:
@@ -65,21 +69,30 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
+        """ProcessGroup.allreduce: reduce the tensors in place over all ranks (the op from
+        AllreduceOptions or given directly; SUM by default); returns a Work at once."""
         op = torch_reduce_op(opts.reduceOp) if isinstance(opts, dist.AllreduceOptions) else (
             torch_reduce_op(opts) if opts is not None else ReduceOp.SUM)
         return _work(self._pipeline.all_reduce(_as_list(tensors), op))
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        """ProcessGroup.allreduce_coalesced: reduce the tensors in place with opts.reduceOp (SUM
+        by default); returns a Work at once."""
         op = torch_reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         return _work(self._pipeline.all_reduce(_as_list(tensors), op))
 
     def broadcast(self, tensors, opts=None) -> dist.Work:
+        """ProcessGroup.broadcast: overwrite the tensors on every rank with the root's
+        (BroadcastOptions.rootRank or an int, 0 by default); returns a Work at once. ValueError
+        for a root out of range."""
         root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else (0 if opts is None else int(opts))
         if not 0 <= root < self._size:
             raise ValueError(f"broadcast root {root} is out of range for world size {self._size}")
         return _work(self._pipeline.broadcast(_as_list(tensors), root))
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """ProcessGroup.allgather: each input into output_tensors[i][rank] on every rank (also as
+        allgather(outputs, tensor)); returns a Work at once."""
         if isinstance(input_tensors, torch.Tensor):  # allgather([outs], x)
             input_tensors = [input_tensors]
             if output_tensors and isinstance(output_tensors[0], torch.Tensor):
@@ -87,6 +100,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         return _work(self._pipeline.all_gather(output_tensors, list(input_tensors)))
 
     def barrier(self, opts=None) -> dist.Work:
+        """ProcessGroup.barrier: a Work that completes once every rank has entered the barrier."""
         return _work(self._pipeline.barrier())
 
     def shutdown(self) -> None:
@@ -96,6 +110,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
             self._pipeline.close()
 
     def abort(self) -> None:
+        """ProcessGroup.abort: the same as shutdown()."""
         self.shutdown()
 
 

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from reduction_server.protocol import ReduceOp
 
 # torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
-# torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
 _OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
         "MAX": ReduceOp.MAX}
 
@@ -79,6 +78,8 @@ class Staged:
         self.copy_back = self.cuda or self.host.data_ptr() != tensor.data_ptr()
 
     def finish(self) -> None:
+        """Copy the result back into the user's tensor when it was staged (non-blocking for
+        CUDA); nothing for a tensor used in place."""
         if self.copy_back:
             with torch.no_grad():
                 self.tensor.copy_(self.host, non_blocking=self.cuda)

@@ -14,12 +14,9 @@ from typing import Optional
 
 import zmq
 
-from .. import encryption, protocol, shared_memory
+from .. import encryption, protocol, settings, shared_memory
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
-from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
-                        DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT,
-                        env_flag, env_number, socket_send_buffer)
 from .core import Reducer
 
 log = get_logger("reducer")
@@ -66,12 +63,12 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     index = index if index is not None else (place.index if place else 0)
     if workers is None:
         workers = place.world_size if place else None
-        if workers is None and os.environ.get("RS_WORLD_SIZE"):
-            workers = int(env_number("RS_WORLD_SIZE", 0, minimum=1))
-    token = os.environ.get("RS_JOB_TOKEN", place.job_token if place else "")
+        if workers is None:
+            workers = settings.read("RS_WORLD_SIZE")
+    token = settings.read("RS_JOB_TOKEN") or (place.job_token if place else "")
     if deterministic is None:
-        deterministic = env_flag("RS_DETERMINISTIC")
-    encrypt = env_flag("RS_ENCRYPT")
+        deterministic = settings.read("RS_DETERMINISTIC")
+    encrypt = settings.read("RS_ENCRYPT")
     if encrypt:
         encryption.check(token)
 
@@ -79,14 +76,14 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
     socket.setsockopt(zmq.LINGER, 0)
-    max_chunk = int(env_number("RS_MAX_CHUNK_BYTES", DEFAULT_MAX_CHUNK_BYTES, minimum=1024))
+    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
     # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
     socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
-    sndbuf = socket_send_buffer()
+    sndbuf = settings.socket_send_buffer()
     if sndbuf:  # before bind: libzmq copies a socket's options into its listener, and each accepted connection gets them
         socket.setsockopt(zmq.SNDBUF, sndbuf)
-    heartbeat = env_number("RS_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL, minimum=0.01, kind=float)
-    liveness = env_number("RS_LIVENESS_TIMEOUT", DEFAULT_LIVENESS_TIMEOUT, minimum=0.05, kind=float)
+    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
+    liveness = settings.read("RS_LIVENESS_TIMEOUT")
     protocol.set_heartbeats(socket, heartbeat, liveness)
     if encrypt:
         encryption.secure_reducer(socket, token)
@@ -99,10 +96,10 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     reducer = Reducer(
         socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
         max_chunk_bytes=max_chunk,
-        max_accumulator_bytes=int(env_number("RS_MAX_ACCUMULATOR_BYTES", DEFAULT_MAX_ACCUMULATOR_BYTES, minimum=1024)),
-        max_peer_bytes=int(env_number("RS_MAX_PEER_BYTES", DEFAULT_MAX_PEER_BYTES, minimum=1024)),
-        max_rounds=int(env_number("RS_MAX_ROUNDS", DEFAULT_MAX_ROUNDS, minimum=1)),
-        round_timeout=env_number("RS_TIMEOUT", DEFAULT_TIMEOUT, minimum=0.1, kind=float),
+        max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES"),
+        max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"),
+        max_rounds=settings.read("RS_MAX_ROUNDS"),
+        round_timeout=settings.read("RS_TIMEOUT"),
         heartbeat_interval=heartbeat,
         liveness_timeout=liveness,
         deterministic=deterministic,
@@ -110,7 +107,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         shared=shared_memory.enabled(),
     )
     if metrics_port is None:
-        metrics_port = int(env_number("RS_METRICS_PORT", 0, minimum=0, maximum=65535))
+        metrics_port = settings.read("RS_METRICS_PORT")
     elif not 0 <= metrics_port <= 65535:
         raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
     if metrics_port:

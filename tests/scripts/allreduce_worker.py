@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
-from reference import check, make_input  # noqa: E402
+from helpers.reference import check, make_input  # noqa: E402
 from report import report  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import atheris
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from capture import CapturingSocket  # noqa: E402
+from helpers.capture import CapturingSocket  # noqa: E402
 
 os.environ.setdefault("RS_LOG_LEVEL", "ERROR")  # a warning per rejected input would drown the fuzzer's output
 

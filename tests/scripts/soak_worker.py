@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
-from reference import DTYPES, OPS, check, make_input  # noqa: E402
+from helpers.reference import DTYPES, OPS, check, make_input  # noqa: E402
 from report import report  # noqa: E402
 
 COUNTS = [1, 7, 1000, 4099, 65_537, 300_000]  # a fixed set: a training job repeats its sizes

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Where each installed package's sources live in the repository (as setup.py maps them).
 SOURCE_ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
                 "reduction_server.bench": "bench"}

@@ -8,6 +8,9 @@ import numpy as np
 
 DTYPES = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64"]
 OPS = ["sum", "prod", "min", "max", "avg"]
+#: op name -> the all-reduce of two ranks' values
+TWO_RANKS = {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b, "min": np.minimum, "max": np.maximum,
+             "avg": lambda a, b: (a + b) / 2}
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -75,3 +78,12 @@ def check(result: np.ndarray, inputs: List[np.ndarray], dtype: str, op: str) -> 
         i = bad[0]
         return f"{bad.size} elements differ, first at {i}: got {result[i]!r}, expected {ref[i]!r}"
     return ""
+
+
+def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """got equals want, elementwise within rtol and atol (same shape); the message names `what`
+    and the largest error."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    assert np.allclose(got, want, rtol=rtol, atol=atol), f"{what}: max error {err}"

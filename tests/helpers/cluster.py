@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,28 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-import pytest
+from .source_tree import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPTS = ROOT / "tests" / "scripts"
+#: the job token of the reducer groups and workers the helpers start, unless a test gives another
+TOKEN = "test-token"
 _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
-
-
-def free_port_range(count: int) -> int:
-    """A base port with `count` free ports from it, below the usual ephemeral range."""
-    for base in range(21000, 32000, 97):
-        sockets: List[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    pytest.skip("no free port range")
 
 
 def unreachable(url: str) -> Optional[str]:
@@ -129,7 +112,7 @@ class Reducers:
 
 
 @contextmanager
-def reducers(count: int, workers: Optional[int] = None, token: str = "test-token",
+def reducers(count: int, workers: Optional[int] = None, token: str = TOKEN,
              extra_env: Optional[Dict[str, str]] = None, first_index: int = 0) -> Iterator[Reducers]:
     group = Reducers(count, workers, child_env({"RS_JOB_TOKEN": token, **(extra_env or {})}), first_index)
     try:
@@ -138,7 +121,7 @@ def reducers(count: int, workers: Optional[int] = None, token: str = "test-token
         group.stop()
 
 
-def run_workers(world: int, group: Reducers, script: str, args: List[str], token: str = "test-token",
+def run_workers(world: int, group: Reducers, script: str, args: List[str], token: str = TOKEN,
                 extra_env: Optional[Dict[str, str]] = None, timeout: float = 240) -> List[dict]:
     """Run `script` as W rank processes; each prints one JSON line last. Returns them by rank."""
     procs = []

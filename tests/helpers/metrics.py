@@ -1,0 +1,23 @@
+"""A reducer's Prometheus metrics, scraped over HTTP as Prometheus would."""
+from __future__ import annotations
+
+import urllib.request
+from typing import Dict, Tuple
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted({"reducer": "0", **labels}.items())))
+    assert key in samples, f"{name}{labels} not scraped; have {sorted(n for n, _ in samples)}"
+    return samples[key]

@@ -1,0 +1,170 @@
+"""Hand-driven peers of a reducer: a ZeroMQ DEALER that sends exactly what a test says and reads
+with timeouts, raw ZMTP and TCP junk, and the headers such peers send. Everything is bounded in
+time: every receive polls with a timeout."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from typing import List, Optional, Tuple
+
+import zmq
+
+from reduction_server import protocol
+from reduction_server.discovery import job_id_from
+from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
+
+from .cluster import TOKEN
+from .handshake import auth_payload, hello_payload
+
+JOB = job_id_from(TOKEN)  # the job id a Communicator with TOKEN uses
+
+
+class Peer:
+    """A hand-driven DEALER: sends exactly what a test tells it to, reads with timeouts."""
+
+    def __init__(self, address: str, **sockopts) -> None:
+        self.context = zmq.Context.instance()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for option, value in sockopts.items():
+            self.sock.setsockopt(getattr(zmq, option), value)
+        self.sock.connect(f"tcp://{address}")
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 5.0) -> Optional[Tuple[Header, bytes]]:
+        """The next message as (header, payload), or None after `timeout` seconds of silence."""
+        if not self.sock.poll(timeout * 1000):
+            return None
+        frames = self.sock.recv_multipart()
+        assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
+        header = protocol.unpack(frames[0])  # what the reducer sends must parse
+        payload = frames[1] if len(frames) == 2 else b""
+        assert len(payload) == (0 if header.type is MsgType.RESULT_SHM else header.nbytes)  # a slot's bytes are not in a frame
+        return header, payload
+
+    def expect_error(self, code: ErrorCode, *words: str, timeout: float = 5.0) -> Tuple[Header, str]:
+        reply = self.recv(timeout)
+        assert reply is not None, f"no answer within {timeout} s (expected ERROR {code.name})"
+        header, payload = reply
+        text = payload.decode()
+        assert header.type is MsgType.ERROR, f"expected ERROR {code.name}, got {header.type.name}: {text}"
+        assert header.aux == code, f"expected {code.name}, got {ErrorCode(header.aux).name}: {text}"
+        for word in words:
+            assert word in text, f"{word!r} not in {text!r}"
+        return header, text
+
+    def expect_silence(self, timeout: float = 0.5) -> None:
+        reply = self.recv(timeout)
+        assert reply is None, f"unexpected answer: {reply[0].type.name} {reply[1][:200]!r}"
+
+    def handshake(self, rank: int, world: int, *, job: int = JOB, generation: int = 0,
+                  token: str = TOKEN, **facts) -> dict:
+        info = hello_payload(host="test", pid=os.getpid(), version="test")
+        ident = dict(rank=rank, world=world, job=job, generation=generation)
+        self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
+        reply = self.recv()
+        assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
+        proof = auth_payload(reply[1], token, **ident) + (json.dumps(facts).encode() if facts else b"")
+        self.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
+        reply = self.recv()
+        assert reply is not None and reply[0].type is MsgType.WELCOME, reply
+        return json.loads(reply[1])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def data(rank: int = 0, world: int = 2, *, job: int = JOB, generation: int = 0, seq: int = 1000,
+         chunk: int = 0, nchunks: int = 1, offset: int = 0, count: int = 4, total: Optional[int] = None,
+         dtype: DType = DType.FLOAT32, op: ReduceOp = ReduceOp.SUM, nbytes: Optional[int] = None,
+         aux: int = 0, mtype: MsgType = MsgType.DATA) -> bytes:
+    return protocol.data_header(
+        mtype, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq,
+        chunk=chunk, nchunks=nchunks, offset=offset, count=count, total=count if total is None else total,
+        nbytes=count * dtype.itemsize if nbytes is None else nbytes, aux=aux)
+
+
+def raw_header(magic: int = protocol.MAGIC, version: int = protocol.VERSION, mtype: int = int(MsgType.DATA)) -> bytes:
+    h = protocol.unpack(data())
+    return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation, h.chunk,
+                                h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total, h.nbytes)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def junk_over_tcp(address: str, payload: bytes) -> None:
+    """Connect with a plain TCP socket, write `payload`, close."""
+    with socket.create_connection(("127.0.0.1", port_of(address)), timeout=5) as s:
+        try:
+            s.sendall(payload)
+        except OSError:
+            pass  # libzmq may hang up on us halfway: that is fine
+
+
+class RawZmtp:
+    """A ZMTP 3.0 (NULL mechanism) DEALER spoken by hand over TCP: sends frames that pyzmq
+    would never produce (a frame header claiming a terabyte)."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port_of(address)), timeout=5)
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        self.sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+        peer_greeting = self._read(64)
+        assert peer_greeting[0] == 0xFF and peer_greeting[9] == 0x7F and peer_greeting[10] == 3, peer_greeting
+        flags, body = self._frame()
+        assert flags & 0x04 and body.startswith(b"\x05READY"), (flags, body[:20])
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            more = self.sock.recv(n - len(buf))
+            if not more:
+                raise ConnectionError("closed by the reducer")
+            buf += more
+        return buf
+
+    def _frame(self) -> Tuple[int, bytes]:
+        flags = self._read(1)[0]
+        size = struct.unpack(">Q", self._read(8))[0] if flags & 0x02 else self._read(1)[0]
+        return flags, self._read(size)
+
+    def send_message(self, *frames: bytes) -> None:
+        out = b""
+        for i, frame in enumerate(frames):
+            more = 0x01 if i < len(frames) - 1 else 0
+            if len(frame) > 255:
+                out += bytes([more | 0x02]) + struct.pack(">Q", len(frame)) + frame
+            else:
+                out += bytes([more, len(frame)]) + frame
+        self.sock.sendall(out)
+
+    def recv_message(self) -> List[bytes]:
+        frames = []
+        while True:
+            flags, body = self._frame()
+            if flags & 0x04:
+                continue  # a command (PING...)
+            frames.append(body)
+            if not flags & 0x01:
+                return frames
+
+    def closed_by_peer(self, timeout: float) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except socket.timeout:
+            return False
+        except ConnectionError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,26 @@
+"""What a test reads of a running process: its memory and its open files."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import psutil
+
+
+def rss(pid: int) -> int:
+    """Resident memory, bytes."""
+    return psutil.Process(pid).memory_info().rss
+
+
+def open_fds(pid: int) -> int:
+    return psutil.Process(pid).num_fds()
+
+
+def settled_fds(pid: int, expected: Optional[int], limit: float = 5.0) -> int:
+    """The process's open files once closing connections have been closed (at most `limit` s)."""
+    deadline = time.monotonic() + limit
+    count = open_fds(pid)
+    while count != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+        count = open_fds(pid)
+    return count

@@ -1,0 +1,285 @@
+"""The Communicator against real reducer processes, ranks as threads of this process: async
+handles, broadcast and barrier, closing and failures, torch tensors. Configuration and
+all_reduce's results: test_communicator.py.
+"""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import reduction_server
+import reduction_server.client as rs
+from helpers.cluster import TOKEN, reducers
+from helpers.jobs import connect, new_job, run_job
+from helpers.reference import TWO_RANKS
+from helpers.ports import free_ports
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def group(transport_group):
+    """Every test runs twice, once per transport (conftest.transport_group)."""
+    return transport_group
+
+
+# -- async ------------------------------------------------------------------------------------
+def test_async_handle_is_pending_until_the_other_rank_joins(group):
+    joined = threading.Event()
+
+    def body(comm, rank):
+        x = np.full(1000, rank + 1.0)
+        if rank == 0:
+            h = comm.all_reduce_async(x, op="sum")
+            time.sleep(0.3)
+            assert not h.done(), "done before the other rank contributed"
+            joined.set()
+            result = h.wait(timeout=10)
+            assert h.done()
+            assert h.wait() is result
+            np.testing.assert_array_equal(x, np.full(1000, 1.0))
+            return result
+        assert joined.wait(10)
+        return comm.all_reduce(x)
+
+    for result in run_job(2, body, group=group):
+        np.testing.assert_array_equal(result, np.full(1000, 3.0))
+
+
+def test_many_handles_in_flight(group):
+    """Many collectives, some of many chunks, in flight at once with a small window."""
+    sizes = [1, 1000, 5, 4097, 3, 20000, 7, 64]
+    ops = ["sum", "max", "avg", "min", "prod", "sum", "max", "sum"]
+
+    def value(i, rank, n):
+        return (np.arange(n, dtype=np.float64) % 7 + 1) * (rank + 1) + i
+
+    def body(comm, rank):
+        handles = [comm.all_reduce_async(value(i, rank, n), op=op) for i, (n, op) in enumerate(zip(sizes, ops))]
+        results = []
+        for h in handles:
+            results.append(h.wait(timeout=10))
+            assert h.done()
+        return results
+
+    runs = run_job(2, body, group=group, chunk_bytes=256, window=2)
+    for results in runs:
+        for i, (n, op) in enumerate(zip(sizes, ops)):
+            np.testing.assert_allclose(results[i], TWO_RANKS[op](value(i, 0, n), value(i, 1, n)),
+                                       err_msg=f"collective {i} ({op} of {n})")
+
+
+def test_queued_collectives_do_not_time_out_behind_a_long_one(group):
+    """A collective waiting for window slots behind a long collective is not stalled itself: its
+    clock starts when its chunks go out (it used to start at submission and expire spuriously)."""
+    with connect(group, 0, 1, new_job(), timeout=0.5, chunk_bytes=8192, window=1) as comm:
+        big = np.ones(8 << 20, np.float32)  # 4096 chunks, one round trip at a time
+        start = time.monotonic()
+        first = comm.all_reduce_async(big)
+        second = comm.all_reduce_async(np.arange(4, dtype=np.float32))
+        assert first.wait(timeout=30)[-1] == 1.0
+        elapsed = time.monotonic() - start
+        assert second.wait(timeout=10).tolist() == [0.0, 1.0, 2.0, 3.0]
+    if elapsed < 0.6:
+        pytest.skip(f"the long collective took only {elapsed:.2f} s, too fast to show the problem")
+
+
+# -- broadcast and barrier -------------------------------------------------------------------
+def test_broadcast_from_every_root(group):
+    world = 3
+
+    def body(comm, rank):
+        out = []
+        for root in range(world):
+            x = np.full((4, 5), 10 * rank + root, np.int32)
+            assert comm.broadcast(x, root=root) is x
+            long = np.arange(3000, dtype=np.float64) * (rank + 1)
+            comm.broadcast(long, root=root)
+            out.append((x.copy(), long.copy()))
+        return out
+
+    for results in run_job(world, body, group=group, chunk_bytes=4096):
+        for root, (x, long) in enumerate(results):
+            assert x.shape == (4, 5) and (x == 10 * root + root).all()
+            np.testing.assert_array_equal(long, np.arange(3000, dtype=np.float64) * (root + 1))
+
+
+def test_broadcast_root_out_of_range(solo):
+    for root in (1, -1, "0"):
+        with pytest.raises(ValueError, match="root"):
+            solo.broadcast(np.zeros(3), root=root)
+
+
+def test_barrier_waits_for_every_rank(group):
+    ready = threading.Barrier(2, timeout=10)
+    times = {}
+
+    def body(comm, rank):
+        ready.wait()  # both connected: the delay below is all the barrier has to wait for
+        if rank == 1:
+            time.sleep(0.5)
+            times["entered"] = time.monotonic()
+            comm.barrier()
+        else:
+            start = time.monotonic()
+            comm.barrier()
+            times["left"] = time.monotonic()
+            times["waited"] = times["left"] - start
+
+    run_job(2, body, group=group)
+    assert times["left"] >= times["entered"]
+    assert times["waited"] >= 0.45
+
+
+# -- lifetime and failures ---------------------------------------------------------------------
+def test_context_manager_closes(group):
+    with connect(group, 0, 1, new_job()) as comm:
+        assert comm.all_reduce(np.ones(2)).tolist() == [1.0, 1.0]
+    with pytest.raises(rs.CollectiveError, match="closed") as info:
+        comm.all_reduce(np.ones(2))
+    assert "rank 0" in str(info.value)
+    with pytest.raises(rs.CollectiveError, match="closed"):
+        comm.broadcast(np.ones(2))
+    with pytest.raises(rs.CollectiveError, match="closed"):
+        comm.barrier()
+    comm.close()  # a second close is harmless
+
+
+def test_close_fails_pending_collectives(group):
+    comm = connect(group, 0, 2, new_job())  # rank 1 never comes
+    h = comm.all_reduce_async(np.ones(3))
+    comm.close()
+    with pytest.raises(rs.CollectiveError, match="closed"):
+        h.wait(timeout=5)
+
+
+def test_timeout_names_rank_reducer_and_seq(group):
+    with connect(group, 0, 2, new_job(), timeout=1) as comm:  # rank 1 never calls
+        assert comm.all_reduce(np.zeros(0)).size == 0  # takes no seq
+        start = time.monotonic()
+        with pytest.raises(rs.CollectiveError) as info:
+            comm.all_reduce(np.ones(3, np.float32))
+        elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, reduction_server.ReductionServerError)
+    assert 0.9 <= elapsed < 4, elapsed
+    assert "rank 0" in message and "seq=0" in message
+    assert group.addresses[0] in message  # one 3-element chunk: collective 0 goes to reducer 0
+
+
+def test_mismatched_collectives_fail_on_every_rank_and_the_next_one_works(group):
+    def body(comm, rank):
+        with pytest.raises(rs.CollectiveError) as info:
+            comm.all_reduce(np.ones(4 + rank, np.float32))  # the ranks disagree on the size
+        message = str(info.value)
+        assert f"rank {rank}" in message and "seq=0" in message and group.addresses[0] in message
+        return comm.all_reduce(np.full(2, rank + 1, np.float32))
+
+    for result in run_job(2, body, group=group):
+        assert result.tolist() == [3.0, 3.0]
+
+
+def test_ranks_disagreeing_on_the_world_size_are_refused(group):
+    job = new_job()
+    with connect(group, 0, 2, job):
+        with pytest.raises(rs.CollectiveError, match="world size") as info:
+            connect(group, 1, 3, job, connect_timeout=2)
+    assert "rank 1" in str(info.value) and any(a in str(info.value) for a in group.addresses)
+
+
+def test_no_reducer_listening(group):
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(2):
+        start = time.monotonic()
+        with pytest.raises(rs.CollectiveError) as info:
+            rs.Communicator([group.addresses[0], address], 0, 1, job_id=new_job(), job_token=TOKEN,
+                            timeout=1, connect_timeout=1)
+        elapsed = time.monotonic() - start
+        assert 0.9 <= elapsed < 1.8, f"took {elapsed:.2f} s with connect_timeout=1"
+        message = str(info.value)
+        assert address in message and "rank 0" in message and group.addresses[0] not in message
+    if fds is not None:  # a failed constructor leaves no file descriptors behind
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
+# -- torch ----------------------------------------------------------------------------------------
+TORCH_DTYPES = ["float32", "float16", "bfloat16", "int64"]
+
+
+def test_torch_cpu_tensors(group):
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+    def make(dtype, rank):
+        return (torch.arange(12).reshape(3, 4) % 5 + rank + 1).to(getattr(torch, dtype))
+
+    def body(comm, rank):
+        out = {}
+        for dtype in TORCH_DTYPES:
+            x = make(dtype, rank)
+            before = x.clone()
+            y = comm.all_reduce(x, op="sum")
+            assert torch.equal(x, before)
+            z = make(dtype, rank)
+            assert comm.all_reduce(z, op="max", out=z) is z
+            out[dtype] = (y, z)
+        g = torch.full((5,), rank + 1.0, requires_grad=True)
+        out["grad"] = comm.all_reduce(g, op="avg")
+        g.grad = torch.full((5,), 2.0 * rank)
+        comm.all_reduce(g.grad, out=g.grad)
+        out["grad_in_place"] = g.grad
+        out["scalar"] = comm.all_reduce(torch.tensor(rank + 0.5))
+        p = torch.nn.Parameter(torch.ones(3))
+        out["param"] = comm.all_reduce(p)
+        return out
+
+    for out in run_job(2, body, group=group):
+        for dtype in TORCH_DTYPES:
+            y, z = out[dtype]
+            assert isinstance(y, torch.Tensor) and y.dtype == getattr(torch, dtype) and y.shape == (3, 4)
+            assert torch.equal(y, make(dtype, 0) + make(dtype, 1)), dtype
+            assert torch.equal(z, make(dtype, 1))
+        assert isinstance(out["grad"], torch.Tensor) and out["grad"].tolist() == [1.5] * 5
+        assert out["grad_in_place"].tolist() == [2.0] * 5
+        assert out["scalar"].shape == () and out["scalar"].item() == 2.0
+        assert out["param"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_torch_argument_errors(solo):
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        solo.all_reduce(torch.zeros(3, 4).t())
+    with pytest.raises(TypeError, match="bool"):
+        solo.all_reduce(torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="complex"):
+        solo.all_reduce(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="float64"):
+        solo.all_reduce(torch.zeros(3), out=torch.zeros(3, dtype=torch.float64))
+
+
+def test_torch_cuda_tensor_is_refused(solo):
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: a device tensor cannot be made")
+    with pytest.raises(TypeError, match="cuda"):
+        solo.all_reduce(torch.zeros(3, device="cuda"))
+
+
+def test_chunks_are_capped_by_what_the_reducers_accept():
+    """A chunk size over the reducers' RS_MAX_CHUNK_BYTES is cut down to fit, on every rank alike;
+    float16 chunks are cut to half, since the reducer accumulates them in float32."""
+    with reducers(1, extra_env={"RS_MAX_CHUNK_BYTES": str(1 << 20)}) as small:
+        count = 3 * (1 << 20) + 11
+
+        def body(comm, rank):
+            assert comm._engine.max_chunk_bytes == 1 << 20
+            x16 = np.full(count, rank + 1, np.float16)
+            x32 = np.full(count, rank + 1, np.float32)
+            return comm.all_reduce(x16), comm.all_reduce(x32)
+
+        for y16, y32 in run_job(2, body, group=small, chunk_bytes=8 << 20):
+            assert y16.dtype == np.float16 and np.all(y16 == 3)
+            assert np.all(y32 == 3)
+        assert small.alive()
