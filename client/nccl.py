@@ -12,6 +12,7 @@ import os
 import secrets
 from typing import Mapping, Optional
 
+from reduction_server import settings
 from reduction_server.discovery import discover_reducers
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import DType, ReduceOp
@@ -43,7 +44,7 @@ _PREFIX = b"RSUID1:"
 def get_unique_id(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """An id for a new job: the reducers (from the environment), the job token, a fresh job id."""
     environ = os.environ if environ is None else environ
-    body = {"reducers": list(discover_reducers(environ)), "token": environ.get("RS_JOB_TOKEN", ""),
+    body = {"reducers": list(discover_reducers(environ)), "token": settings.read("RS_JOB_TOKEN", environ),
             "job": secrets.randbits(64)}
     return _PREFIX + json.dumps(body, separators=(",", ":")).encode()
 

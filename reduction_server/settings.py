@@ -88,6 +88,7 @@ class Variable:
     least: Optional[float] = None
     most: Optional[float] = None
     parsed_by: str = ""
+    exact: bool = False  # a str read as it is, spaces included (a secret): only "" means unset
 
 
 def _bytes(value: int) -> str:
@@ -114,7 +115,7 @@ VARIABLES: Tuple[Variable, ...] = (
              parsed_by=_DISCOVERY),
     Variable("RS_JOB_TOKEN", (*_BOTH, LAUNCHER), "none (`run`: a random one)",
              "the job's shared secret, random (`openssl rand -hex 16`): every worker and every reducer proves it "
-             "to the other before any data moves", value=""),
+             "to the other before any data moves", value="", exact=True),
     Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time",
              parsed_by=_DISCOVERY),
     Variable("RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int,
@@ -210,6 +211,8 @@ def read(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     default when unset or empty; a ConfigError names the variable otherwise."""
     var = BY_NAME[name]
     environ = os.environ if environ is None else environ
+    if var.exact:
+        return environ.get(name) or var.value
     raw = environ.get(name, "").strip()
     if not raw:
         return var.value

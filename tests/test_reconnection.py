@@ -12,7 +12,7 @@ from helpers.timing import DETECT, SILENT
 from helpers.handshake import hello_payload
 from helpers.peers import JOB, Peer, data
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 # -- protocol-level checks with hand-driven peers (no heartbeats unless they send PINGs) ------------

@@ -12,6 +12,8 @@ Rooms (each a module), in the order they may import each other:
 - engine.py: `Engine`, the thread and its loop, and the user side (start, submit, close).
 """
 from .collective import Collective
+from .connections import RECONNECT_S
 from .engine import Engine
+from .handshake import WAITING_REPORT_S
 
-__all__ = ["Collective", "Engine"]
+__all__ = ["Collective", "Engine", "RECONNECT_S", "WAITING_REPORT_S"]

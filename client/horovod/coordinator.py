@@ -36,12 +36,12 @@ from reduction_server import settings
 from ..buffers import WireBuffer
 from ..communicator import Communicator
 from ..fusion import fusion_threshold
-from .negotiation import Negotiation, cycle_time, gather_bytes
-from .requests import ALLGATHER, ALLREDUCE, BROADCAST, Request, Submission, name_counter
+from .negotiation import Negotiation, cycle_time, exchange_bytes, gather_bytes
+from .requests import ALLGATHER, ALLREDUCE, BROADCAST, Request, Submission, disagreement, name_counter
 from .runner import Runner
 
-__all__ = ["ALLGATHER", "ALLREDUCE", "BROADCAST", "Coordinator", "Request", "cycle_time", "gather_bytes",
-           "name_counter"]
+__all__ = ["ALLGATHER", "ALLREDUCE", "BROADCAST", "Coordinator", "Request", "cycle_time", "disagreement",
+           "exchange_bytes", "gather_bytes", "name_counter"]
 
 #: an idle job backs off to at most this many cycle times between negotiations
 _IDLE_BACKOFF = 8

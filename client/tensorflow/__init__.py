@@ -52,11 +52,11 @@ tf.numpy_function collectives), gradients (tape and optimizer), callbacks (Keras
 from .callbacks import BroadcastVariablesCallback, MetricAverageCallback
 from .collectives import (Collectives, Compressor, FusedCollectives, collectives, init, is_initialized, rank,
                           shutdown, size, use_collectives)
-from .gradients import DistributedGradientTape, DistributedOptimizer
+from .gradients import DistributedGradientTape, DistributedOptimizer, scaled
 from .graph import XlaCompileError, dense, refuse_xla
 from .ops import allreduce, broadcast_variables, grouped_allreduce
 
 __all__ = ["BroadcastVariablesCallback", "Collectives", "Compressor", "DistributedGradientTape",
            "DistributedOptimizer", "FusedCollectives", "MetricAverageCallback", "XlaCompileError", "allreduce",
            "broadcast_variables", "collectives", "dense", "grouped_allreduce", "init", "is_initialized", "rank",
-           "refuse_xla", "shutdown", "size", "use_collectives"]
+           "refuse_xla", "scaled", "shutdown", "size", "use_collectives"]

@@ -35,9 +35,9 @@ from .hooks import (ReductionServerHookState, reduction_server_bf16_hook, reduct
                     reduction_server_hook)
 from .process_group import BACKEND_NAME, ReductionServerProcessGroup, create_backend
 from .rendezvous import register
-from .tensors import torch_reduce_op
+from .tensors import Staged, torch_reduce_op
 
-__all__ = ["BACKEND_NAME", "ReductionServerHookState", "ReductionServerProcessGroup", "create_backend",
+__all__ = ["BACKEND_NAME", "ReductionServerHookState", "ReductionServerProcessGroup", "Staged", "create_backend",
            "reduction_server_bf16_hook", "reduction_server_fp16_hook", "reduction_server_hook",
            "torch_reduce_op"]
 

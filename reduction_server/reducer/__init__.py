@@ -11,14 +11,19 @@ every rank. A worker on the reducer's own host may send its chunks through share
 - membership.py: the admitted ranks, their heartbeats, their loss;
 - rounds.py: the state of each key and its transitions (open, complete, failed, forgotten);
 - fold.py: loading and folding contributions, finishing results, the memory that takes;
+- clock.py: the loop's idea of now;
 - outbox.py: every send, non-blocking, with its failure accounting;
 - process.py: `serve`, from configuration and binding to the stop summary.
 
-Each room imports only those below it in this order: outbox, membership, fold, rounds,
+Each room imports only those below it in this order: clock, outbox, membership, fold, rounds,
 admission, core, process.
 """
-from .admission import FORGET_AFTER_S, MAX_STRIKES
-from .core import Reducer
+from .admission import FORGET_AFTER_S, MAX_STRIKE_ENTRIES, MAX_STRIKES
+from .core import PROBE_DELAYS, Reducer
+from .membership import Peer
+from .outbox import MAX_ERROR_TEXT
 from .process import serve
+from .rounds import MAX_FAILED_ROUNDS, RETAIN_FAILED_S
 
-__all__ = ["FORGET_AFTER_S", "MAX_STRIKES", "Reducer", "serve"]
+__all__ = ["FORGET_AFTER_S", "MAX_ERROR_TEXT", "MAX_FAILED_ROUNDS", "MAX_STRIKES", "MAX_STRIKE_ENTRIES",
+           "PROBE_DELAYS", "Peer", "RETAIN_FAILED_S", "Reducer", "serve"]

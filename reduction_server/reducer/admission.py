@@ -20,6 +20,7 @@ from .. import auth, protocol, shared_memory
 from ..log import event, get_logger
 from ..protocol import ErrorCode, Header, MsgType
 from ..settings import MAX_WINDOW
+from .clock import Clock
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
@@ -33,12 +34,6 @@ MAX_STRIKES = 16
 # finds its connection gone; at most MAX_STRIKE_ENTRIES strike counts are kept (the oldest go).
 FORGET_AFTER_S = 60.0
 MAX_STRIKE_ENTRIES = 65536
-
-
-class Clock:
-    """The reducer loop's idea of now, read by the rooms (set once per loop turn)."""
-
-    now = 0.0
 
 
 class Admission:

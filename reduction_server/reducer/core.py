@@ -20,7 +20,8 @@ from ..log import event, get_logger
 from ..protocol import MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
 from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
                         DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
-from .admission import Admission, Clock
+from .admission import Admission
+from .clock import Clock
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
@@ -61,7 +62,7 @@ class Reducer:
         self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
         self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
         self.members = Membership(self.outbox, index, world_size, liveness_timeout, on_lost=self._rank_lost)
-        self.rounds = Rounds(self.outbox, self.members, self.pool, index=index, name=self.name,
+        self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic)
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, index=index, name=self.name,

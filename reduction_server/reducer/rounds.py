@@ -26,6 +26,7 @@ from ..accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
 from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, ErrorCode, Header, MsgType
 from ..round import Round, format_ranks
+from .clock import Clock
 from .fold import Folder, Payload
 from .membership import Membership, Peer
 from .outbox import Outbox, clip
@@ -44,11 +45,12 @@ RETAIN_FAILED_S = 60.0
 class Rounds:
     """Every open or failed round of the job served, by key."""
 
-    def __init__(self, outbox: Outbox, members: Membership, pool: AccumulatorPool, *, index: int, name: str,
-                 max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool) -> None:
+    def __init__(self, outbox: Outbox, members: Membership, pool: AccumulatorPool, clock: Clock, *, index: int,
+                 name: str, max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool) -> None:
         self.outbox = outbox
         self.members = members
         self.pool = pool
+        self.clock = clock
         self.folder = Folder(pool, deterministic)
         self.index = index
         self.name = name
@@ -198,7 +200,7 @@ class Rounds:
             self.failed_kept += 1
         rnd.error = f"{self.name}: {reason}"
         rnd.code = code
-        rnd.failed_at = time.monotonic()
+        rnd.failed_at = self.clock.now
         self.failed += 1
         self.failed_codes[code.name] = self.failed_codes.get(code.name, 0) + 1
         event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
