@@ -20,6 +20,7 @@ class Chunk(NamedTuple):
     count: int
     reducer: int
 
+
 #: below this, a chunk is not split further to use more reducers (per-message cost dominates)
 MIN_SPLIT_BYTES = 64 * 1024
 _ALIGN_ELEMENTS = 64
@@ -45,8 +46,7 @@ def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
     return (seq + chunk) % num_reducers
 
 
-def plan(seq: int, total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
-         depth: int = DEFAULT_PIPELINE_DEPTH) -> List[Chunk]:
-    """Collective seq's chunks, each with its reducer: the one plan the engine follows."""
-    return [Chunk(offset, count, reducer_of(seq, k, num_reducers))
-            for k, (offset, count) in enumerate(plan_chunks(total, itemsize, num_reducers, chunk_bytes, depth))]
+def plan(seq: int, spans: List[Tuple[int, int]], num_reducers: int) -> List[Chunk]:
+    """Collective seq's chunks (the spans plan_chunks gave), each with its reducer: the one
+    plan the engine follows."""
+    return [Chunk(offset, count, reducer_of(seq, k, num_reducers)) for k, (offset, count) in enumerate(spans)]

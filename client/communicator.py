@@ -23,7 +23,7 @@ from reduction_server import settings
 from reduction_server.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 
 from .buffers import WireBuffer, empty_like, wire_view
-from .chunking import plan
+from .chunking import plan, plan_chunks
 from .engine import Collective, Engine
 from .timeline import Trace
 
@@ -194,10 +194,11 @@ class Communicator:
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
         limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
-        with self._submit_lock:
+        spans = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
+                            self.pipeline_depth)
+        with self._submit_lock:  # only what needs the seq: ranks must submit in one order
             seq = next(self._seq)
-            chunks = plan(seq, dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
-                          self.pipeline_depth)
+            chunks = plan(seq, spans, len(self.reducers))
             coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
                               result, trace=trace, traced=traced)
             self._engine.submit(coll)

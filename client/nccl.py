@@ -8,7 +8,6 @@ nothing for host memory: the call returns when the collective is complete.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from typing import Mapping, Optional
 
@@ -43,7 +42,6 @@ _PREFIX = b"RSUID1:"
 
 def get_unique_id(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """An id for a new job: the reducers (from the environment), the job token, a fresh job id."""
-    environ = os.environ if environ is None else environ
     body = {"reducers": list(discover_reducers(environ)), "token": settings.read("RS_JOB_TOKEN", environ),
             "job": secrets.randbits(64)}
     return _PREFIX + json.dumps(body, separators=(",", ":")).encode()

@@ -23,6 +23,7 @@ from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequenc
 from .children import (POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit,
                        signal_name, stop_all, wait_briefly)
 from . import settings
+from .cluster_spec import join_address
 from .settings import ONE_HOST_PIPELINE_DEPTH
 
 _PREFIX = "reduction-server run:"
@@ -43,8 +44,7 @@ class _Layout:
     master_port: int
 
     def reducer_addresses(self) -> List[str]:
-        host = f"[{self.connect_host}]" if ":" in self.connect_host else self.connect_host
-        return [f"{host}:{port}" for port in self.reducer_ports]
+        return [join_address(self.connect_host, port) for port in self.reducer_ports]
 
 
 @dataclass

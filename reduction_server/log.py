@@ -16,7 +16,6 @@ from . import settings
 _configured = False
 NOTICE = 25
 logging.addLevelName(NOTICE, "NOTICE")
-_LEVELS = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR", "CRITICAL")
 
 
 def _quote(value: Any) -> str:
@@ -33,13 +32,13 @@ def get_logger(name: str) -> logging.Logger:
         _configured = True
         root = logging.getLogger("reduction_server")
         level = settings.read("RS_LOG_LEVEL").upper()
-        root.setLevel(logging.getLevelName(level) if level in _LEVELS else NOTICE)
+        root.setLevel(logging.getLevelName(level) if level in settings.LOG_LEVELS else NOTICE)
         if not root.handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
             root.addHandler(handler)
         root.propagate = False
-        if level not in _LEVELS:  # loggers are made at import: a clear line, not an exception there
+        if level not in settings.LOG_LEVELS:  # loggers are made at import: a clear line, not an exception there
             root.warning("RS_LOG_LEVEL=%r is not one of %s; logging at NOTICE", level, ", ".join(settings.LOG_LEVELS))
     return logging.getLogger(f"reduction_server.{name}")
 

@@ -137,10 +137,9 @@ class ReducerMetrics:
         self.lag_count[rank] += 1
         self.lag_sum[rank] += arrived - started
 
-    def finished(self, started: Optional[float]) -> None:
+    def finished(self, started: float) -> None:
         """A round whose first contribution arrived at `started` has sent its result."""
-        if started is not None:
-            self.latency.observe(time.monotonic() - started)
+        self.latency.observe(time.monotonic() - started)
 
     def collect(self) -> Iterator[Metric]:
         yield self.kernel.family("reduce_seconds", "Time in the native kernel per contribution "

@@ -72,6 +72,7 @@ class Round:
     answered: List[int] = field(default_factory=list)  # ranks sent an ERROR already
     adopted: Any = None  # a received frame that goes back out as the result: a broadcast root's, or the accumulator
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
+    started: float = 0.0  # monotonic time of its first contribution
     failed_at: float = 0.0  # monotonic time it failed
     held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame or slot)
     slots: Dict[int, Tuple["Segment", int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to

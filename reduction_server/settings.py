@@ -65,7 +65,7 @@ DEFAULT_MAX_ROUNDS = 1024
 DEFAULT_FUSION_THRESHOLD = 64 * MiB
 #: milliseconds between the Horovod API's negotiation cycles (Horovod's default)
 DEFAULT_CYCLE_TIME_MS = 1.0
-LOG_LEVELS = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR")
+LOG_LEVELS = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR", "CRITICAL")
 
 # -- the registry ----------------------------------------------------------------------------
 WORKERS, REDUCERS, LAUNCHER, BENCH = "workers", "reducers", "launcher", "bench"
@@ -76,8 +76,8 @@ _BOTH = (WORKERS, REDUCERS)
 class Variable:
     """One environment variable: who reads it, what it means, and its type, default and range.
 
-    `kind` is int, float, bool (a switch) or str; a variable with `parsed_by` set is parsed by
-    that module (addresses, ranks, job identities) and its `value` is None."""
+    `kind` is int, float, bool (a switch) or str; the variables of where each process sits
+    (addresses, ranks, job identities) are parsed by discovery.py and cluster_spec.py and have no `value`."""
 
     name: str
     readers: Tuple[str, ...]
@@ -87,7 +87,6 @@ class Variable:
     value: Any = None  # the default value
     least: Optional[float] = None
     most: Optional[float] = None
-    parsed_by: str = ""
     exact: bool = False  # a str read as it is, spaces included (a secret): only "" means unset
 
 
@@ -99,46 +98,38 @@ def _seconds(value: float) -> str:
     return f"{value:g} s"
 
 
-_DISCOVERY = "discovery.py"
 VARIABLES: Tuple[Variable, ...] = (
     # where each process sits (discovery.py)
     Variable("RS_REDUCERS", (WORKERS,), "from the cluster spec",
-             "reducer addresses, `host:port,...`; reducer i is the i-th", parsed_by=_DISCOVERY),
-    Variable("RS_RANK", (WORKERS,), "from the spec or launcher", "this worker's rank", int, least=0,
-             parsed_by=_DISCOVERY),
-    Variable("RS_WORLD_SIZE", _BOTH, "from the spec or launcher", "number of worker ranks W", int, least=1,
-             parsed_by=_DISCOVERY),
+             "reducer addresses, `host:port,...`; reducer i is the i-th"),
+    Variable("RS_RANK", (WORKERS,), "from the spec or launcher", "this worker's rank", int, least=0),
+    Variable("RS_WORLD_SIZE", _BOTH, "from the spec or launcher", "number of worker ranks W", int, least=1),
     Variable("RS_REDUCER_INDEX", (REDUCERS,), "from the spec", "this reducer's index: its position in `RS_REDUCERS`",
-             int, least=0, parsed_by=_DISCOVERY),
+             int, least=0),
     Variable("RS_BIND_HOST", (REDUCERS,), "`0.0.0.0`", "address a discovered reducer binds", value="0.0.0.0"),
-    Variable("RS_PROCS_PER_HOST", _BOTH, "1", "processes per worker host under a cluster spec", int, least=1,
-             parsed_by=_DISCOVERY),
+    Variable("RS_PROCS_PER_HOST", _BOTH, "1", "processes per worker host under a cluster spec", int, least=1),
     Variable("RS_JOB_TOKEN", (*_BOTH, LAUNCHER), "none (`run`: a random one)",
              "the job's shared secret, random (`openssl rand -hex 16`): every worker and every reducer proves it "
              "to the other before any data moves", value="", exact=True),
-    Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time",
-             parsed_by=_DISCOVERY),
+    Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time"),
     Variable("RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int,
-             least=0, parsed_by=_DISCOVERY),
+             least=0),
     # the launchers' variables a worker honours, in this order of precedence (after RS_RANK / RS_WORLD_SIZE)
-    Variable("RANK", (WORKERS,), "-", "torchrun's (and a PyTorchJob's) rank", int, least=0, parsed_by=_DISCOVERY),
-    Variable("WORLD_SIZE", (WORKERS,), "-", "torchrun's world size", int, least=1, parsed_by=_DISCOVERY),
-    Variable("HOROVOD_RANK", (WORKERS,), "-", "horovodrun's rank", int, least=0, parsed_by=_DISCOVERY),
-    Variable("HOROVOD_SIZE", (WORKERS,), "-", "horovodrun's world size", int, least=1, parsed_by=_DISCOVERY),
-    Variable("OMPI_COMM_WORLD_RANK", (WORKERS,), "-", "mpirun's rank", int, least=0, parsed_by=_DISCOVERY),
-    Variable("OMPI_COMM_WORLD_SIZE", (WORKERS,), "-", "mpirun's world size", int, least=1, parsed_by=_DISCOVERY),
+    Variable("RANK", (WORKERS,), "-", "torchrun's (and a PyTorchJob's) rank", int, least=0),
+    Variable("WORLD_SIZE", (WORKERS,), "-", "torchrun's world size", int, least=1),
+    Variable("HOROVOD_RANK", (WORKERS,), "-", "horovodrun's rank", int, least=0),
+    Variable("HOROVOD_SIZE", (WORKERS,), "-", "horovodrun's world size", int, least=1),
+    Variable("OMPI_COMM_WORLD_RANK", (WORKERS,), "-", "mpirun's rank", int, least=0),
+    Variable("OMPI_COMM_WORLD_SIZE", (WORKERS,), "-", "mpirun's world size", int, least=1),
     Variable("LOCAL_RANK", (WORKERS,), "-", "this process's index on its host (torchrun); with a cluster spec, several "
-             "processes per host", int, least=0, parsed_by=_DISCOVERY),
-    Variable("LOCAL_WORLD_SIZE", (WORKERS,), "-", "processes on this host (torchrun)", int, least=1, parsed_by=_DISCOVERY),
-    Variable("OMPI_COMM_WORLD_LOCAL_RANK", (WORKERS,), "-", "mpirun's LOCAL_RANK", int, least=0, parsed_by=_DISCOVERY),
-    Variable("OMPI_COMM_WORLD_LOCAL_SIZE", (WORKERS,), "-", "mpirun's LOCAL_WORLD_SIZE", int, least=1,
-             parsed_by=_DISCOVERY),
-    Variable("HOROVOD_LOCAL_RANK", (WORKERS,), "-", "horovodrun's LOCAL_RANK", int, least=0, parsed_by=_DISCOVERY),
-    Variable("HOROVOD_LOCAL_SIZE", (WORKERS,), "-", "horovodrun's LOCAL_WORLD_SIZE", int, least=1, parsed_by=_DISCOVERY),
-    Variable("CLUSTER_SPEC", _BOTH, "-", "Vertex AI's job layout (JSON): pools, and this process's task",
-             parsed_by="cluster_spec.py"),
-    Variable("TF_CONFIG", _BOTH, "-", "TensorFlow's job layout (JSON): chief, worker, ps, and this task",
-             parsed_by="cluster_spec.py"),
+             "processes per host", int, least=0),
+    Variable("LOCAL_WORLD_SIZE", (WORKERS,), "-", "processes on this host (torchrun)", int, least=1),
+    Variable("OMPI_COMM_WORLD_LOCAL_RANK", (WORKERS,), "-", "mpirun's LOCAL_RANK", int, least=0),
+    Variable("OMPI_COMM_WORLD_LOCAL_SIZE", (WORKERS,), "-", "mpirun's LOCAL_WORLD_SIZE", int, least=1),
+    Variable("HOROVOD_LOCAL_RANK", (WORKERS,), "-", "horovodrun's LOCAL_RANK", int, least=0),
+    Variable("HOROVOD_LOCAL_SIZE", (WORKERS,), "-", "horovodrun's LOCAL_WORLD_SIZE", int, least=1),
+    Variable("CLUSTER_SPEC", _BOTH, "-", "Vertex AI's job layout (JSON): pools, and this process's task"),
+    Variable("TF_CONFIG", _BOTH, "-", "TensorFlow's job layout (JSON): chief, worker, ps, and this task"),
     # how a collective moves
     Variable("RS_CHUNK_BYTES", (WORKERS, BENCH), _bytes(DEFAULT_CHUNK_BYTES),
              "largest chunk a collective is cut into (the same on every rank)", int, DEFAULT_CHUNK_BYTES, 64),
@@ -195,8 +186,8 @@ VARIABLES: Tuple[Variable, ...] = (
              "the image's healthcheck: the port to probe when `--port` was given on the command line", int, None, 1,
              65535),
     # logs and benchmarks
-    Variable("RS_LOG_LEVEL", _BOTH, "`NOTICE`", "`DEBUG`, `INFO`, `NOTICE`, `WARNING`, `ERROR`; one "
-             "`event key=value` line each", value="NOTICE"),
+    Variable("RS_LOG_LEVEL", _BOTH, "`NOTICE`", ", ".join(f"`{level}`" for level in LOG_LEVELS)
+             + "; one `event key=value` line each", value="NOTICE"),
     Variable("RS_BENCH_KERNEL_MIB", (BENCH,), "4,64", "`bench kernels`: accumulator sizes, MiB, comma-separated",
              value="4,64"),
 )

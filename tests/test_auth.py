@@ -41,19 +41,27 @@ def test_a_proof_is_bound_to_the_nonce_and_the_token():
 
 
 def test_neither_kind_of_proof_stands_for_the_other():
-    """Same token, nonce and numbers: the labels keep a worker's proof from passing as a
-    reducer's (a reflection), and back."""
+    """Same token, nonce and numbers: a worker's proof does not pass as a reducer's (a
+    reflection), and back."""
     same = dict(job=7, generation=2)
     assert auth.worker_proof(TOKEN, NONCE, rank=1, world=0, **same) != auth.reducer_proof(TOKEN, NONCE, index=1, **same)
     assert not auth.verify_reducer(TOKEN, NONCE, auth.worker_proof(TOKEN, NONCE, rank=1, world=4, **same),
                                    index=1, **same)
 
 
+STRETCHED = hashlib.scrypt(TOKEN.encode(), salt=b"reduction-server job token v2", n=1 << 14, r=8, p=1, dklen=32)
+
+
 def test_the_hmac_key_is_the_stretched_token_not_the_token():
     message = b"reduction-server reducer proof v2\0" + NONCE + struct.pack("<QII", 7, 2, 1)
     plain = hmac.new(TOKEN.encode(), message, hashlib.sha256).digest()
-    stretched = hashlib.scrypt(TOKEN.encode(), salt=b"reduction-server job token v2", n=1 << 14, r=8, p=1, dklen=32)
-    assert auth.reducer_proof(TOKEN, NONCE, **REDUCER) == hmac.new(stretched, message, hashlib.sha256).digest() != plain
+    assert auth.reducer_proof(TOKEN, NONCE, **REDUCER) == hmac.new(STRETCHED, message, hashlib.sha256).digest() != plain
+
+
+def test_a_worker_proof_is_labelled_as_one():
+    """The known answer pins the worker's label and layout: the wire format of protocol v2."""
+    message = b"reduction-server worker proof v2\0" + NONCE + struct.pack("<QIII", 7, 2, 1, 4)
+    assert auth.worker_proof(TOKEN, NONCE, **WORKER) == hmac.new(STRETCHED, message, hashlib.sha256).digest()
 
 
 def test_a_challenge_of_the_wrong_size_is_malformed():

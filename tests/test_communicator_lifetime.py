@@ -11,6 +11,7 @@ import pytest
 
 import reduction_server
 import reduction_server.client as rs
+from reduction_server import settings
 from helpers.cluster import TOKEN, reducers
 from helpers.jobs import connect, new_job, run_job
 from helpers.reference import TWO_RANKS
@@ -72,18 +73,28 @@ def test_many_handles_in_flight(group):
 
 
 def test_queued_collectives_do_not_time_out_behind_a_long_one(group):
-    """A collective waiting for window slots behind a long collective is not stalled itself: its
-    clock starts when its chunks go out (it used to start at submission and expire spuriously)."""
-    with connect(group, 0, 1, new_job(), timeout=0.5, chunk_bytes=8192, window=1) as comm:
-        big = np.ones(8 << 20, np.float32)  # 4096 chunks, one round trip at a time
-        start = time.monotonic()
-        first = comm.all_reduce_async(big)
-        second = comm.all_reduce_async(np.arange(4, dtype=np.float32))
-        assert first.wait(timeout=30)[-1] == 1.0
-        elapsed = time.monotonic() - start
-        assert second.wait(timeout=10).tolist() == [0.0, 1.0, 2.0, 3.0]
-    if elapsed < 0.6:
-        pytest.skip(f"the long collective took only {elapsed:.2f} s, too fast to show the problem")
+    """A collective waiting for window slots behind others is not stalled itself: its clock
+    starts when its chunks go out (it used to start at submission and expire spuriously). Rank 1
+    joins each collective `pace` late, so every chunk in flight is answered well within the
+    backstop while rank 0's last collectives wait in its queue for longer than the backstop."""
+    timeout, pace, count = 0.5, 0.3, 10
+    backstop = settings.client_backstop(timeout)
+    assert (count - 2) * pace > 1.5 * backstop and pace < backstop / 3
+
+    def body(comm, rank):
+        handles = []
+        for i in range(count):
+            if rank == 1:
+                time.sleep(pace)
+            handles.append(comm.all_reduce_async(np.full(4, 10.0 * i + rank, np.float32)))
+        submitted = time.monotonic()
+        results = [h.wait(timeout=20).tolist() for h in handles]
+        return results, time.monotonic() - submitted
+
+    runs = run_job(2, body, group=group, timeout=timeout, window=1)
+    for results, _ in runs:
+        assert results == [[20.0 * i + 1] * 4 for i in range(count)]
+    assert runs[0][1] > backstop, "rank 0's last collective did not wait in the queue longer than the backstop"
 
 
 # -- broadcast and barrier -------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import secrets
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from reduction_server.reducer import Reducer
 from helpers.capture import CapturingSocket
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from helpers.handshake import hello_payload
+from helpers.jobs import new_job, run_job
 from helpers.peers import Peer, data
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ def shuffled_job(addresses: List[str], passes: int, seed: int) -> List[List[List
     """W ranks (threads) all-reduce every size `passes` times; before each collective every rank
     sleeps a random 0-20 ms, so the contributions reach the reducers in a different order each
     time. Returns results[rank][pass][size]."""
-    job = secrets.randbits(63)
+    job = new_job()
     delays = random.Random(seed)
     schedule = [[[delays.uniform(0, 0.02) for _ in SIZES] for _ in range(passes)] for _ in range(WORLD)]
 
@@ -115,7 +115,6 @@ def test_16_bit_floats_are_summed_in_rank_order_in_float32_and_rounded_once():
     inputs = [mixed(50_000, 7, r, np.float16) for r in range(WORLD)]
     inputs += [mixed(50_000, 8, r, ml_dtypes.bfloat16) for r in range(WORLD)]
     expected = [ordered_sum(inputs[:WORLD], range(WORLD)), ordered_sum(inputs[WORLD:], range(WORLD))]
-    job = secrets.randbits(63)
     with reducers(2, extra_env=DETERMINISTIC) as group:
         def body(comm, rank):
             out = []
@@ -124,9 +123,7 @@ def test_16_bit_floats_are_summed_in_rank_order_in_float32_and_rounded_once():
                 out.append(comm.all_reduce(inputs[k * WORLD + rank]))
             return out
 
-        results = run_ranks(WORLD, lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN, job_id=job,
-                                                              chunk_bytes=CHUNK, timeout=30, connect_timeout=30),
-                            body, limit=60)
+        results = run_job(WORLD, body, group=group, chunk_bytes=CHUNK, timeout=30, connect_timeout=30, limit=60)
     for out in results:
         for y, want in zip(out, expected):
             assert y.dtype == want.dtype

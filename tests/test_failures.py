@@ -2,7 +2,7 @@
 collective, a worker that closes its communicator mid-job, a reducer killed mid-collective and
 restarted at the same address, a straggler slower than RS_TIMEOUT.
 
-Reducers are real processes (tests/cluster.py); workers are real processes running
+Reducers are real processes (tests/helpers/cluster.py); workers are real processes running
 tests/scripts/failure_worker.py. Timeouts are small (RS_LIVENESS_TIMEOUT, RS_TIMEOUT) so that
 every test is bounded in time; the latencies measured here are recorded in docs/reliability.md.
 """
@@ -26,6 +26,7 @@ from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK
 from helpers.probes import rss
 
 pytestmark = pytest.mark.timeout(180)
+
 
 class Workers:
     """W worker processes running failure_worker.py; their stdout lines are read as JSON."""

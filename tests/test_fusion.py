@@ -1,15 +1,14 @@
 """Fusion plans (deterministic buckets under a threshold) and fused all-reduces through real
 reducers, ranks as threads."""
-import secrets
 
 import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from helpers.cluster import TOKEN, run_ranks
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
 from reduction_server.protocol import DType
 from reduction_server.settings import DEFAULT_FUSION_THRESHOLD
+from helpers.jobs import run_job
 
 F32, F16, I64 = DType.FLOAT32, DType.FLOAT16, DType.INT64
 
@@ -68,9 +67,7 @@ def test_duplicate_names_and_unknown_names_are_errors():
 
 
 def ranks(group, world, body, **options):
-    job = secrets.randbits(63)
-    return run_ranks(world, lambda r: rs.Communicator(group.addresses, r, world, job_token=TOKEN, job_id=job,
-                                                      timeout=10, connect_timeout=10, **options), body)
+    return run_job(world, body, group=group, timeout=10, connect_timeout=10, **options)
 
 
 ITEMS = [((3, 5), F32), ((1000,), F32), ((7,), F16), ((64, 64), F32), ((11,), I64), ((2,), F32)]

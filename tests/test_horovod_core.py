@@ -17,7 +17,6 @@ from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.protocol import ReduceOp
 
 
-
 def submit(coord, name, array, kind=ALLREDUCE, op=ReduceOp.SUM, root=0, out=True):
     wire = wire_view(array)
     request = Request(name, kind, wire.dtype, array.shape, op, root)

@@ -89,42 +89,36 @@ _RUN_POLICY = {
     },
 }
 _METADATA = {"$ref": _K8S_DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+
+
+def _kubeflow_job(kind: str, replica_specs: str, roles: list, **spec_fields) -> dict:
+    """The strict schema of one Kubeflow training job kind: its replica specs, runPolicy and extra spec fields."""
+    return {
+        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "kubeflow.org/v1"}, "kind": {"const": kind}, "metadata": _METADATA,
+            "spec": {
+                "type": "object", "additionalProperties": False, "required": [replica_specs],
+                "properties": {replica_specs: _replica_spec(roles), "runPolicy": _RUN_POLICY, **spec_fields},
+            },
+        },
+    }
+
+
 KUBEFLOW_SCHEMAS = {
-    "PyTorchJob": {
-        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "kubeflow.org/v1"}, "kind": {"const": "PyTorchJob"}, "metadata": _METADATA,
-            "spec": {
-                "type": "object", "additionalProperties": False, "required": ["pytorchReplicaSpecs"],
-                "properties": {
-                    "pytorchReplicaSpecs": _replica_spec(["Master", "Worker"]),
-                    "runPolicy": _RUN_POLICY,
-                    "nprocPerNode": {"type": "string"},
-                    "elasticPolicy": {"type": "object", "additionalProperties": False, "properties": {
-                        name: {"type": kind} for name, kind in [
-                            ("minReplicas", "integer"), ("maxReplicas", "integer"), ("maxRestarts", "integer"),
-                            ("nProcPerNode", "integer"), ("rdzvBackend", "string"), ("rdzvHost", "string"),
-                            ("rdzvId", "string"), ("rdzvPort", "integer"), ("standalone", "boolean"),
-                            ("rdzvConf", "array"), ("metrics", "array")]}},
-                },
-            },
-        },
-    },
-    "TFJob": {
-        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "kubeflow.org/v1"}, "kind": {"const": "TFJob"}, "metadata": _METADATA,
-            "spec": {
-                "type": "object", "additionalProperties": False, "required": ["tfReplicaSpecs"],
-                "properties": {
-                    "tfReplicaSpecs": _replica_spec(["Chief", "Master", "Worker", "PS", "Evaluator"]),
-                    "runPolicy": _RUN_POLICY,
-                    "successPolicy": {"enum": ["", "AllWorkers"]},
-                    "enableDynamicWorker": {"type": "boolean"},
-                },
-            },
-        },
-    },
+    "PyTorchJob": _kubeflow_job(
+        "PyTorchJob", "pytorchReplicaSpecs", ["Master", "Worker"],
+        nprocPerNode={"type": "string"},
+        elasticPolicy={"type": "object", "additionalProperties": False, "properties": {
+            name: {"type": kind} for name, kind in [
+                ("minReplicas", "integer"), ("maxReplicas", "integer"), ("maxRestarts", "integer"),
+                ("nProcPerNode", "integer"), ("rdzvBackend", "string"), ("rdzvHost", "string"),
+                ("rdzvId", "string"), ("rdzvPort", "integer"), ("standalone", "boolean"),
+                ("rdzvConf", "array"), ("metrics", "array")]}}),
+    "TFJob": _kubeflow_job(
+        "TFJob", "tfReplicaSpecs", ["Chief", "Master", "Worker", "PS", "Evaluator"],
+        successPolicy={"enum": ["", "AllWorkers"]},
+        enableDynamicWorker={"type": "boolean"}),
 }
 
 

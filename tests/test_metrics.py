@@ -4,7 +4,6 @@ The job (two ranks, threads of this process) runs collectives of known sizes and
 ranks disagree on, so every count the reducer reports can be checked exactly against what the
 job did.
 """
-import secrets
 import socket
 import subprocess
 import sys
@@ -14,7 +13,8 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.cluster import TOKEN, child_env, reducers
+from helpers.jobs import run_job
 from helpers.metrics import Samples, scrape, value
 from helpers.ports import free_port_range
 from reduction_server.client.chunking import plan_chunks
@@ -27,6 +27,7 @@ BUDGET = 256 << 20
 # (dtype, element count) of each all-reduce the job runs: one chunk, several chunks, 16-bit floats.
 CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.int64, 7)]
 
+
 def test_metrics_show_what_the_job_did():
     port = free_port_range(1)
     env = {"RS_METRICS_PORT": str(port), "RS_MAX_ACCUMULATOR_BYTES": str(BUDGET)}
@@ -34,7 +35,6 @@ def test_metrics_show_what_the_job_did():
         before = scrape(port)
         assert value(before, "reduction_server_received_bytes_total") == 0
         assert value(before, "reduction_server_peers_connected") == 0
-        job = secrets.randbits(63)
         scraped = threading.Event()
 
         def body(comm: rs.Communicator, rank: int) -> Samples:
@@ -52,8 +52,7 @@ def test_metrics_show_what_the_job_did():
             comm.barrier()
             return live
 
-        live = run_ranks(WORLD, lambda rank: rs.Communicator(group.addresses, rank, WORLD, job_token=TOKEN,
-                                                             job_id=job, timeout=10, connect_timeout=10), body)[0]
+        live = run_job(WORLD, body, group=group, timeout=10, connect_timeout=10)[0]
         after = scrape(port)
         assert group.alive()
 

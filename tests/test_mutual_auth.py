@@ -172,17 +172,14 @@ def test_a_reducer_at_the_wrong_position_in_rs_reducers_is_named():
             "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS") in error
 
 
-def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused():
+def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch):
     """The reconnect path checks the proof too: a reducer that comes back with another token
     (another job's reducer took the port) is refused by name, and never sent a chunk."""
     env = {"RS_LIVENESS_TIMEOUT": "1", "RS_HEARTBEAT_INTERVAL": "0.2"}
     with reducers(1, workers=1, token=TOKEN, extra_env=env) as group:
-        os.environ.update(env)
-        try:
-            comm = rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, timeout=5, connect_timeout=10)
-        finally:
-            for name in env:
-                del os.environ[name]
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        comm = rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, timeout=5, connect_timeout=10)
         try:
             x = np.ones(1000, np.float32)
             np.testing.assert_array_equal(comm.all_reduce(x), x)

@@ -1,23 +1,20 @@
 """Numerics through real reducers: float16/bfloat16 are accumulated in float32 and rounded once,
 which is more accurate than accumulating in the input type (what NCCL does); float32 and float64
 sums stay within their accumulation rounding of a float64 reference."""
-import secrets
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-import reduction_server.client as rs
-from helpers.cluster import TOKEN, run_ranks
+from helpers.jobs import run_job
+
 
 WORLD = 8  # enough contributions for 16-bit accumulation error to show
 
 
 def reduce_everywhere(group, inputs):
-    job = secrets.randbits(63)
-    make = lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN, job_id=job,  # noqa: E731
-                                     timeout=30, connect_timeout=30)
-    return run_ranks(WORLD, make, lambda comm, r: comm.all_reduce(inputs[r]), limit=60)
+    return run_job(WORLD, lambda comm, r: comm.all_reduce(inputs[r]), group=group, timeout=30, connect_timeout=30,
+                   limit=60)
 
 
 def in_type_sum(inputs):

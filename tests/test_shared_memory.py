@@ -30,6 +30,7 @@ from reduction_server.shared_memory import Segment, Unavailable
 
 from helpers import cluster
 from helpers.cluster import TOKEN, reducers
+from helpers.jobs import connect, new_job, run_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,13 +180,12 @@ def test_an_answer_about_no_chunk_frees_no_slot():
 # -- real reducers ---------------------------------------------------------------------------
 def run_ranks(group, world, body, shared=(True,), **options):
     """body(comm, rank) on every rank (threads); rank r uses slots when shared[r % len(shared)]."""
-    job = secrets.randbits(63)
+    job = new_job()
 
     def make(rank):
-        return rs.Communicator(group.addresses, rank, world, job_id=job, **{**OPTIONS, **options},
-                               shared_memory=shared[rank % len(shared)])
+        return connect(group, rank, world, job, **{**OPTIONS, **options}, shared_memory=shared[rank % len(shared)])
 
-    return cluster.run_ranks(world, make, body, 30.0)
+    return run_job(world, body, make=make, limit=30)
 
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int32, np.int64]
@@ -262,9 +262,7 @@ def test_ranks_offer_no_segment_with_rs_shm_off(group, monkeypatch):
         np.testing.assert_array_equal(comm.all_reduce(np.ones(10, np.int32)), 2)
         return comm._engine.chunks_shared, comm._engine.slots.segments
 
-    job = secrets.randbits(63)
-    results = cluster.run_ranks(2, lambda rank: rs.Communicator(group.addresses, rank, 2, job_id=job, **OPTIONS),
-                                body, 30.0)
+    results = run_job(2, body, group=group, **OPTIONS, limit=30)
     assert results == [(0, [None, None])] * 2
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from reduction_server.protocol import DType, ReduceOp
@@ -36,21 +37,27 @@ class Collective:
     blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
     trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
     traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
-    reducers: FrozenSet[int] = field(default=frozenset(), init=False)  # those its chunks go to
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
-        self.reducers = frozenset(chunk.reducer for chunk in self.chunks)
+
+    @cached_property
+    def reducers(self) -> FrozenSet[int]:
+        """The reducers its chunks go to (asked only while a reducer is down)."""
+        return frozenset(chunk.reducer for chunk in self.chunks)
+
+    @property
+    def what(self) -> str:
+        """"broadcast", or "all_reduce" and its op."""
+        return "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
 
     def describe(self) -> str:
-        """The collective in words for error messages: its seq, what it is (broadcast, or
-        all_reduce and its op), its count and dtype."""
-        what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
-        return f"collective seq={self.seq} ({what} of {self.total} x {self.dtype.name.lower()})"
+        """The collective in words for error messages: its seq, what it is, its count and dtype."""
+        return f"collective seq={self.seq} ({self.what} of {self.total} x {self.dtype.name.lower()})"
 
     def trace_facts(self) -> Tuple[str, Dict[str, Any]]:
         """Its name and arguments on the timeline (timeline.py)."""
-        what = "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
+        what = self.what
         return f"{what} #{self.seq}", {"seq": self.seq, "op": what, "dtype": self.dtype.name.lower(),
                                        "count": self.total, "bytes": self.total * self.dtype.itemsize,
                                        "chunks": len(self.chunks)}

@@ -78,7 +78,7 @@ class Connections:
 
     def name(self, r: int) -> str:
         """Reducer r as messages name it: "reducer r (host:port)"."""
-        return f"reducer {r} ({self.addresses[r]})"
+        return self.ledger.names[r]
 
     def open_all(self) -> None:
         """A socket to every reducer, each greeted with a HELLO (queued until it connects)."""
@@ -168,7 +168,7 @@ class Connections:
                 closed = True
                 if kind == zmq.EVENT_CLOSED and self.progress[r] < CONNECTED:  # the connect itself failed
                     self.progress[r] = REFUSED
-            failure = encryption.handshake_failure(frames, self.encrypt)
+            failure = encryption.handshake_failure(frames, self.encrypt) if kind & encryption.HANDSHAKE_FAILED else None
             if failure is not None:
                 count, since = self.handshake_failures[r]
                 now = time.monotonic()
@@ -192,7 +192,11 @@ class Connections:
                          f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
                       reconnect=True)
         elif down[1]:  # not back yet, or gone again in the middle of the new handshake
-            self.reopen_at[r] = time.monotonic() + RECONNECT_S
+            self.retry_later(r)
+
+    def retry_later(self, r: int) -> None:
+        """Open a new connection to reducer r after RECONNECT_S."""
+        self.reopen_at[r] = time.monotonic() + RECONNECT_S
 
     def lose(self, r: int, reason: str, *, reconnect: bool) -> None:
         """Reducer r is gone: every pending collective that needs it fails now, naming it."""
@@ -209,6 +213,11 @@ class Connections:
         self.reopen_at.pop(r, None)
         self.event("reducer_refused", r, reason=reason)
 
+    def admitted(self, r: int, welcome: dict) -> None:
+        """Reducer r's WELCOME: its handshake holds, and its shared-memory answer is known."""
+        self.handshake_failures[r] = (0, 0.0)
+        self.slots.welcomed(r, welcome)
+
     def readmitted(self, r: int, welcome: dict, max_chunk_bytes: int) -> None:
         """Reducer r admitted this worker again after it was lost."""
         limit = int(welcome.get("max_chunk_bytes", max_chunk_bytes))
@@ -216,8 +225,7 @@ class Connections:
             return self.refuse(r, f"{self.name(r)} came back with a smaller chunk limit ({limit} < "
                                   f"{max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job")
         del self.down[r]
-        self.handshake_failures[r] = (0, 0.0)
-        self.slots.welcomed(r, welcome)
+        self.admitted(r, welcome)
         self.event("reducer_readmitted", r)
         try:
             self.sockets[r].send(self.me.header(MsgType.PING), zmq.NOBLOCK)

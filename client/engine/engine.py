@@ -45,7 +45,6 @@ class Engine:
                  sndbuf: int = 0) -> None:
         if encrypt:
             encryption.check(job_token)
-        self.reducers = reducers
         self.rank = rank
         me = Identity(rank, world_size, job_id, generation)
         self.timeout = timeout
@@ -54,7 +53,6 @@ class Engine:
         self.backstop = settings.client_backstop(timeout)
         heartbeat = heartbeat_interval or settings.read("RS_HEARTBEAT_INTERVAL")
         liveness = liveness_timeout or settings.read("RS_LIVENESS_TIMEOUT")
-        self.heartbeat = heartbeat
         self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
         names = [f"reducer {r} ({address})" for r, address in enumerate(reducers)]
         self.ledger = Ledger(me, names, self.timeline)
@@ -64,7 +62,7 @@ class Engine:
         self.connections = Connections(me, reducers, self.ledger, self.slots, job_token=job_token, encrypt=encrypt,
                                        heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf, io_threads=io_threads)
         self.handshake = Handshake(me, self.connections, self.slots, job_token, connect_timeout)
-        self.pump = Pump(me, self.ledger, self.connections, self.slots, window, liveness)
+        self.pump = Pump(me, self.ledger, self.connections, self.slots, window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots)
         self._queue: Deque[Collective] = deque()
         self._lock = threading.Lock()
@@ -156,7 +154,8 @@ class Engine:
     def _loop(self) -> None:
         conn, ledger = self.connections, self.ledger
         next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
-        wait = int(min(1.0, self.heartbeat) * 1000)
+        heartbeat = conn.heartbeat
+        wait = int(min(1.0, heartbeat) * 1000)
         while True:
             with self._lock:
                 while self._queue:
@@ -183,7 +182,7 @@ class Engine:
             conn.reopen_due(now, rejoin=True)
             if now >= next_heartbeat:
                 conn.heartbeat_all()
-                next_heartbeat = now + self.heartbeat
+                next_heartbeat = now + heartbeat
             if ledger.active:
                 ledger.expire(now, self.backstop, self.timeout)
 

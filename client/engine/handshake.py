@@ -18,7 +18,7 @@ from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import NOTICE, event, get_logger
 from reduction_server.protocol import MsgType
 
-from .connections import CHALLENGED, PROGRESS, RECONNECT_S, Connections
+from .connections import CHALLENGED, PROGRESS, Connections
 from .identity import Identity
 from .slots import Slots
 
@@ -103,7 +103,7 @@ class Handshake:
                         raise CollectiveError(f"rank {self.me.rank}: {conn.name(r)} refused this worker: {refused}")
                     if closed:  # not there yet, or gone meanwhile: a new connection, a new handshake
                         waiting.add(r)
-                        conn.reopen_at[r] = time.monotonic() + RECONNECT_S
+                        conn.retry_later(r)
                 elif kind == "data" and self._welcomed(r):
                     waiting.discard(r)
 
@@ -124,10 +124,9 @@ class Handshake:
         elif h.type is MsgType.WELCOME and self.connections.progress[r] != CHALLENGED:
             raise CollectiveError(f"rank {self.me.rank}: {self.unproved_welcome(r)}")
         elif h.type is MsgType.WELCOME:
-            self.connections.handshake_failures[r] = (0, 0.0)
             welcome = json.loads(text)
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
-            self.slots.welcomed(r, welcome)
+            self.connections.admitted(r, welcome)
             return True
         elif h.type in (MsgType.REJECT, MsgType.ERROR):
             raise CollectiveError(f"rank {self.me.rank}: {name} refused this worker: {text.decode(errors='replace')}")

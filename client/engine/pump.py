@@ -29,14 +29,12 @@ _backend_send = zmq.backend.Socket.send
 class Pump:
     """Sends the ledger's collectives' chunks as their reducers' windows allow."""
 
-    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, window: int,
-                 liveness: float) -> None:
+    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, window: int) -> None:
         self.me = me
         self.ledger = ledger
         self.connections = connections
         self.slots = slots
         self.window = window
-        self.liveness = liveness
 
     def run(self) -> None:
         """Send chunks in global order until one's reducer has a full window."""
@@ -69,11 +67,11 @@ class Pump:
         if coll.blocked_since is None:
             coll.blocked_since = now
         final = [r for r in waiting if not down[r][1]]
-        if final or now - coll.blocked_since >= self.liveness:
+        if final or now - coll.blocked_since >= self.connections.liveness:
             r = min(final or waiting)
             reason = down[r][0]
             if not final:
-                reason += f"; it did not come back within {self.liveness:g} s (RS_LIVENESS_TIMEOUT)"
+                reason += f"; it did not come back within {self.connections.liveness:g} s (RS_LIVENESS_TIMEOUT)"
             self.ledger.give_up(coll, reason)
         return False
 

@@ -141,8 +141,7 @@ class Results:
         elif self._misshapen(h, coll):
             error = self._shape_error(r, h, coll)
         else:
-            coll.recv[offset * size:(offset + count) * size] = self.slots.view(r, slot, count * size)
-            self.slots.chunks_shared += 1
+            self.slots.copy_out(r, slot, coll.recv[offset * size:(offset + count) * size])
         self.ledger.chunk_done(coll, h.chunk, r, error)
 
     def _error(self, r: int, h: protocol.Header, text: str) -> None:

@@ -79,6 +79,11 @@ class Slots:
         """The first nbytes of reducer r's shared-memory slot `slot`, writable."""
         return self.segments[r].slot(slot, nbytes)
 
+    def copy_out(self, r: int, slot: int, dest: memoryview) -> None:
+        """A result out of reducer r's shared-memory slot `slot` into dest."""
+        dest[:] = self.view(r, slot, len(dest))
+        self.chunks_shared += 1
+
     def release(self, r: int, h: Header) -> Optional[int]:
         """The slot of the chunk reducer r has answered with h, now free again; None if that
         chunk did not go through shared memory."""

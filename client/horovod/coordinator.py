@@ -6,19 +6,11 @@ gradients in a different order on each rank), and a background cycle matches the
 module does the same over the reducers.
 
 Every HOROVOD_CYCLE_TIME milliseconds a background thread exchanges each rank's newly submitted
-requests with every other rank: an all-reduce of a small table in which each rank fills its own
-row (its payload's length, a stopping flag and, when they fit in 512 bytes, the requests
-themselves; an integer sum with zeros elsewhere, so exact), and only for longer payloads a second
-all-reduce of a byte buffer filled the same way. Every rank then holds the same table of
-who asked for what, and computes the same list of names that every rank has asked for, in the
-same order. Those run in that order; consecutive all-reduces of one dtype and op are fused into
-one collective of up to the fusion threshold (HOROVOD_FUSION_THRESHOLD). A name whose kind, dtype,
-shape, op or root differs across ranks fails on every rank with one message naming it and the
-ranks; a name that some ranks submitted and others did not within RS_TIMEOUT fails naming both.
-
-The cycle thread is the only thread that issues collectives on its Communicator (so every
-rank's order is the agreed one); a second thread waits for them and completes the Futures, so a
-large copy-out never delays the next negotiation.
+requests with every other rank (negotiation.py), so that all agree on the names every rank has
+asked for and their order; those run in that order, all-reduces fused up to
+HOROVOD_FUSION_THRESHOLD (runner.py). A name whose kind, dtype, shape, op or root differs across
+ranks fails on every rank with one message naming it and the ranks; a name that some ranks
+submitted and others did not within RS_TIMEOUT fails naming both.
 
 Modules: requests (Request, Submission, disagreement), negotiation (the replicated table),
 runner (fusion, starting and completing), coordinator (submission, the cycle, failure).
@@ -165,7 +157,7 @@ class Coordinator:
             victims = list(self._mine.values())
             self._mine.clear()
             self._new.clear()
-        self.negotiation.pending.clear()
+        self.negotiation.forget()
         for m in victims:
             if not m.future.done():
                 m.future.set_exception(exc)

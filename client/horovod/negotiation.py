@@ -59,6 +59,10 @@ class Negotiation:
         self.stall_timeout = stall_timeout
         self.pending: Dict[str, _Pending] = {}
 
+    def forget(self) -> None:
+        """Drop every name still waiting for other ranks (the coordinator has failed them all)."""
+        self.pending.clear()
+
     def cycle(self, new: Sequence[Request], stopping: bool) -> Cycle:
         """Exchange this rank's new requests (and whether it stops) with every rank."""
         payload = json.dumps([r.encode() for r in new], separators=(",", ":")).encode() if new else b""

@@ -47,34 +47,38 @@ class Runner:
         once; consecutive all-reduces of one dtype and op are fused up to the threshold;
         broadcasts and allgathers run one by one."""
         batch: List[Submission] = []
+        count = 0  # elements in batch, kept as it grows so that a cycle of N tensors costs O(N)
         for name, requests in ready:
             problem = disagreement(name, requests)
             mine = self._take_submission(name)
             if problem is not None:
-                self._flush(batch)
-                batch = []
+                self._flush(batch, count)
+                batch, count = [], 0
                 mine.future.set_exception(CollectiveError(f"rank {self.rank}: {problem}"))
                 continue
             req = mine.request
             if req.kind == ALLREDUCE:
+                n = req.count
                 if batch:
                     head = batch[0].request
-                    fused_bytes = (sum(m.request.count for m in batch) + req.count) * req.dtype.itemsize
+                    fused_bytes = (count + n) * req.dtype.itemsize
                     if (head.dtype, head.op) != (req.dtype, req.op) or fused_bytes > max(self.threshold, 1):
-                        self._flush(batch)
-                        batch = []
+                        self._flush(batch, count)
+                        batch, count = [], 0
                 batch.append(mine)
+                count += n
                 continue
-            self._flush(batch)
-            batch = []
+            self._flush(batch, count)
+            batch, count = [], 0
             if req.kind == BROADCAST:
                 self._start([mine], mine.send, mine.out, ReduceOp.BROADCAST, req.root)
             else:
                 self._allgather(mine, requests)
-        self._flush(batch)
+        self._flush(batch, count)
 
-    def _flush(self, batch: List[Submission]) -> None:
-        """Start one all-reduce for a batch: in place for one tensor, through a fusion buffer for more."""
+    def _flush(self, batch: List[Submission], total: int) -> None:
+        """Start one all-reduce for a batch of `total` elements: in place for one tensor, through
+        a fusion buffer for more."""
         if not batch:
             return
         req = batch[0].request
@@ -83,7 +87,6 @@ class Runner:
             return
         trace = self._trace(batch)
         size = req.dtype.itemsize
-        total = sum(m.request.count for m in batch)
         fused = self._buffer(total * size)
         offset = 0
         copy_started = time.perf_counter()

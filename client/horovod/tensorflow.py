@@ -22,7 +22,6 @@ import tensorflow as tf  # the real tensorflow: absolute import
 from reduction_server.protocol import ReduceOp
 
 from .. import tensorflow as rstf
-from ..tensorflow.gradients import scaled
 from . import basics
 from .basics import (allgather_object, broadcast_object, cross_rank, cross_size, is_initialized, local_rank,
                      local_size, rank, shutdown, size)
@@ -93,9 +92,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     check_process_set(process_set)
     rop = resolve_op(op, average)
     name = name or _names[ALLREDUCE]()
-    tensors = [scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
+    tensors = [rstf.scaled(rstf.dense(t, f"{name}.{i}"), prescale_factor) for i, t in enumerate(tensors)]
     reduced = rstf.grouped_allreduce(tensors, rop, compression, name=name)
-    return [scaled(t, postscale_factor) for t in reduced]
+    return [rstf.scaled(t, postscale_factor) for t in reduced]
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",

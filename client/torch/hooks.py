@@ -22,9 +22,8 @@ class ReductionServerHookState:
 
     def __init__(self, communicator: Optional[Communicator] = None, *,
                  owns_communicator: Optional[bool] = None) -> None:
-        owns = communicator is None if owns_communicator is None else owns_communicator
-        self.communicator = communicator or Communicator.from_env()
-        self._pipeline = Pipeline(self.communicator, owns)
+        self._pipeline = Pipeline.over(communicator, owns_communicator)
+        self.communicator = self._pipeline.communicator
 
     @classmethod
     def from_env(cls, **options: Any) -> "ReductionServerHookState":

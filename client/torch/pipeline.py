@@ -9,7 +9,7 @@ import atexit
 import queue
 import threading
 import weakref
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch  # the real torch: imports are absolute
@@ -21,12 +21,7 @@ from .tensors import Staged, check_device, future_for
 
 
 class Pipeline:
-    """A Communicator and one thread that completes torch Futures in submission order.
-
-    Collectives are submitted on the calling thread (so every rank's order is its program order)
-    and never waited for there; the thread waits for each one's handles, copies staged results
-    back and completes its Future, which runs DDP's callbacks off the communication engine.
-    """
+    """A Communicator and one thread that completes torch Futures in submission order."""
 
     def __init__(self, communicator: Communicator, owns: bool) -> None:
         self.communicator = communicator
@@ -37,6 +32,13 @@ class Pipeline:
         self._thread = threading.Thread(target=self._run, name=f"rs-torch-rank{communicator.rank}", daemon=True)
         self._thread.start()
         _live.add(self)
+
+    @classmethod
+    def over(cls, communicator: Optional[Communicator], owns: Optional[bool]) -> "Pipeline":
+        """A pipeline over `communicator`, or over Communicator.from_env() when None; it closes
+        the communicator when `owns` says so (None: when it made it)."""
+        owns = communicator is None if owns is None else owns
+        return cls(communicator or Communicator.from_env(), owns)
 
     # Every collective: submit(start) under the lock, so the completion queue has submission order.
     def run(self, start: Callable[[], Tuple[List[Handle], Callable[[], Any]]],

@@ -39,10 +39,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         if _share is not None:  # another group over the same ranks: the same Communicator and order
             self._pipeline, self._owner = _share._pipeline, False
         else:
-            if owns_communicator is None:
-                owns_communicator = communicator is None
-            communicator = communicator or Communicator.from_env()
-            self._pipeline, self._owner = Pipeline(communicator, owns_communicator), True
+            self._pipeline, self._owner = Pipeline.over(communicator, owns_communicator), True
         comm = self._pipeline.communicator
         super().__init__(comm.rank, comm.world_size)
         self._rank, self._size = comm.rank, comm.world_size

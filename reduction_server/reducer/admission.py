@@ -39,17 +39,15 @@ MAX_STRIKE_ENTRIES = 65536
 class Admission:
     """The handshake and the strangers of one reducer."""
 
-    def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, index: int, name: str,
-                 job_token: str, max_chunk_bytes: int, deterministic: bool, encrypt: bool, shared: bool) -> None:
+    def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
+                 encrypt: bool, shared: bool) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
         self.clock = clock
-        self.index = index
-        self.name = name
+        self.index = outbox.index
+        self.name = outbox.name
         self.job_token = job_token
-        self.max_chunk_bytes = max_chunk_bytes
-        self.deterministic = deterministic
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
@@ -101,7 +99,7 @@ class Admission:
                                                          job=h.job, generation=h.generation,
                                                          aux=int(bool(self.job_token))), payload])
 
-    def auth(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+    def auth(self, identity: bytes, payload: Optional[zmq.Frame]) -> None:
         members = self.members
         peer = members.peers.get(identity)
         if peer is None or peer.admitted:
@@ -132,12 +130,12 @@ class Admission:
         if offer is not None and self.shared:
             try:
                 peer.segment = shared_memory.Segment.attach(offer, max_slots=MAX_WINDOW,
-                                                            max_slot_bytes=self.max_chunk_bytes)
+                                                            max_slot_bytes=self.rounds.max_chunk_bytes)
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
         welcome = json.dumps({"index": self.index, "world_size": members.world,
-                              "max_chunk_bytes": self.max_chunk_bytes,
-                              "deterministic": self.deterministic, "encrypted": self.encrypt,
+                              "max_chunk_bytes": self.rounds.max_chunk_bytes,
+                              "deterministic": self.rounds.folder.deterministic, "encrypted": self.encrypt,
                               "shared_memory": peer.segment is not None}).encode()
         self.outbox.send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=members.world or 0,
                                                          job=peer.job, generation=peer.generation), welcome])
@@ -173,8 +171,8 @@ class Admission:
         if strikes >= MAX_STRIKES:
             event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
                   reason=f"{MAX_STRIKES} malformed messages")
-            peer = self.members.peers.get(identity)
-            if peer is not None and peer.admitted and self.members.rank_identity.get(peer.rank) == identity:
+            peer = self.members.holder(identity)
+            if peer is not None:
                 # its later messages are ignored: the other ranks must not wait for its contributions
                 self.members.lose_rank(peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on")
             self.members.peers.pop(identity, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
 
@@ -22,6 +22,7 @@ from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DE
                         DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
 from .admission import Admission
 from .clock import Clock
+from .fold import Payload
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
@@ -65,8 +66,7 @@ class Reducer:
         self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic)
-        self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, index=index, name=self.name,
-                                   job_token=job_token, max_chunk_bytes=max_chunk_bytes, deterministic=deterministic,
+        self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
                                    encrypt=encrypt, shared=shared)
         self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
         self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
@@ -219,18 +219,19 @@ class Reducer:
         size = len(payload) if payload is not None else 0
         if size != h.nbytes:
             reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
-            if h.type is MsgType.DATA and self.members.admitted(identity) is not None:
+            peer = self.members.admitted(identity) if h.type is MsgType.DATA else None
+            if peer is not None:
                 # Through _data: a claim of another rank or job, or of a chunk over the size cap,
                 # is answered as such (to the sender) before the payload is looked at.
-                return self._data(identity, h, payload, bad_payload=reason)
+                return self._data(identity, peer, h, payload, bad_payload=reason)
             return self.admission.malformed(identity, reason)
         if h.type is MSG_DATA:  # nearly every message: tested first
             self.bytes_in += size
-            self._data(identity, h, payload)
+            self._data(identity, self.members.admitted(identity), h, payload)
         elif h.type is MsgType.HELLO:
             self.admission.hello(identity, h, payload)
         elif h.type is MsgType.AUTH:
-            self.admission.auth(identity, h, payload)
+            self.admission.auth(identity, payload)
         elif h.type is MsgType.BYE:
             self.members.leave(identity)
         elif h.type is MsgType.PING:
@@ -257,11 +258,11 @@ class Reducer:
         if view is not None:
             self.bytes_in += h.nbytes
             self.bytes_shared_in += h.nbytes
-        self._data(identity, h, view, bad_payload=bad, slot=slot)
+        self._data(identity, peer, h, view, bad_payload=bad, slot=slot)
 
-    def _data(self, identity: bytes, h: Header, payload: Union[zmq.Frame, memoryview, None],
+    def _data(self, identity: bytes, peer: Optional[Peer], h: Header, payload: Payload,
               bad_payload: Optional[str] = None, slot: Optional[int] = None) -> None:
-        peer = self.members.admitted(identity)
+        """A contribution from `peer` (the admitted peer at identity, or None)."""
         if peer is None:
             return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
                                      f"{self.name}: DATA for {h.describe()} from a peer that has not completed the "

@@ -20,6 +20,7 @@ from ..protocol import OP_BROADCAST, Header, ReduceOp
 from ..round import Round
 
 Payload = Union[zmq.Frame, memoryview, None]
+Result = Union[zmq.Frame, np.ndarray]  # a broadcast root's frame as it came, or the accumulator's memory
 #: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
 #: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
 BATCHED_RECV_BYTES = 64 << 10
@@ -86,7 +87,7 @@ class Folder:
         rnd.owner, rnd.charged = rank, nbytes
         _native.load(rnd.accumulator, data, h.dtype)
 
-    def result(self, rnd: Round) -> Tuple[Union[zmq.Frame, np.ndarray], List[np.ndarray]]:
+    def result(self, rnd: Round) -> Tuple[Result, List[np.ndarray]]:
         """A complete round's result (avg divided once, 16-bit floats rounded once), and the pool
         buffers it lives in; raises PoolExhausted when rounding needs a buffer the budget lacks."""
         h, buffers = rnd.first, []
@@ -104,6 +105,17 @@ class Folder:
             _native.store(acc, acc, h.dtype, h.op, rnd.world)
         return acc, buffers
 
+    @staticmethod
+    def frame(rnd: Round, out: Result) -> zmq.Frame:
+        """The result as a frame: a broadcast root's as it came; a pool buffer or an adopted
+        frame's memory without a copy, tracked so that it counts until sent (sent() waits on its
+        tracker); a slot copied, since libzmq sends later, when the slot's owner may be using it again."""
+        if isinstance(out, zmq.Frame):
+            return out
+        if rnd.in_slot:
+            return zmq.Frame(out, copy=True)
+        return zmq.Frame(out, copy=False, track=True)
+
     def sent(self, rnd: Round, buffers: List[np.ndarray], frame: Optional[zmq.Frame]) -> None:
         """rnd's result went out (from `buffers`, or an adopted frame, as `frame`): its memory
         returns to the pool once libzmq has released every copy."""
@@ -114,7 +126,7 @@ class Folder:
             # a pool buffer's does; its rank no longer accounts for it.
             held, rnd.charged = rnd.charged, 0
             self.pool.discharge(rnd.owner, held)
-        self.discharge(rnd)
+        self._discharge(rnd)
         if buffers or held:
             self.pool.release(buffers, frame.tracker if frame is not None else None, held=held)
 
@@ -124,14 +136,14 @@ class Folder:
             if not rnd.in_slot and rnd.adopted is None:  # a slot or frame is not the pool's
                 self.pool.release([rnd.accumulator])
             rnd.accumulator = None
-        self.discharge(rnd)
+        self._discharge(rnd)
         for rank, frame in rnd.held.items():
             self.pool.unhold(len(frame), rank)
         rnd.held.clear()
         rnd.slots.clear()
         rnd.adopted = None
 
-    def discharge(self, rnd: Round) -> None:
+    def _discharge(self, rnd: Round) -> None:
         """The rank charged for rnd's accumulator no longer accounts for it."""
         if rnd.charged:
             if rnd.adopted is not None:  # an adopted frame was held, not taken from the pool

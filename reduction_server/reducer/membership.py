@@ -64,6 +64,11 @@ class Membership:
         peer = self.peers.get(identity)
         return peer if peer is not None and peer.admitted else None
 
+    def holder(self, identity: bytes) -> Optional[Peer]:
+        """The admitted peer at `identity` if it still holds its rank (no newer connection took it), else None."""
+        peer = self.admitted(identity)
+        return peer if peer is not None and self.rank_identity.get(peer.rank) == identity else None
+
     def start_job(self, job: Tuple[int, int], world: int) -> None:
         """A new job or generation replaces the one served: its ranks and its losses are dropped."""
         self.rank_identity.clear()
@@ -84,8 +89,8 @@ class Membership:
 
     def leave(self, identity: bytes) -> None:
         """A BYE: the peer leaves on purpose."""
-        peer = self.peers.get(identity)
-        if peer is not None and peer.admitted and self.rank_identity.get(peer.rank) == identity:
+        peer = self.holder(identity)
+        if peer is not None:
             event(log, logging.INFO, "bye", reducer=self.index, rank=peer.rank)
             self.lose_rank(peer.rank, "it closed its communicator (BYE)", quiet=True)
         self.peers.pop(identity, None)
@@ -119,8 +124,8 @@ class Membership:
         """Judge the connections sends found gone: an admitted rank's is a loss."""
         gone, self.gone = self.gone, []
         for identity in gone:
-            peer = self.peers.get(identity)
-            if peer is not None and peer.admitted and self.rank_identity.get(peer.rank) == identity:
+            peer = self.holder(identity)
+            if peer is not None:
                 self.lose_rank(peer.rank, (
                     "its connection closed (the process exited, stopped answering heartbeats for "
                     f"RS_LIVENESS_TIMEOUT={self.liveness_timeout:g} s, or the network dropped it)"))

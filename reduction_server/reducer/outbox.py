@@ -39,8 +39,7 @@ def clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 class Outbox:
     """The reducer's sending side of its ROUTER socket."""
 
-    def __init__(self, socket: zmq.Socket, index: int, name: str,
-                 on_gone: Callable[[bytes], None] = lambda identity: None) -> None:
+    def __init__(self, socket: zmq.Socket, index: int, name: str, on_gone: Callable[[bytes], None]) -> None:
         # A real socket's frames go through pyzmq's backend method: the Python wrapper above it
         # adds only draft-API options, at ~0.5 us a frame.
         self._send_part = (MethodType(zmq.backend.Socket.send, socket) if isinstance(socket, zmq.backend.Socket)

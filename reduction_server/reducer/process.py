@@ -65,81 +65,75 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         workers = place.world_size if place else None
         if workers is None:
             workers = settings.read("RS_WORLD_SIZE")
-    token = settings.read("RS_JOB_TOKEN") or (place.job_token if place else "")
+    token = settings.read("RS_JOB_TOKEN")
     if deterministic is None:
         deterministic = settings.read("RS_DETERMINISTIC")
     encrypt = settings.read("RS_ENCRYPT")
     if encrypt:
         encryption.check(token)
-
-    context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
-    socket.setsockopt(zmq.LINGER, 0)
-    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
-    # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
-    socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
-    sndbuf = settings.socket_send_buffer()
-    if sndbuf:  # before bind: libzmq copies a socket's options into its listener, and each accepted connection gets them
-        socket.setsockopt(zmq.SNDBUF, sndbuf)
-    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
-    liveness = settings.read("RS_LIVENESS_TIMEOUT")
-    protocol.set_heartbeats(socket, heartbeat, liveness)
-    if encrypt:
-        encryption.secure_reducer(socket, token)
-    try:
-        bound = _bind(socket, host, port)
-    except ListenError:
-        socket.close(linger=0)
-        context.term()
-        raise
-    reducer = Reducer(
-        socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
-        max_chunk_bytes=max_chunk,
-        max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES"),
-        max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"),
-        max_rounds=settings.read("RS_MAX_ROUNDS"),
-        round_timeout=settings.read("RS_TIMEOUT"),
-        heartbeat_interval=heartbeat,
-        liveness_timeout=liveness,
-        deterministic=deterministic,
-        encrypt=encrypt,
-        shared=shared_memory.enabled(),
-    )
     if metrics_port is None:
         metrics_port = settings.read("RS_METRICS_PORT")
     elif not 0 <= metrics_port <= 65535:
         raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
-    if metrics_port:
-        from ..metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
+    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
+    liveness = settings.read("RS_LIVENESS_TIMEOUT")
 
-        reducer.metrics = ReducerMetrics(reducer)
-        reducer.metrics.serve(host, metrics_port)
-    stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
-          f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
-          f"deterministic={'on' if deterministic else 'off'}", flush=True)
-    event(log, NOTICE, "started", reducer=index, address=f"{host}:{bound}", workers=workers or "from_hello",
-          auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic, max_chunk_bytes=max_chunk,
-          max_accumulator_bytes=reducer.pool.max_bytes, max_peer_bytes=reducer.pool.max_rank_bytes,
-          max_rounds=reducer.rounds.max_rounds, timeout_s=reducer.round_timeout,
-          heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness, sndbuf=sndbuf or "auto",
-          metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off", pid=os.getpid())
-    if ready_fd is not None:
+    # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
+        socket.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
+        socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
+        sndbuf = settings.socket_send_buffer()
+        if sndbuf:  # before bind: libzmq copies a socket's options into its listener and each connection
+            socket.setsockopt(zmq.SNDBUF, sndbuf)
+        protocol.set_heartbeats(socket, heartbeat, liveness)
+        if encrypt:
+            encryption.secure_reducer(socket, token)
+        bound = _bind(socket, host, port)
+        reducer = Reducer(
+            socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
+            max_chunk_bytes=max_chunk,
+            max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES"),
+            max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"),
+            max_rounds=settings.read("RS_MAX_ROUNDS"),
+            round_timeout=settings.read("RS_TIMEOUT"),
+            heartbeat_interval=heartbeat,
+            liveness_timeout=liveness,
+            deterministic=deterministic,
+            encrypt=encrypt,
+            shared=shared_memory.enabled(),
+        )
         try:
-            with os.fdopen(ready_fd, "w") as ready:
-                ready.write(f"{bound}\n")
-        except BrokenPipeError:
-            pass  # the launcher gave up on this reducer already, and stops it
-    try:
-        reducer.run(lambda: bool(stopping))
-    finally:
-        socket.close(linger=0)
-        context.term()
-        if reducer.metrics is not None:
-            reducer.metrics.stop()
+            if metrics_port:
+                from ..metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+
+                reducer.metrics = ReducerMetrics(reducer)
+                reducer.metrics.serve(host, metrics_port)
+            stopping = []
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stopping.append(True))
+            print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
+                  f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
+                  f"deterministic={'on' if deterministic else 'off'}", flush=True)
+            event(log, NOTICE, "started", reducer=index, address=f"{host}:{bound}", workers=workers or "from_hello",
+                  auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
+                  max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
+                  max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
+                  timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
+                  sndbuf=sndbuf or "auto", metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
+                  pid=os.getpid())
+            if ready_fd is not None:
+                try:
+                    with os.fdopen(ready_fd, "w") as ready:
+                        ready.write(f"{bound}\n")
+                except BrokenPipeError:
+                    pass  # the launcher gave up on this reducer already, and stops it
+            reducer.run(lambda: bool(stopping))
+        finally:
+            if reducer.metrics is not None:
+                reducer.metrics.stop()
     rounds = reducer.rounds
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
     event(log, NOTICE, "stopped", reducer=index, completed=rounds.completed, failed=rounds.failed,

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional
 
-import numpy as np
 import zmq
 
 from .. import protocol
@@ -27,7 +26,7 @@ from ..log import event, get_logger
 from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, ErrorCode, Header, MsgType
 from ..round import Round, format_ranks
 from .clock import Clock
-from .fold import Folder, Payload
+from .fold import Folder, Payload, Result
 from .membership import Membership, Peer
 from .outbox import Outbox, clip
 
@@ -49,7 +48,6 @@ class Rounds:
                  name: str, max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool) -> None:
         self.outbox = outbox
         self.members = members
-        self.pool = pool
         self.clock = clock
         self.folder = Folder(pool, deterministic)
         self.index = index
@@ -58,7 +56,6 @@ class Rounds:
         self.max_rounds = max_rounds
         self.round_timeout = round_timeout
         self.rounds: Dict[tuple, Round] = {}
-        self.round_started: Dict[tuple, float] = {}
         self.failed_kept = 0  # rounds in self.rounds that failed (kept to answer late contributions)
         self.metrics: Optional["ReducerMetrics"] = None  # timings, when metrics are served
         # Plain counters for the stop summary and the metrics (metrics.py reads them at scrape time).
@@ -70,25 +67,25 @@ class Rounds:
 
     @property
     def open_count(self) -> int:
-        return sum(1 for rnd in self.rounds.values() if rnd.error is None)
+        """Rounds still waiting for contributions."""
+        return len(self.rounds) - self.failed_kept
 
     # -- OPEN: contributions ---------------------------------------------------------------
     def contribute(self, peer: Peer, h: Header, payload: Payload, bad_payload: Optional[str] = None,
                    slot: Optional[int] = None) -> None:
         """An admitted peer's contribution h to its key (its rank, job and generation checked)."""
         if h.count * ACCUMULATOR_ITEMSIZE[h.dtype] > self.max_chunk_bytes:
-            return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+            return self._fail_contribution(h, ErrorCode.TOO_LARGE, (
                 f"rank {h.rank} sent a chunk of {h.count} x {DTYPES[h.dtype].name.lower()}, over this reducer's "
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
         if bad_payload is not None:
-            return self._fail_contribution(peer, h, ErrorCode.BAD_PAYLOAD, bad_payload)
+            return self._fail_contribution(h, ErrorCode.BAD_PAYLOAD, bad_payload)
         if h.seq > peer.max_seq:
             peer.max_seq = h.seq
-        key = h.key
-        if key not in self.rounds and len(self.rounds) >= self.max_rounds:
-            in_flight = len(self.rounds) - self.failed_kept
+        if h.key not in self.rounds and len(self.rounds) >= self.max_rounds:
+            in_flight = self.open_count
             if in_flight >= self.max_rounds:
-                return self._fail_contribution(peer, h, ErrorCode.TOO_LARGE, (
+                return self._fail_contribution(h, ErrorCode.TOO_LARGE, (
                     f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
                     f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
                     "collectives in the same order stay within their window (RS_WINDOW) of each other"))
@@ -116,7 +113,7 @@ class Rounds:
         if slot is not None:  # its result goes back into the same slot of the same segment
             rnd.slots[h.rank] = (peer.segment, slot)
         if self.metrics is not None:
-            self.metrics.contributed(h.rank, self.round_started[key], arrived)
+            self.metrics.contributed(h.rank, rnd.started, arrived)
         if rnd.complete:
             self._finish(rnd)
 
@@ -129,12 +126,12 @@ class Rounds:
             return self.fail(rnd, ErrorCode.TOO_LARGE, f"{h.describe()} cannot be sent: {exc}")
         frame = self._send_result(rnd, out)
         if self.metrics is not None:
-            self.metrics.finished(self.round_started.get(h.key))
+            self.metrics.finished(rnd.started)
         self._forget(h.key)
         self.folder.sent(rnd, buffers, frame)
         self.completed += 1
 
-    def _send_result(self, rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> Optional[zmq.Frame]:
+    def _send_result(self, rnd: Round, out: Result) -> Optional[zmq.Frame]:
         """The result to every rank: into its shared-memory slot, or as a frame (made once, the
         first time a rank needs it, and returned)."""
         h, members = rnd.first, self.members
@@ -160,36 +157,25 @@ class Rounds:
                     self.bytes_shared_out += nbytes
                 continue
             if frame is None:
-                frame = self._result_frame(rnd, out)
+                frame = self.folder.frame(rnd, out)
             if self.outbox.send(identity, [header, frame]):
                 self.bytes_out += len(frame)
         return frame
 
-    @staticmethod
-    def _result_frame(rnd: Round, out: Union[zmq.Frame, np.ndarray]) -> zmq.Frame:
-        """The result as a frame: a broadcast root's as it came; a pool buffer or an adopted
-        frame's memory without a copy, tracked so that it counts until sent; a slot copied, since
-        libzmq sends later, when the slot's owner may be using it again."""
-        if isinstance(out, zmq.Frame):
-            return out
-        if rnd.in_slot:
-            return zmq.Frame(out, copy=True)
-        return zmq.Frame(out, copy=False, track=True)
-
     # -- OPEN -> FAILED -> forgotten ----------------------------------------------------------
-    def _fail_contribution(self, peer: Peer, h: Header, code: ErrorCode, reason: str) -> None:
-        """A contribution that cannot be used fails its whole round, so no rank waits for it."""
+    def _fail_contribution(self, h: Header, code: ErrorCode, reason: str) -> None:
+        """A contribution that cannot be used fails its whole round, so no rank waits for it
+        (h.rank is its sender's: the core checked it)."""
         rnd = self._round_for(h)
         if rnd.error is not None:
-            return self._answer_failed(rnd, peer.rank, h)
+            return self._answer_failed(rnd, h.rank, h)
         self.fail(rnd, code, reason, extra=h)
 
     def _round_for(self, h: Header) -> Round:
         """The round of h's key; a new one, with h as its first contribution, if there is none."""
         rnd = self.rounds.get(h.key)
         if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, world=self.members.world)
-            self.round_started[h.key] = time.monotonic()
+            rnd = self.rounds[h.key] = Round(first=h, world=self.members.world, started=time.monotonic())
         return rnd
 
     def fail(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
@@ -238,7 +224,7 @@ class Rounds:
             elif rnd.error is not None:
                 self._maybe_forget(rnd)
         return {"failed_rounds": failed, "open_rounds": self.open_count,
-                "accumulator_bytes_in_use": self.pool.in_use_bytes}
+                "accumulator_bytes_in_use": self.folder.pool.in_use_bytes}
 
     def check_skipped(self) -> None:
         """A rank sends its collectives in seq order, so a rank that already contributed to a
@@ -260,13 +246,9 @@ class Rounds:
         same message as the others; it is forgotten once every rank has been answered."""
         retain = RETAIN_FAILED_S + 2 * self.round_timeout
         failed = 0
-        for key, started in list(self.round_started.items()):
-            rnd = self.rounds.get(key)
-            if rnd is None:
-                self.round_started.pop(key, None)
-                continue
+        for key, rnd in list(self.rounds.items()):
             if rnd.error is None:
-                if now - started >= self.round_timeout:
+                if now - rnd.started >= self.round_timeout:
                     self.fail(rnd, ErrorCode.STALE, (
                         f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
                         f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
@@ -286,11 +268,9 @@ class Rounds:
             self.folder.free(rnd)
         self.rounds.clear()
         self.failed_kept = 0
-        self.round_started.clear()
         return dropped
 
     def _forget(self, key: tuple) -> None:
         rnd = self.rounds.pop(key, None)
         if rnd is not None and rnd.error is not None:
             self.failed_kept -= 1
-        self.round_started.pop(key, None)

@@ -49,11 +49,9 @@ class Reducers:
         self.addresses: List[str] = []
         self.env = env
         self.first_index = first_index
+        self.workers = workers
         for index in range(first_index, first_index + count):
-            cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
-                   "--index", str(index)]
-            if workers is not None:
-                cmd += ["--workers", str(workers)]
+            cmd = self._command("127.0.0.1", "0", index)
             # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
             log = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -69,8 +67,7 @@ class Reducers:
         """Start the group's i-th reducer again on its old port (the old process is dead), with
         the group's environment or `env`."""
         host, port = self.addresses[i].rsplit(":", 1)
-        cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port", port,
-               "--index", str(self.first_index + i)]
+        cmd = self._command(host, port, self.first_index + i)
         deadline = time.monotonic() + 20
         while True:
             proc = subprocess.Popen(cmd, env=self.env if env is None else env, stdout=subprocess.PIPE,
@@ -82,6 +79,11 @@ class Reducers:
             proc.wait()
             assert time.monotonic() < deadline, f"reducer {i} could not bind its port again: {line!r}"
             time.sleep(0.2)  # the port may linger for a moment
+
+    def _command(self, host: str, port: str, index: int) -> List[str]:
+        """`serve` for reducer `index` of this group, at host:port."""
+        cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port", port, "--index", str(index)]
+        return cmd + (["--workers", str(self.workers)] if self.workers is not None else [])
 
     @property
     def spec(self) -> str:

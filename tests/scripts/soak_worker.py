@@ -1,7 +1,7 @@
 """One rank of the soak test: `python soak_worker.py SECONDS WARMUP_SECONDS`.
 
 Runs collectives of mixed sizes, dtypes and ops (all_reduce in and out of place, async batches,
-broadcast), every result checked against tests/reference.py, until rank 0 has run SECONDS; rank
+broadcast), every result checked against tests/helpers/reference.py, until rank 0 has run SECONDS; rank
 0's decision travels in a flag all-reduce, so every rank stops after the same collective. Prints
 `{"warm": ...}` once WARMUP_SECONDS have passed (its RSS and open files then) and a last JSON line
 with the counts, the failures, and its RSS and open files at the end.

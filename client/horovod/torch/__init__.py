@@ -8,10 +8,6 @@
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Collectives are matched across ranks by name (coordinator.py), fused up to
-HOROVOD_FUSION_THRESHOLD, and negotiated every HOROVOD_CYCLE_TIME ms. Handles are integers, as in
-Horovod: ``synchronize(handle)`` waits and returns the result, ``poll(handle)`` tests it.
-
 Modules, as Horovod's own: mpi_ops (the collectives), functions (parameters and optimizer state
 from the root), optimizer (DistributedOptimizer).
 """

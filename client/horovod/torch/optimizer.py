@@ -48,7 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._names = {p: n for n, p in named if id(p) in ours}
         self._op = op
-        self._rop = resolve_op(op)
+        resolve_op(op)  # refuses Adasum and unknown ops here, not at the first step
         self._predivide = gradient_predivide_factor
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._names}
