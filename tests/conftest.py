@@ -24,6 +24,11 @@ from helpers.cluster import Reducers, reducers  # noqa: E402
 from helpers.jobs import connect, new_job  # noqa: E402
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--torch-suite", choices=("ci", "all"), default="ci",
+                     help="test_torch_suite.py: torch's distributed tests in CI's selection (ci), or all of them")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _away_from_the_tree() -> Iterator[None]:
     previous = os.getcwd()

@@ -304,3 +304,19 @@ def test_zero_size_arrays_return_at_once_and_keep_ranks_in_step(group):
 
     for first, second in run_job(2, body, group=group):
         assert first.tolist() == [3] and second.tolist() == [10]
+
+
+def test_a_collective_past_its_own_timeout_fails_at_that_timeout(group):
+    """A barrier with timeout=1 that rank 1 never joins fails on rank 0 after about 1 s, in
+    torch's words ("Timed out"), long before RS_TIMEOUT; rank 1's later collectives still run."""
+    def body(comm, rank):
+        if rank == 1:
+            time.sleep(2.5)  # connected all along: the barrier fails by its timeout, not by a lost rank
+            return None
+        started = time.monotonic()
+        with pytest.raises(reduction_server.CollectiveError, match=r"Timed out after 1 s \(the timeout it was given\)"):
+            comm.barrier(timeout=1.0)
+        return time.monotonic() - started
+
+    waited = run_job(2, body, group=group)[0]
+    assert 1.0 <= waited < 3.0, waited

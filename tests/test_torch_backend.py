@@ -150,10 +150,11 @@ def test_reduce_op_mapping_by_name():
     for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
         with pytest.raises(ValueError, match="does not support ReduceOp.B"):
             rst.torch_reduce_op(op)
-    premul = dist._make_nccl_premul_sum(2.0) if hasattr(dist, "_make_nccl_premul_sum") else None
-    if premul is not None:
-        with pytest.raises(ValueError, match="PREMUL_SUM"):
-            rst.torch_reduce_op(premul)
+    premul = dist._make_nccl_premul_sum(2.0)
+    assert rst_tensors.reduction(premul) == (ReduceOp.SUM, 2.0)
+    assert rst_tensors.reduction(dist.ReduceOp.MAX) == (ReduceOp.MAX, None)
+    with pytest.raises(ValueError, match="PREMUL_SUM carries a factor"):
+        rst.torch_reduce_op(premul)
 
 
 def test_device_checks():

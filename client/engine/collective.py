@@ -37,6 +37,8 @@ class Collective:
     blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
     trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
     traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
+    time_limit: Optional[float] = None  # seconds it may take from its start, its caller's timeout
+    deadline: float = float("inf")  # monotonic time it fails unless done (set when it starts)
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))

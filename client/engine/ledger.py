@@ -28,6 +28,8 @@ class Ledger:
     def start(self, coll: Collective) -> None:
         """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
         coll.last_progress = time.monotonic()
+        if coll.time_limit is not None:
+            coll.deadline = coll.last_progress + coll.time_limit
         self.active[coll.seq] = coll
         self.sending.append(coll)
 
@@ -96,9 +98,15 @@ class Ledger:
         self.inflight[r] = 0
 
     def expire(self, now: float, backstop: float, timeout: float) -> None:
-        """Fail collectives with chunks out and no progress for `backstop` seconds, naming the
-        reducers that did not answer."""
+        """Fail collectives past their own time limit, and those with chunks out and no progress
+        for `backstop` seconds, naming the reducers that did not answer."""
         for coll in list(self.active.values()):
+            if now >= coll.deadline:
+                self.give_up(coll, (
+                    f"Timed out after {coll.time_limit:g} s (the timeout it was given): {coll.answered} of "
+                    f"{len(coll.chunks)} chunks had completed; the ranks that did not join it in time are "
+                    "named by the reducers' own RS_TIMEOUT"))
+                continue
             if now - coll.last_progress < backstop or SENT not in coll.state:
                 continue  # nothing in flight: it waits for window slots held by earlier collectives
             waiting = sorted({c.reducer for c, s in zip(coll.chunks, coll.state) if s == SENT})

@@ -8,8 +8,10 @@ Importing this module registers the backend ``"reduction_server"``::
     dist.init_process_group("reduction_server")      # rank and world size: arguments or environment
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-The process group implements what DDP and ordinary scripts call: allreduce (SUM, AVG, PRODUCT,
-MIN, MAX), allreduce_coalesced, broadcast, allgather and barrier. Each call hands its collective
+The process group implements every collective of torch.distributed's API (all_reduce with every
+op torch has but the bitwise ones, reduce, reduce_scatter, all_gather and its tensor forms,
+gather, scatter, all_to_all, broadcast, barrier, sparse all_reduce; the README's table says how
+each is done) except send/recv and subgroups of fewer ranks. Each call hands its collective
 to the shared Communicator without waiting and returns a Work whose Future one background thread
 completes, in submission order, as the reducers answer: DDP's bucket all-reduces run while
 backward computes the earlier layers' gradients.
@@ -28,7 +30,8 @@ and gives the group a process-local store: this backend needs no store, and a ba
 
 CUDA tensors are staged through pinned host buffers (tensors.py).
 
-Modules: tensors (ops, dtypes, staging), pipeline (the completing thread), process_group (the
+Modules: tensors (ops, dtypes, staging), pipeline (the completing thread), collectives (each
+torch collective composed of all-reduces and relays), sparse (sparse all_reduce), process_group (the
 backend), rendezvous (env:// without MASTER_ADDR, and the registration), hooks (DDP comm hooks).
 """
 from .hooks import (ReductionServerHookState, reduction_server_bf16_hook, reduction_server_fp16_hook,

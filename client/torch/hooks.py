@@ -12,8 +12,8 @@ import torch.distributed as dist
 from reduction_server.protocol import ReduceOp
 
 from ..communicator import Communicator
+from .collectives import Collectives
 from .pipeline import Pipeline
-from .tensors import Staged, future_for
 
 
 class ReductionServerHookState:
@@ -23,6 +23,7 @@ class ReductionServerHookState:
     def __init__(self, communicator: Optional[Communicator] = None, *,
                  owns_communicator: Optional[bool] = None) -> None:
         self._pipeline = Pipeline.over(communicator, owns_communicator)
+        self._collectives = Collectives(self._pipeline)
         self.communicator = self._pipeline.communicator
 
     @classmethod
@@ -42,25 +43,19 @@ def reduction_server_hook(state: ReductionServerHookState,
     (divided by the world size, then summed, as DDP's default does)."""
     tensor = bucket.buffer()
     tensor.div_(state.communicator.world_size)
-    return state._pipeline.all_reduce([tensor], ReduceOp.SUM, value=tensor)
+    return state._collectives.all_reduce([tensor], ReduceOp.SUM, value=tensor)
 
 
 def _compressed_hook(state: ReductionServerHookState, bucket: dist.GradBucket, dtype: torch.dtype):
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(state.communicator.world_size)
 
-    def start():
-        staged = Staged(compressed, "compressed bucket")
-        wire = staged.wire(ReduceOp.SUM)
-        handle = state.communicator.all_reduce_async(wire, ReduceOp.SUM, out=wire)
-
-        def finish():
-            staged.finish()
-            with torch.no_grad():
-                buffer.copy_(compressed)
-            return buffer
-        return [handle], finish
-    return state._pipeline.run(start, future_for([buffer]))
+    def decompress(done: torch.futures.Future) -> torch.Tensor:
+        done.value()  # the collective's error, if it failed
+        with torch.no_grad():
+            buffer.copy_(compressed)
+        return buffer
+    return state._collectives.all_reduce([compressed], ReduceOp.SUM).then(decompress)
 
 
 def reduction_server_fp16_hook(state: ReductionServerHookState,

@@ -8,12 +8,15 @@ import torch  # the real torch: imports are absolute
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from reduction_server import settings
 from reduction_server.discovery import discover_worker
 from reduction_server.protocol import ReduceOp
 
 from ..communicator import Communicator
+from .collectives import Collectives
 from .pipeline import Pipeline
-from .tensors import torch_reduce_op
+from .sparse import Sparse
+from .tensors import reduction
 
 BACKEND_NAME = "reduction_server"
 
@@ -26,6 +29,34 @@ def _work(future: torch.futures.Future) -> dist.Work:
     return _create_work_from_future(future)
 
 
+def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.Future:
+    """One Future for several: `value` once all completed, the first error if one failed."""
+    def check(done: torch.futures.Future) -> Any:
+        for each in done.value():
+            each.value()
+        return value
+    return torch.futures.collect_all(futures).then(check)
+
+
+def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], world: int, what: str) -> List[torch.Tensor]:
+    """tensor cut along its first dimension into `sizes` rows each (world equal parts when empty)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not sizes:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: the {what}'s {rows} rows cannot be split equally over {world} ranks")
+        sizes = [rows // world] * world
+    if len(sizes) != world or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {what} split sizes {list(sizes)} do not cut {rows} rows over {world} ranks")
+    if what == "output" and not tensor.is_contiguous():
+        raise ValueError("all_to_all_single: the output tensor must be contiguous")
+    width = tensor.numel() // rows if rows else 0
+    return list(torch.split(tensor.reshape(rows, width), list(sizes)))
+
+
+_POINT_TO_POINT = ("send/recv are not supported by the reduction_server backend yet (they need the reducers to "
+                   "serve pairs of ranks); use a gloo group for them: dist.new_group(backend='gloo')")
+
+
 class ReductionServerProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives go through the reducers.
 
@@ -35,7 +66,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, communicator: Optional[Communicator] = None, *, owns_communicator: Optional[bool] = None,
-                 _share: Optional["ReductionServerProcessGroup"] = None) -> None:
+                 timeout: Optional[timedelta] = None, _share: Optional["ReductionServerProcessGroup"] = None) -> None:
         if _share is not None:  # another group over the same ranks: the same Communicator and order
             self._pipeline, self._owner = _share._pipeline, False
         else:
@@ -43,6 +74,13 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         comm = self._pipeline.communicator
         super().__init__(comm.rank, comm.world_size)
         self._rank, self._size = comm.rank, comm.world_size
+        self._name, self._desc = "", ""
+        self._collectives = Collectives(self._pipeline)
+        self._sparse = Sparse(self._collectives)
+        # torch's timeout= bounds each collective when it is shorter than the reducers' RS_TIMEOUT
+        # (which bounds every collective anyway: torch's default of 30 minutes is not a hang).
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        self._time_limit: Optional[float] = seconds if 0 < seconds < settings.read("RS_TIMEOUT") else None
 
     @property
     def communicator(self) -> Communicator:
@@ -61,31 +99,64 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """ProcessGroup.rank: this process's rank."""
         return self._rank
 
+    # torch names every group it makes (destroy_process_group looks it up by name); the C++ base
+    # keeps the name on its device backends, and a Python group registers none.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group ("" until it gives one)."""
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        """The description torch gave this group."""
+        return self._desc
+
     def __repr__(self) -> str:
         return f"ReductionServerProcessGroup(rank={self._rank}, world_size={self._size})"
 
-    # -- collectives -----------------------------------------------------------------------
+    # -- collectives: torch's signatures, each handed to collectives.py ----------------------
+    def _limit(self, opts: Any) -> Optional[float]:
+        """Seconds the collective may take: its options' timeout when set, else the group's."""
+        seconds = opts.timeout.total_seconds() if isinstance(getattr(opts, "timeout", None), timedelta) else -1
+        return seconds if seconds > 0 else self._time_limit
+
+    def _root(self, opts: Any, what: str) -> int:
+        root = opts.rootRank if hasattr(opts, "rootRank") else (0 if opts is None else int(opts))
+        if not 0 <= root < self._size:
+            raise ValueError(f"{what} root {root} is out of range for world size {self._size}")
+        return root
+
     def allreduce(self, tensors, opts=None) -> dist.Work:
         """ProcessGroup.allreduce: reduce the tensors in place over all ranks (the op from
-        AllreduceOptions or given directly; SUM by default); returns a Work at once."""
-        op = torch_reduce_op(opts.reduceOp) if isinstance(opts, dist.AllreduceOptions) else (
-            torch_reduce_op(opts) if opts is not None else ReduceOp.SUM)
-        return _work(self._pipeline.all_reduce(_as_list(tensors), op))
+        AllreduceOptions or given directly; SUM by default, PREMUL_SUM too); returns a Work at once."""
+        op, factor = reduction(getattr(opts, "reduceOp", opts) if opts is not None else ReduceOp.SUM)
+        tensors = _as_list(tensors)
+        if any(t.is_sparse for t in tensors):
+            return _work(self._sparse.all_reduce(tensors, op, self._limit(opts)))
+        return _work(self._collectives.all_reduce(tensors, op, factor, timeout=self._limit(opts)))
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
-        """ProcessGroup.allreduce_coalesced: reduce the tensors in place with opts.reduceOp (SUM
-        by default); returns a Work at once."""
-        op = torch_reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
-        return _work(self._pipeline.all_reduce(_as_list(tensors), op))
+        """ProcessGroup.allreduce_coalesced: allreduce of each tensor, as one Work."""
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        """ProcessGroup.reduce: the tensors reduced into the root's (ReduceOptions); the other
+        ranks' tensors are left unchanged."""
+        op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        return _work(self._collectives.reduce(_as_list(tensors), op, self._root(opts, "reduce"), factor,
+                                              self._limit(opts)))
 
     def broadcast(self, tensors, opts=None) -> dist.Work:
         """ProcessGroup.broadcast: overwrite the tensors on every rank with the root's
         (BroadcastOptions.rootRank or an int, 0 by default); returns a Work at once. ValueError
         for a root out of range."""
-        root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else (0 if opts is None else int(opts))
-        if not 0 <= root < self._size:
-            raise ValueError(f"broadcast root {root} is out of range for world size {self._size}")
-        return _work(self._pipeline.broadcast(_as_list(tensors), root))
+        return _work(self._collectives.broadcast(_as_list(tensors), self._root(opts, "broadcast"), self._limit(opts)))
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.allgather: each input into output_tensors[i][rank] on every rank (also as
@@ -94,11 +165,94 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
             input_tensors = [input_tensors]
             if output_tensors and isinstance(output_tensors[0], torch.Tensor):
                 output_tensors = [output_tensors]
-        return _work(self._pipeline.all_gather(output_tensors, list(input_tensors)))
+        return _work(self._collectives.all_gather(output_tensors, list(input_tensors), self._limit(opts)))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        """ProcessGroup.allgather_coalesced: output_lists[r][i] receives rank r's input_list[i]."""
+        by_input = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
+        return _work(_together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))],
+                               output_lists))
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        """ProcessGroup.all_gather_single (all_gather_into_tensor): every rank's input into its
+        piece of output, in rank order."""
+        return _work(self._collectives.all_gather_single(output, input, self._limit(opts)))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        """all_gather_single of each (output, input) pair, as one Work."""
+        return _work(_together([self._collectives.all_gather_single(o, i, self._limit(opts))
+                                for o, i in zip(outputs, inputs)], list(outputs)))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """ProcessGroup.gather: every rank's input into output_tensors[0][rank] on the root."""
+        root = self._root(opts, "gather")
+        outputs = output_tensors[0] if output_tensors else []
+        return _work(self._collectives.gather(outputs, _as_list(input_tensors)[0], root, self._limit(opts)))
+
+    def scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """ProcessGroup.scatter: the root's input_tensors[0][r] into rank r's output_tensors[0]."""
+        root = self._root(opts, "scatter")
+        inputs = input_tensors[0] if input_tensors else []
+        return _work(self._collectives.scatter(_as_list(output_tensors)[0], inputs, root, self._limit(opts)))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """ProcessGroup.reduce_scatter: input_tensors[0][r] reduced over the ranks into rank r's output_tensors[0]."""
+        op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        return _work(self._collectives.reduce_scatter(_as_list(output_tensors)[0], input_tensors[0], op, factor,
+                                                      self._limit(opts)))
+
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        """ProcessGroup.reduce_scatter_single (reduce_scatter_tensor): input cut into world-size
+        pieces, piece r reduced into rank r's output."""
+        op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        return _work(self._collectives.reduce_scatter_single(output, input, op, factor, self._limit(opts)))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        """reduce_scatter_single of each (output, input) pair, as one Work."""
+        op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        return _work(_together([self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
+                                for o, i in zip(outputs, inputs)], list(outputs)))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """ProcessGroup.alltoall: rank j's input_tensors[r] into rank r's output_tensors[j]."""
+        return _work(self._collectives.all_to_all(list(output_tensors), list(input_tensors),
+                                                  timeout=self._limit(opts)))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:  # noqa: A002
+        """ProcessGroup.all_to_all_single: input cut along its first dimension by
+        input_split_sizes (equal pieces when empty), piece r to rank r, received into output's
+        pieces by output_split_sizes."""
+        even = not output_split_sizes and not input_split_sizes
+        outputs = _split_rows(output, output_split_sizes, self._size, "output")
+        inputs = _split_rows(input, input_split_sizes, self._size, "input")
+        return _work(_together([self._collectives.all_to_all(outputs, inputs, even, self._limit(opts))], [output]))
+
+    alltoall_base = all_to_all_single
+
+    def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803 - torch's names
+        """Point-to-point messages are not relayed yet: NotImplementedError saying what to use."""
+        raise NotImplementedError(_POINT_TO_POINT)
+
+    def recv(self, tensors, srcRank, tag=0) -> dist.Work:  # noqa: N803 - torch's names
+        """See send()."""
+        raise NotImplementedError(_POINT_TO_POINT)
+
+    def recv_anysource(self, tensors, tag=0) -> dist.Work:
+        """See send()."""
+        raise NotImplementedError(_POINT_TO_POINT)
 
     def barrier(self, opts=None) -> dist.Work:
-        """ProcessGroup.barrier: a Work that completes once every rank has entered the barrier."""
-        return _work(self._pipeline.barrier())
+        """ProcessGroup.barrier: a Work that completes once every rank has entered the barrier,
+        or fails ("Timed out after ...") past BarrierOptions.timeout."""
+        return _work(self._collectives.barrier(self._limit(opts)))
 
     def shutdown(self) -> None:
         """Finish the queued completions and, if this group made it, close the Communicator."""
@@ -143,7 +297,7 @@ def create_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -
                     f"the reduction_server backend serves one group of all {existing.size()} ranks; a subgroup "
                     f"(rank {rank} of {world_size}) needs another backend (dist.new_group(ranks, backend='gloo'))")
             # The same ranks: share the one Communicator, so collectives keep one order.
-            return ReductionServerProcessGroup(_share=existing)
-        pg = ReductionServerProcessGroup(_communicator_for(rank, world_size), owns_communicator=True)
+            return ReductionServerProcessGroup(timeout=timeout, _share=existing)
+        pg = ReductionServerProcessGroup(_communicator_for(rank, world_size), owns_communicator=True, timeout=timeout)
         _groups[id(pg)] = pg
         return pg

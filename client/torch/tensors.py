@@ -5,7 +5,7 @@ CUDA tensors go through pinned host buffers: copied to the host before the colle
 producing stream's work) and back, on the completing thread's current stream, before the Future
 completes (the Future then orders its consumers after that copy).
 """
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
@@ -26,16 +26,28 @@ _COMPLEX = {torch.complex64, torch.complex128}  # sum and avg, as pairs of reals
 
 
 def torch_reduce_op(op: Any) -> ReduceOp:
-    """The protocol op for a torch ReduceOp (an instance, a RedOpType or a name such as "sum")."""
+    """The protocol op for a torch ReduceOp (an instance, a RedOpType or a name such as "sum");
+    ValueError for PREMUL_SUM, whose factor only reduction() carries."""
+    op, factor = reduction(op)
+    if factor is not None:
+        raise ValueError("ReduceOp.PREMUL_SUM carries a factor: use reduction(op), which returns (SUM, factor)")
+    return op
+
+
+def reduction(op: Any) -> Tuple[ReduceOp, Optional[Union[float, torch.Tensor]]]:
+    """The protocol op for a torch ReduceOp and its premultiplier: PREMUL_SUM(f) is a SUM of
+    f x each input (f a number or a one-element tensor); None for the other ops."""
     if not isinstance(op, (dist.ReduceOp.RedOpType, str)) and isinstance(getattr(op, "op", None),
                                                                         dist.ReduceOp.RedOpType):
+        if op.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
+            return ReduceOp.SUM, op.factor
         op = op.op  # a ReduceOp instance (AllreduceOptions.reduceOp)
     name = op.name if isinstance(op, dist.ReduceOp.RedOpType) else str(op).strip().upper()
     name = {"PROD": "PRODUCT", "MEAN": "AVG"}.get(name, name)
     if name not in _OPS:
         raise ValueError(f"the reduction_server backend does not support ReduceOp.{name}; "
-                         f"supported: {', '.join(_OPS)}")
-    return _OPS[name]
+                         f"supported: {', '.join(_OPS)}, PREMUL_SUM")
+    return _OPS[name], None
 
 
 def _require_cuda(tensor: torch.Tensor) -> None:
@@ -85,19 +97,25 @@ class Staged:
                 self.tensor.copy_(self.host, non_blocking=self.cuda)
 
     def wire(self, op: Optional[ReduceOp]) -> Any:
-        """The host tensor as a wire dtype: op None means broadcast (any dtype, as bytes)."""
-        host, dtype = self.host, self.host.dtype
-        if dtype in _NATIVE:
-            return host
-        if op is None:
-            return host.reshape(-1).view(torch.uint8)
-        if dtype in _COMPLEX and op in (ReduceOp.SUM, ReduceOp.AVG):
-            return torch.view_as_real(host)
-        if dtype == torch.bool and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
-            return host.view(torch.uint8)  # 0/1: max is or, min and product are and
-        raise TypeError(f"the reduction_server backend cannot reduce {dtype} with {op.name}; dtypes: "
-                        + ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE))
-                        + " (complex: sum and avg; bool: min, max, product)")
+        """The host tensor as a wire dtype (as_wire)."""
+        return as_wire(self.host, op)
+
+
+def as_wire(host: torch.Tensor, op: Optional[ReduceOp]) -> Any:
+    """A contiguous host tensor as a dtype the wire carries: op None means a broadcast (any
+    dtype, as bytes); TypeError for a dtype the op cannot reduce."""
+    dtype = host.dtype
+    if dtype in _NATIVE:
+        return host
+    if op is None:
+        return host.reshape(-1).view(torch.uint8)
+    if dtype in _COMPLEX and op in (ReduceOp.SUM, ReduceOp.AVG):
+        return torch.view_as_real(host)
+    if dtype == torch.bool and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
+        return host.view(torch.uint8)  # 0/1: max is or, min and product are and
+    raise TypeError(f"the reduction_server backend cannot reduce {dtype} with {op.name}; dtypes: "
+                    + ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE))
+                    + " (complex: sum and avg; bool: min, max, product)")
 
 
 def future_for(tensors: Sequence[torch.Tensor]) -> torch.futures.Future:

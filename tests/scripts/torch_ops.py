@@ -146,9 +146,88 @@ def main():
     t = torch.ones(3)
     dist.all_reduce(t)
     check("default group after new_group", t, torch.full((3,), float(world)))
+    relays_and_reductions(rank, world, check)
+    point_to_point(rank, world, failures)
     backend = dist.get_backend()
     dist.destroy_process_group()
     return {"rank": rank, "done": done, "failures": failures[:20], "backend": backend}
+
+
+def relays_and_reductions(rank, world, check):
+    """The collectives composed of all-reduces and relays, against exact values."""
+    def mine(r, n=6, dtype=torch.float32):  # rank r's input: distinct in every rank and position
+        return (torch.arange(n) + 10 * r + 1).to(dtype)
+
+    total = sum(mine(r) for r in range(world))
+    for root in range(world):  # reduce: the root gets the sum, the others keep their input
+        t = mine(rank)
+        dist.reduce(t, dst=root)
+        check(f"reduce root {root}", t, total if rank == root else mine(rank))
+    t = mine(rank)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    check("premul_sum 0.5", t, total * 0.5)
+    # reduce_scatter: piece r of every rank's input, summed, to rank r (list and tensor forms).
+    ins = [mine(rank, 4) * (r + 1) for r in range(world)]
+    out = torch.zeros(4)
+    dist.reduce_scatter(out, ins)
+    check("reduce_scatter", out, sum(mine(j, 4) for j in range(world)) * (rank + 1))
+    flat = torch.cat([mine(rank, 3) * (r + 1) for r in range(world)])
+    out = torch.zeros(3)
+    dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.MAX)
+    check("reduce_scatter_tensor max", out, mine(world - 1, 3) * (rank + 1))
+    assert torch.equal(flat, torch.cat([mine(rank, 3) * (r + 1) for r in range(world)])), "the input changed"
+    # all_gather_into_tensor: every rank's input in rank order, 1-d and stacked.
+    out = torch.zeros(world * 5, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, mine(rank, 5, torch.int64))
+    check("all_gather_into_tensor", out, torch.cat([mine(r, 5, torch.int64) for r in range(world)]))
+    out = torch.zeros(world, 2, 3)
+    dist.all_gather_into_tensor(out, mine(rank).reshape(2, 3))
+    check("all_gather_into_tensor stacked", out, torch.stack([mine(r).reshape(2, 3) for r in range(world)]))
+    # gather and scatter from every root.
+    for root in range(world):
+        outs = [torch.zeros(6) for _ in range(world)] if rank == root else None
+        dist.gather(mine(rank), outs, dst=root)
+        if rank == root:
+            check(f"gather root {root}", torch.stack(outs), torch.stack([mine(r) for r in range(world)]))
+        out = torch.zeros(6)
+        dist.scatter(out, [mine(r) * 7 for r in range(world)] if rank == root else None, src=root)
+        check(f"scatter root {root}", out, mine(rank) * 7)
+    # all_to_all with pieces of different sizes: rank j sends rank r (j + r + 1) elements.
+    ins = [torch.full((rank + r + 1,), float(100 * rank + r)) for r in range(world)]
+    outs = [torch.zeros(j + rank + 1) for j in range(world)]
+    dist.all_to_all(outs, ins)
+    check("all_to_all", torch.cat(outs), torch.cat([torch.full((j + rank + 1,), float(100 * j + rank))
+                                                    for j in range(world)]))
+    x = torch.arange(world * 2, dtype=torch.float64).reshape(world, 2) + 10 * rank  # row r to rank r
+    out = torch.zeros(world, 2, dtype=torch.float64)
+    dist.all_to_all_single(out, x)
+    check("all_to_all_single", out, torch.stack([torch.tensor([2 * rank, 2 * rank + 1], dtype=torch.float64) + 10 * j
+                                                 for j in range(world)]))
+    sizes_in = [r + 1 for r in range(world)]  # rank j sends r + 1 rows to rank r
+    x = torch.cat([torch.full((r + 1, 2), float(10 * rank + r)) for r in range(world)])
+    out = torch.zeros((rank + 1) * world, 2)
+    dist.all_to_all_single(out, x, [rank + 1] * world, sizes_in)
+    check("all_to_all_single uneven", out, torch.cat([torch.full((rank + 1, 2), float(10 * j + rank))
+                                                      for j in range(world)]))
+    # sparse all_reduce: the coalesced sum of every rank's entries.
+    idx = torch.tensor([[rank, world], [0, 1]])
+    sparse = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0]), (world + 1, 2))
+    dist.all_reduce(sparse)
+    want = torch.zeros(world + 1, 2)
+    for r in range(world):
+        want[r, 0] += 1.0
+        want[world, 1] += 2.0
+    check("sparse all_reduce", sparse.to_dense(), want)
+
+
+def point_to_point(rank, world, failures):
+    """send/recv say what to use instead."""
+    try:
+        dist.send(torch.ones(1), dst=(rank + 1) % world)
+        failures.append("send did not raise")
+    except (NotImplementedError, RuntimeError) as exc:
+        if "gloo" not in str(exc):
+            failures.append(f"send: unclear error {exc}")
 
 
 if __name__ == "__main__":

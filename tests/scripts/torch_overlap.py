@@ -25,10 +25,10 @@ def main(bucket_cap_mb=0.25):
     comm = dist.distributed_c10d._get_default_group().communicator
     submit = comm.all_reduce_async
 
-    def recording_submit(x, op="sum", out=None):
+    def recording_submit(x, op="sum", out=None, **options):
         with lock:
             events.append(["allreduce", int(x.numel())])
-        return submit(x, op, out)
+        return submit(x, op, out, **options)
 
     comm.all_reduce_async = recording_submit  # an instance attribute: every collective passes here
 
