@@ -11,14 +11,15 @@ from reduction_server.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
           "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant"}
 _ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib"},
             "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
-            "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"}}
+            "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
+            "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"}}
 
 
 def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[str, Any]:
@@ -96,6 +97,16 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
                              [r["steps_per_s"] for r in rows], xlabel="DDP training steps/s (same run)",
                              title=f"DDP, {rows[0]['params_M']:.3g}M parameters, batch {rows[0]['batch']} per rank",
                              path=out / "ddp.png")]
+    elif suite == "collectives":
+        from . import collectives
+
+        rows = collectives.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2}
+                                            if quick else {}, sweep))
+        print(report.table(rows, collectives.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.bars([f"{r['collective']} {r['peer']} W={r['W']} {r['mib']:g} MiB" for r in rows],
+                             [r["vs_gloo"] for r in rows], xlabel="speed vs Gloo (same run)", reference=1.0,
+                             title="reduce_scatter_tensor and all_gather_into_tensor", path=out / "collectives.png")]
     for path in files:
         print(f"wrote {path}", file=sys.stderr)
     return files

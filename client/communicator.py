@@ -11,7 +11,7 @@ import itertools
 import operator
 import threading
 from concurrent.futures import Future
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -65,6 +65,8 @@ class Handle:
 class Communicator:
     """One rank's view of the job: collectives over the reducers, NCCL-style.
 
+    A Group (group.py) is a Communicator over some of the job's ranks, sharing this one's engine.
+
     Every rank makes one with the same reducers, world size and job, and issues the same
     collectives in the same order. `Communicator.from_env()` takes all of it from the environment
     (discovery.py); the settings left None come from their RS_* variables (README, settings.py).
@@ -95,6 +97,10 @@ class Communicator:
         ConfigError: a setting is malformed or out of range (the message names it).
         CollectiveError: a reducer did not admit this rank within connect_timeout, or refused it.
     """
+
+    #: the group its collectives run in (0: all of the job's ranks), and that group's ranks (None: all)
+    group_id: int = 0
+    ranks: Optional[Tuple[int, ...]] = None
 
     def __init__(self, reducers: Sequence[str], rank: int, world_size: int, *,
                  job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
@@ -190,6 +196,8 @@ class Communicator:
 
     def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any,
                trace: Optional[Trace] = None, traced: bool = True, time_limit: Optional[float] = None) -> Handle:
+        if self.ranks is not None:  # a group's root is one of its ranks: the wire names the job's rank
+            root = self.ranks[root]
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
             if trace is not None:
                 self._engine.timeline.finish(trace)  # frees its timeline row
@@ -204,7 +212,7 @@ class Communicator:
             seq = next(self._seq)
             chunks = plan(seq, spans, len(self.reducers))
             coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
-                              result, trace=trace, traced=traced, time_limit=time_limit)
+                              result, trace=trace, traced=traced, group=self.group_id, time_limit=time_limit)
             self._engine.submit(coll)
         return Handle(coll.future)
 

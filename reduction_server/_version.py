@@ -1,2 +1,2 @@
 """The release version: the one place it is written (setup.py reads it from here)."""
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"

@@ -23,12 +23,12 @@ import zmq
 from .errors import ProtocolError
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
-VERSION = 2  # 2: the reducer proves the job token too (auth.py)
+VERSION = 3  # 2: the reducer proves the job token too (auth.py); 3: groups
 
 # magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
-# job, seq, offset, count, total, nbytes
-HEADER = struct.Struct("<IBBBBIIIIIIQQQQQQ")
-HEADER_SIZE = HEADER.size  # 80 bytes
+# job, group, seq, offset, count, total, nbytes
+HEADER = struct.Struct("<IBBBBIIIIIIQQQQQQQ")
+HEADER_SIZE = HEADER.size  # 88 bytes
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_TEXT_PAYLOAD = 64 * 1024  # handshake JSON and error text
@@ -48,6 +48,7 @@ class MsgType(enum.IntEnum):
     # Same host (shared_memory.py): the payload lies in slot `aux` of the worker's segment.
     DATA_SHM = 11  # worker -> reducer: DATA whose chunk is in the slot (no payload frame)
     RESULT_SHM = 12  # reducer -> worker: RESULT written into the slot the chunk came in
+    GROUP = 13  # worker -> reducer: the ranks of group `group` (payload: uint32 ranks, ascending)
 
 
 class ErrorCode(enum.IntEnum):
@@ -184,7 +185,8 @@ class Header:
     nchunks: int = 0
     aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot; CHALLENGE: token set (1)
     job: int = 0
-    seq: int = 0
+    group: int = 0  # which group of the job's ranks the collective belongs to (0: all of them)
+    seq: int = 0  # the collective's number in its group
     offset: int = 0  # element offset of this chunk in the collective's buffer
     count: int = 0  # elements in this chunk
     total: int = 0  # elements in the whole collective
@@ -196,11 +198,13 @@ class Header:
     @property
     def key(self) -> tuple:
         """What identifies one chunk of one collective on a reducer."""
-        return (self.job, self.generation, self.seq, self.chunk)
+        return (self.job, self.generation, self.group, self.seq, self.chunk)
 
     def describe(self) -> str:
         """The collective and chunk in words, for error messages."""
-        return f"collective seq={self.seq} chunk={self.chunk}/{self.nchunks} (job={self.job:#x}, generation={self.generation})"
+        group = f" of group {self.group:#x}" if self.group else ""
+        return (f"collective seq={self.seq}{group} chunk={self.chunk}/{self.nchunks} (job={self.job:#x}, "
+                f"generation={self.generation})")
 
 
 def unpack(frame: Union[bytes, memoryview]) -> Header:
@@ -208,7 +212,7 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
     size = len(frame)
     if size != HEADER_SIZE:
         raise ProtocolError(f"header frame is {size} bytes, expected {HEADER_SIZE}")
-    (magic, version, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
+    (magic, version, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, group, seq,
      offset, count, total, nbytes) = HEADER.unpack(frame)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic number {magic:#010x}, expected {MAGIC:#010x}")
@@ -218,12 +222,12 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
     if known is None:
         raise ProtocolError(f"unknown message type {mtype}")
     mtype = known
-    header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, seq,
+    header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, group, seq,
                     offset, count, total, nbytes)
     if mtype in DATA_TYPES:
         validate_data(header)
-    elif nbytes > MAX_TEXT_PAYLOAD:
-        raise ProtocolError(f"{mtype.name} payload of {nbytes} bytes exceeds {MAX_TEXT_PAYLOAD}")
+    elif nbytes > (4 * MAX_WORLD_SIZE if mtype is MsgType.GROUP else MAX_TEXT_PAYLOAD):
+        raise ProtocolError(f"{mtype.name} payload of {nbytes} bytes is over its limit")
     return header
 
 
@@ -249,8 +253,8 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(
             f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
     expected = h.count * itemsize
-    # A broadcast's non-root contributions carry no payload.
-    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type is MSG_DATA):
+    # A broadcast's non-root contributions carry no payload, nor does its root's RESULT (it holds the data).
+    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type in (MSG_DATA, MSG_RESULT)):
         raise ProtocolError(
             f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}")
 
@@ -258,18 +262,19 @@ def validate_data(h: Header) -> None:
 def data_header(
     mtype: MsgType, *, dtype: DType, op: ReduceOp, rank: int, world: int, job: int,
     generation: int, seq: int, chunk: int, nchunks: int, offset: int, count: int, total: int,
-    nbytes: int, aux: int = 0,
+    nbytes: int, aux: int = 0, group: int = 0,
 ) -> bytes:
     # Packed directly (a worker packs one per chunk): the same bytes as Header(...).pack().
     return HEADER.pack(MAGIC, VERSION, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job,
-                       seq, offset, count, total, nbytes)
+                       group, seq, offset, count, total, nbytes)
 
 
 def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int, aux: Optional[int] = None) -> bytes:
     """h packed, with its type, rank, payload size (and aux, when given) replaced: a reducer's
     RESULT for a DATA, or its RESULT_SHM naming the rank's slot."""
     return HEADER.pack(MAGIC, VERSION, int(mtype), h.dtype, h.op, rank, h.world, h.generation, h.chunk,
-                       h.nchunks, h.aux if aux is None else aux, h.job, h.seq, h.offset, h.count, h.total, nbytes)
+                       h.nchunks, h.aux if aux is None else aux, h.job, h.group, h.seq, h.offset, h.count, h.total,
+                       nbytes)
 
 
 def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:
@@ -281,10 +286,26 @@ def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -
 
 
 def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0, job: int = 0,
-                generation: int = 0, aux: int = 0) -> bytes:
-    """The header of a handshake, PING, BYE or REJECT message (no chunk)."""
-    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux,
+                generation: int = 0, aux: int = 0, group: int = 0) -> bytes:
+    """The header of a handshake, PING, BYE, REJECT or GROUP message (no chunk)."""
+    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux, group=group,
                   nbytes=len(payload)).pack()
+
+
+def group_payload(ranks) -> bytes:
+    """A GROUP message's payload: the group's ranks as little-endian uint32, ascending."""
+    return np.asarray(sorted(ranks), "<u4").tobytes()
+
+
+def group_ranks(payload: bytes, world: int) -> tuple:
+    """The ranks a GROUP payload lists; ProtocolError unless they are distinct, ascending and
+    within the world size."""
+    if len(payload) % 4:
+        raise ProtocolError(f"a GROUP payload of {len(payload)} bytes is not a list of uint32 ranks")
+    ranks = np.frombuffer(payload, "<u4")
+    if ranks.size == 0 or (ranks.size > 1 and not (np.diff(ranks.astype(np.int64)) > 0).all()) or ranks[-1] >= world:
+        raise ProtocolError(f"a GROUP must list distinct ranks in ascending order below the world size {world}")
+    return tuple(int(r) for r in ranks)
 
 
 def set_heartbeats(socket: zmq.Socket, interval: float, timeout: float) -> None:

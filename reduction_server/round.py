@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,7 +65,7 @@ def describe_fields(h: Header) -> str:
 @dataclass
 class Round:
     first: Header  # the first contribution's header: what the others must agree with
-    world: int
+    ranks: Sequence[int]  # the ranks that contribute and receive the result: its group's, ascending
     accumulator: Optional[np.ndarray] = None
     contributed: Dict[int, Header] = field(default_factory=dict)  # rank -> header
     error: Optional[str] = None  # set once the round has failed
@@ -76,7 +76,7 @@ class Round:
     failed_at: float = 0.0  # monotonic time it failed
     held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame or slot)
     slots: Dict[int, Tuple["Segment", int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
-    next_rank: int = 0  # deterministic mode: the rank folded next
+    next_position: int = 0  # deterministic mode: the position in `ranks` of the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     in_slot: bool = False  # the accumulator is the owner's shared-memory slot, not pool memory
     charged: int = 0  # accumulator bytes charged to owner's budget
@@ -107,6 +107,16 @@ class Round:
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
 
+    @property
+    def world(self) -> int:
+        """How many ranks contribute."""
+        return len(self.ranks)
+
+    @property
+    def next_rank(self) -> int:
+        """Deterministic mode: the rank folded next (-1 once all are)."""
+        return self.ranks[self.next_position] if self.next_position < len(self.ranks) else -1
+
     def in_rank_order(self, rank: int, payload: Any) -> List[Tuple[int, Any]]:
         """Deterministic mode: the (rank, payload) pairs to fold now, in rank order (rank's own
         and the held ones after it); empty if rank's turn has not come, in which case it is held."""
@@ -114,16 +124,16 @@ class Round:
             self.held[rank] = payload
             return []
         ready = [(rank, payload)]
-        self.next_rank += 1
+        self.next_position += 1
         while self.next_rank in self.held:
             ready.append((self.next_rank, self.held.pop(self.next_rank)))
-            self.next_rank += 1
+            self.next_position += 1
         return ready
 
     @property
     def complete(self) -> bool:
-        return len(self.contributed) == self.world
+        return len(self.contributed) == len(self.ranks)
 
     @property
     def missing(self) -> List[int]:
-        return [r for r in range(self.world) if r not in self.contributed]
+        return [r for r in self.ranks if r not in self.contributed]

@@ -55,11 +55,12 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * MiB
 DEFAULT_MAX_ACCUMULATOR_BYTES = 4096 * MiB
 #: reducer memory one rank may account for: the accumulators its contributions were loaded into
 #: and, in deterministic mode, its contributions held for their turn. A rank has at most RS_WINDOW
-#: chunks unanswered per reducer, so a well-behaved one needs at most 2 x window x chunk (32 MiB
-#: with the defaults; 2 GiB covers the largest window, 256, with 4 MiB chunks)
+#: chunks unanswered per reducer and group, so a well-behaved one using one group at a time needs
+#: at most 2 x window x chunk (32 MiB with the defaults; 2 GiB covers the largest window, 256, with
+#: 4 MiB chunks)
 DEFAULT_MAX_PEER_BYTES = 2048 * MiB
 #: rounds (one chunk of one collective) in flight on a reducer for its job: ranks send in one
-#: order, so a well-behaved job has at most RS_WINDOW (<= MAX_WINDOW) open per reducer
+#: order, so a well-behaved job has at most RS_WINDOW (<= MAX_WINDOW) open per reducer and group
 DEFAULT_MAX_ROUNDS = 1024
 #: bytes per fused bucket of all-reduces (Horovod's default)
 DEFAULT_FUSION_THRESHOLD = 64 * MiB
@@ -133,7 +134,7 @@ VARIABLES: Tuple[Variable, ...] = (
     # how a collective moves
     Variable("RS_CHUNK_BYTES", (WORKERS, BENCH), _bytes(DEFAULT_CHUNK_BYTES),
              "largest chunk a collective is cut into (the same on every rank)", int, DEFAULT_CHUNK_BYTES, 64),
-    Variable("RS_WINDOW", (WORKERS, BENCH), str(DEFAULT_WINDOW), "chunks in flight per reducer", int, DEFAULT_WINDOW,
+    Variable("RS_WINDOW", (WORKERS, BENCH), str(DEFAULT_WINDOW), "chunks in flight per reducer (and group)", int, DEFAULT_WINDOW,
              1, MAX_WINDOW),
     Variable("RS_PIPELINE_DEPTH", (WORKERS, LAUNCHER, BENCH),
              f"{DEFAULT_PIPELINE_DEPTH} ({ONE_HOST_PIPELINE_DEPTH} under `reduction-server run`)",

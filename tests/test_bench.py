@@ -174,6 +174,27 @@ def test_ddp_suite(tmp_path):
 
 
 @needs_root
+def test_collectives_suite(tmp_path):
+    """reduce_scatter_tensor and all_gather_into_tensor, each job checking its results exactly,
+    on loopback and on the emulated network, each row beside Gloo's."""
+    pytest.importorskip("torch", reason="the collectives benchmark needs torch")
+    from reduction_server.bench import collectives
+
+    before = _bench_namespaces()
+    table, rows = run_suite("collectives", tmp_path)
+    assert [(r["mbit"], r["peer"], r["collective"]) for r in rows] == [
+        (where, peer, name) for where in ("loopback", 400) for peer in ("gloo", "reduction-server")
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor")]
+    for row in rows:
+        assert set(collectives.COLUMNS) <= set(row) and row["W"] == 2 and row["mib"] == 1
+        assert row["R"] == ("-" if row["peer"] == "gloo" else 2)
+        gloo = next(g for g in rows if (g["peer"], g["mbit"], g["collective"]) == ("gloo", row["mbit"], row["collective"]))
+        assert row["vs_gloo"] == pytest.approx(gloo["ms"] / row["ms"])
+    assert table.splitlines()[0].split() == collectives.COLUMNS
+    assert _bench_namespaces() == before
+
+
+@needs_root
 def test_netem_cleans_up_when_interrupted(tmp_path):
     # SIGINT as a terminal sends it: not inherited as ignored, as it is when the tests themselves
     # run in the background of a non-interactive shell (Python then never raises KeyboardInterrupt).
@@ -260,12 +281,12 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["kernels", "--rounds", "3"], "--rounds is for the netem and ddp suites, not kernels"),
+    (["kernels", "--rounds", "3"], "--rounds is for the netem, ddp and collectives suites, not kernels"),
     (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
-    (["kernels", "--workers", "2"], "--workers is for the loopback, netem and ddp suites, not kernels"),
-    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem and ddp suites, not loopback"),
+    (["kernels", "--workers", "2"], "--workers is for the loopback, netem, ddp and collectives suites, not kernels"),
+    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem, ddp and collectives suites, not loopback"),
     (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
-    (["ddp", "--mib", "4"], "--mib is for the kernels, loopback and netem suites, not ddp"),
+    (["ddp", "--mib", "4"], "--mib is for the kernels, loopback, netem and collectives suites, not ddp"),
     (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
     (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
     (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),

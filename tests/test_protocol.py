@@ -25,7 +25,7 @@ def raw(magic=MAGIC, version=VERSION, mtype=int(MsgType.DATA), **overrides) -> b
     """Pack a header by hand, bypassing Header.pack (which always writes MAGIC and VERSION)."""
     h = data(**overrides)
     return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation,
-                                h.chunk, h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total,
+                                h.chunk, h.nchunks, h.aux, h.job, h.group, h.seq, h.offset, h.count, h.total,
                                 h.nbytes)
 
 
@@ -40,16 +40,19 @@ def rejects(frame, *words):
 
 # -- layout and round trips ----------------------------------------------------------------
 def test_header_layout_matches_the_documentation():
-    assert HEADER_SIZE == 80
+    assert HEADER_SIZE == 88
     packed = data().pack()
-    assert len(packed) == 80
+    assert len(packed) == 88
     magic, version, mtype = struct.unpack_from("<IBB", packed)
-    assert (magic, version, mtype) == (0x52535631, 2, 6)
+    assert (magic, version, mtype) == (0x52535631, 3, 6)
     assert packed[:4] == b"1VSR"
     # u64 fields at the documented offsets
     assert struct.unpack_from("<Q", packed, 32)[0] == 0xDEADBEEFCAFEF00D  # job
-    assert struct.unpack_from("<Q", packed, 40)[0] == 12345678901  # seq
-    assert struct.unpack_from("<Q", packed, 72)[0] == 400  # nbytes
+    assert struct.unpack_from("<Q", packed, 40)[0] == 0  # group: all ranks
+    assert struct.unpack_from("<Q", packed, 48)[0] == 12345678901  # seq
+    assert struct.unpack_from("<Q", packed, 80)[0] == 400  # nbytes
+    grouped = Header(MsgType.DATA, group=0x0123456789ABCDEF).pack()
+    assert struct.unpack_from("<Q", grouped, 40)[0] == 0x0123456789ABCDEF
     assert struct.unpack_from("<I", packed, 16)[0] == 3  # generation
 
 
@@ -63,7 +66,7 @@ def test_round_trip_every_message_type(mtype):
         back = protocol.unpack(frame)
         assert back == h
         assert back.type is mtype
-    assert back.key == (h.job, h.generation, h.seq, h.chunk)
+    assert back.key == (h.job, h.generation, h.group, h.seq, h.chunk)
 
 
 def test_round_trip_extremes():
@@ -79,7 +82,7 @@ def test_helpers_build_valid_headers():
     assert err.type is MsgType.ERROR and err.aux == ErrorCode.MISMATCH and err.nbytes == len(text)
     assert err.key == about.key  # the ERROR repeats the key it answers
     bare = protocol.unpack(protocol.error_header(ErrorCode.MALFORMED, b"x"))
-    assert (bare.type, bare.aux, bare.nbytes, bare.key) == (MsgType.ERROR, 1, 1, (0, 0, 0, 0))
+    assert (bare.type, bare.aux, bare.nbytes, bare.key) == (MsgType.ERROR, 1, 1, (0, 0, 0, 0, 0))
     hello = protocol.unpack(protocol.text_header(MsgType.HELLO, b"{}", rank=2, world=4, job=9, generation=1))
     assert (hello.type, hello.rank, hello.world, hello.job, hello.generation, hello.nbytes) == (
         MsgType.HELLO, 2, 4, 9, 1, 2)
@@ -93,12 +96,12 @@ def test_helpers_build_valid_headers():
 # -- what unpack rejects, and that it says what is wrong ----------------------------------
 @pytest.mark.parametrize("size", [0, 1, 40, 79])
 def test_truncated_header(size):
-    rejects(data().pack()[:size], f"{size} bytes", "expected 80")
+    rejects(data().pack()[:size], f"{size} bytes", f"expected {HEADER_SIZE}")
 
 
 @pytest.mark.parametrize("extra", [1, 8, 100])
 def test_too_long_header(extra):
-    rejects(data().pack() + b"\0" * extra, f"{80 + extra} bytes", "expected 80")
+    rejects(data().pack() + b"\0" * extra, f"{HEADER_SIZE + extra} bytes", f"expected {HEADER_SIZE}")
 
 
 def test_bad_magic():
@@ -107,15 +110,15 @@ def test_bad_magic():
 
 
 def test_garbage_is_rejected():
-    rejects(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(80, b"x"), "magic")
+    rejects(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(HEADER_SIZE, b"x"), "magic")
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
 def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 
 
-@pytest.mark.parametrize("mtype", [0, 13, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 14, 99, 255])
 def test_unknown_message_type(mtype):
     rejects(raw(mtype=mtype), "message type", str(mtype))
 
@@ -190,17 +193,30 @@ def test_broadcast_non_root_data_may_have_no_payload():
     rejects(raw(op=int(ReduceOp.BROADCAST), aux=0, nbytes=4), "payload bytes")
 
 
-def test_only_broadcast_data_may_omit_the_payload():
+def test_only_broadcasts_may_omit_the_payload():
     rejects(raw(op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
-    # a broadcast RESULT always carries the data
-    rejects(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.BROADCAST), aux=0, nbytes=0), "0 payload bytes")
+    rejects(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
+    # a non-root's contribution to a broadcast, and the reducer's answer to its root, carry none
+    assert protocol.unpack(raw(op=int(ReduceOp.BROADCAST), aux=1, nbytes=0)).nbytes == 0
+    assert protocol.unpack(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.BROADCAST), aux=0, nbytes=0)).nbytes == 0
 
 
-@pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES])
+@pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES and t is not MsgType.GROUP])
 def test_text_payload_limit(mtype):
     ok = Header(mtype, nbytes=MAX_TEXT_PAYLOAD)
     assert protocol.unpack(ok.pack()).nbytes == MAX_TEXT_PAYLOAD
     rejects(Header(mtype, nbytes=MAX_TEXT_PAYLOAD + 1).pack(), mtype.name, str(MAX_TEXT_PAYLOAD + 1))
+
+
+def test_a_group_lists_up_to_every_rank_of_the_largest_world():
+    most = 4 * protocol.MAX_WORLD_SIZE
+    assert protocol.unpack(Header(MsgType.GROUP, nbytes=most).pack()).nbytes == most
+    rejects(Header(MsgType.GROUP, nbytes=most + 1).pack(), "GROUP", str(most + 1))
+    assert protocol.group_ranks(protocol.group_payload([5, 0, 2]), 6) == (0, 2, 5)
+    for bad, words in ((b"\0\0\0", "uint32"), (b"", "distinct"), (protocol.group_payload([0, 6]), "below the world size"),
+                       (b"\x01\0\0\0\x01\0\0\0", "ascending")):
+        with pytest.raises(ProtocolError, match=words):
+            protocol.group_ranks(bad, 6)
 
 
 # -- ReduceOp.parse --------------------------------------------------------------------------

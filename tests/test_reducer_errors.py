@@ -55,12 +55,12 @@ def test_malformed_frames_are_answered_and_others_keep_being_served():
             valid = data(seq=7)
             cases = [
                 # (frames, expected code, words the error text must contain)
-                ([b"\x00\x01garbage that is no header"], ErrorCode.MALFORMED, ["malformed", "expected 80"]),
+                ([b"\x00\x01garbage that is no header"], ErrorCode.MALFORMED, ["malformed", f"expected {protocol.HEADER_SIZE}"]),
                 ([b""], ErrorCode.MALFORMED, ["malformed", "0 bytes"]),
                 ([valid[:40]], ErrorCode.MALFORMED, ["malformed", "40 bytes"]),
-                ([valid + b"\0"], ErrorCode.MALFORMED, ["malformed", "81 bytes"]),
+                ([valid + b"\0"], ErrorCode.MALFORMED, ["malformed", f"{protocol.HEADER_SIZE + 1} bytes"]),
                 ([raw_header(magic=0xDEADBEEF), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "magic"]),
-                ([raw_header(version=3), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 3"]),
+                ([raw_header(version=2), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 2"]),
                 ([raw_header(mtype=42)], ErrorCode.MALFORMED, ["malformed", "message type 42"]),
                 ([protocol.Header(MsgType.RESULT, dtype=7, world=2, nchunks=1, count=4, total=4, nbytes=16).pack(),
                   b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "RESULT"]),
@@ -268,7 +268,7 @@ def test_a_duplicate_contribution_fails_the_round():
         # both of rank 0's contributions are answered, each with DUPLICATE
         for _ in range(2):
             header, text = peer.expect_error(ErrorCode.DUPLICATE, "rank 0 contributed twice", "seq=1")
-            assert header.key == (0xD0, 0, 1, 0)
+            assert header.key == (0xD0, 0, 0, 1, 0)
         peer.expect_silence(0.3)
         # rank 1 arrives late and hears of the failure instead of waiting forever
         late = Peer(group.addresses[0])
@@ -369,7 +369,7 @@ def test_error_texts_always_fit_the_protocol():
         assert header.nbytes <= protocol.MAX_TEXT_PAYLOAD
         assert "ranks [0] contributed, ranks [1-49999] (49999 ranks) did not" in text, text
         assert "timed out after 0.5 s" in text
-        assert header.key == (0xB16, 0, 1, 0)
+        assert header.key == (0xB16, 0, 0, 1, 0)
         assert group.alive()
         peer.close()
 

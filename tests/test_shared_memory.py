@@ -166,10 +166,10 @@ def test_an_answer_about_no_chunk_frees_no_slot():
                     connect_timeout=1, io_threads=1, shared=True)
     try:
         slots = engine.slots
-        slots.free[0], slots.slot_of[0] = [1], {(0, 0): 0}  # slot 0 holds (seq 0, chunk 0)
+        slots.free[0], slots.slot_of[0] = [1], {(0, 0, 0): 0}  # slot 0 holds (group 0, seq 0, chunk 0)
         keyless = protocol.unpack(protocol.error_header(ErrorCode.INTERNAL, b"internal error"))
         assert slots.release(0, keyless) is None
-        assert slots.slot_of[0] == {(0, 0): 0} and slots.free[0] == [1]
+        assert slots.slot_of[0] == {(0, 0, 0): 0} and slots.free[0] == [1]
         answer = Header(MsgType.RESULT_SHM, dtype=7, world=1, nchunks=1, count=1, total=1, nbytes=4)
         assert slots.release(0, answer) == 0
         assert slots.slot_of[0] == {} and sorted(slots.free[0]) == [0, 1]

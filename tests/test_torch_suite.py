@@ -43,7 +43,10 @@ SELECTION = {
     "all_to_all_single": ["test_all_to_all_single_equal_split", "test_all_to_all_single_unequal_split",
                           "test_all_to_all_single_equal_split_complex"],
     "barrier": ["test_barrier", "test_barrier_full_group"],
-    "groups": ["test_get_rank_size_full_group", "test_destroy_full_group"],
+    "groups": ["test_get_rank_size_full_group", "test_destroy_full_group", "test_get_backend",
+               "test_destroy_group", "test_get_rank_size_group"],
+    "send/recv": ["test_send_recv", "test_send_recv_with_tag", "test_isend", "test_irecv",
+                  "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags"],
     "ddp": ["test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view"],
 }
 

@@ -37,6 +37,7 @@ class Collective:
     blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
     trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
     traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
+    group: int = 0  # the group of ranks it runs in (0: all of them); seq counts within it
     time_limit: Optional[float] = None  # seconds it may take from its start, its caller's timeout
     deadline: float = float("inf")  # monotonic time it fails unless done (set when it starts)
 
@@ -55,7 +56,8 @@ class Collective:
 
     def describe(self) -> str:
         """The collective in words for error messages: its seq, what it is, its count and dtype."""
-        return f"collective seq={self.seq} ({self.what} of {self.total} x {self.dtype.name.lower()})"
+        group = f" of group {self.group:#x}" if self.group else ""
+        return f"collective seq={self.seq}{group} ({self.what} of {self.total} x {self.dtype.name.lower()})"
 
     def trace_facts(self) -> Tuple[str, Dict[str, Any]]:
         """Its name and arguments on the timeline (timeline.py)."""

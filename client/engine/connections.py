@@ -75,6 +75,26 @@ class Connections:
         self.progress: List[int] = [CONNECTING] * len(addresses)
         self.handshake_failures: List[Tuple[int, float]] = [(0, 0.0)] * len(addresses)
         self.context: Optional[zmq.Context] = None
+        self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every reducer that admits us
+
+    def announce(self, group: int, ranks: Sequence[int]) -> None:
+        """Tell every reducer the ranks of `group` (before any of its chunks: one socket keeps
+        the order), and every reducer that admits this worker again later."""
+        self.groups[group] = protocol.group_payload(ranks)
+        for r in range(len(self.sockets)):
+            if r not in self.down:
+                self._tell_groups(r, [group])
+
+    def _tell_groups(self, r: int, groups: Sequence[int]) -> None:
+        for group in groups:
+            payload = self.groups[group]
+            try:  # far below libzmq's queue; a gone connection is noticed by the next chunk
+                self.sockets[r].send_multipart([protocol.text_header(MsgType.GROUP, payload, rank=self.me.rank,
+                                                                     world=self.me.world, job=self.me.job,
+                                                                     generation=self.me.generation, group=group),
+                                                payload], zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def name(self, r: int) -> str:
         """Reducer r as messages name it: "reducer r (host:port)"."""
@@ -217,6 +237,7 @@ class Connections:
         """Reducer r's WELCOME: its handshake holds, and its shared-memory answer is known."""
         self.handshake_failures[r] = (0, 0.0)
         self.slots.welcomed(r, welcome)
+        self._tell_groups(r, list(self.groups))
 
     def readmitted(self, r: int, welcome: dict, max_chunk_bytes: int) -> None:
         """Reducer r admitted this worker again after it was lost."""

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Deque, Optional, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import zmq
 
@@ -65,6 +65,7 @@ class Engine:
         self.pump = Pump(me, self.ledger, self.connections, self.slots, window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots)
         self._queue: Deque[Collective] = deque()
+        self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -107,6 +108,13 @@ class Engine:
             if self.timeline is not None and coll.traced:
                 coll.trace = self.timeline.submitted(coll.trace, *coll.trace_facts())
             self._queue.append(coll)
+            self._wake()
+
+    def add_group(self, group: int, ranks: Sequence[int]) -> None:
+        """Serve collectives of `group` (ranks ascending, this rank among them): the reducers
+        hear of it before any of its chunks."""
+        with self._lock:
+            self._groups.append((group, tuple(ranks)))
             self._wake()
 
     def close(self) -> None:
@@ -158,6 +166,8 @@ class Engine:
         wait = int(min(1.0, heartbeat) * 1000)
         while True:
             with self._lock:
+                while self._groups:
+                    conn.announce(*self._groups.pop(0))
                 while self._queue:
                     ledger.start(self._queue.popleft())
             if self._closing:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from reduction_server.errors import CollectiveError
 from reduction_server.protocol import Header
@@ -21,21 +21,28 @@ class Ledger:
         self.me = me
         self.names = names  # "reducer r (address)", by reducer
         self.timeline = timeline
-        self.active: Dict[int, Collective] = {}
-        self.sending: Deque[Collective] = deque()  # started, with chunks still to send, in order
-        self.inflight: List[int] = [0] * len(names)  # chunks sent and not answered, by reducer
+        self.active: Dict[Tuple[int, int], Collective] = {}  # by (group, seq)
+        # Started, with chunks still to send, in order, by group (each group's own window, below).
+        self.sending: Dict[int, Deque[Collective]] = {}
+        # Chunks sent and not answered, by group and reducer: each group has its own window, so
+        # that groups used in different orders by different ranks (send/recv pairs) never wait
+        # on one another's window.
+        self.inflight: Dict[int, List[int]] = {}
 
     def start(self, coll: Collective) -> None:
         """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
         coll.last_progress = time.monotonic()
         if coll.time_limit is not None:
             coll.deadline = coll.last_progress + coll.time_limit
-        self.active[coll.seq] = coll
-        self.sending.append(coll)
+        self.active[coll.group, coll.seq] = coll
+        queue = self.sending.get(coll.group)
+        if queue is None:
+            queue = self.sending[coll.group] = deque()
+        queue.append(coll)
 
     def pending_chunk(self, h: Header) -> Optional[Collective]:
         """The collective whose sent chunk h answers; None for a late answer (it already failed)."""
-        coll = self.active.get(h.seq)
+        coll = self.active.get((h.group, h.seq))
         if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT:
             return None
         return coll
@@ -43,7 +50,7 @@ class Ledger:
     def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str]) -> None:
         """Chunk k of coll was answered by reducer r (error: why it failed)."""
         coll.state[k] = ANSWERED
-        self.inflight[r] -= 1
+        self.inflight[coll.group][r] -= 1
         coll.answered += 1
         coll.last_progress = time.monotonic()
         if coll.trace is not None:
@@ -51,7 +58,7 @@ class Ledger:
         if error is not None:
             coll.errors.append((k, f"chunk {k} on {self.names[r]}: {error}"))
         if coll.answered == len(coll.chunks):
-            del self.active[coll.seq]
+            del self.active[coll.group, coll.seq]
             if coll.errors:
                 # The lowest chunk's error, not the first to arrive: every rank reports the same one.
                 more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
@@ -73,11 +80,12 @@ class Ledger:
         """Stop tracking a collective: its window slots free up, late answers are dropped."""
         for k, s in enumerate(coll.state):
             if s == SENT:
-                self.inflight[coll.chunks[k].reducer] -= 1
+                self.inflight[coll.group][coll.chunks[k].reducer] -= 1
             coll.state[k] = ANSWERED
-        self.active.pop(coll.seq, None)
-        if coll in self.sending:
-            self.sending.remove(coll)
+        self.active.pop((coll.group, coll.seq), None)
+        queue = self.sending.get(coll.group)
+        if queue is not None and coll in queue:
+            queue.remove(coll)
 
     def give_up(self, coll: Collective, reason: str) -> None:
         """Stop tracking coll (abandon) and fail it with `reason`."""
@@ -95,7 +103,15 @@ class Ledger:
         for coll in list(self.active.values()):
             if coll.pending_on(r):
                 self.give_up(coll, reason)
-        self.inflight[r] = 0
+        for counts in self.inflight.values():
+            counts[r] = 0
+
+    def window(self, group: int) -> List[int]:
+        """Group's chunks in flight, by reducer (made on its first collective)."""
+        counts = self.inflight.get(group)
+        if counts is None:
+            counts = self.inflight[group] = [0] * len(self.names)
+        return counts
 
     def expire(self, now: float, backstop: float, timeout: float) -> None:
         """Fail collectives past their own time limit, and those with chunks out and no progress

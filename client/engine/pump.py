@@ -1,14 +1,17 @@
-"""The chunk pump: chunks go out in one global order, never more than `window` unanswered per
-reducer.
+"""The chunk pump: each group's chunks go out in its order, never more than `window` of a group
+unanswered per reducer.
 
-Every rank sends the same sequence (collective by collective, chunk by chunk), so every key a
-rank waits for is one that all ranks reach: the window cannot deadlock, and sending, summing and
-receiving overlap across reducers and across consecutive collectives. Each chunk is sent
+Every rank of a group sends the group's same sequence (collective by collective, chunk by chunk),
+so every key a rank waits for is one that all the group's ranks reach: the window cannot
+deadlock, and sending, summing and receiving overlap across reducers and across consecutive
+collectives. Groups have windows of their own, so that ranks may use groups in different orders
+(a send/recv ring: each rank's receive waits for a send in another group). Each chunk is sent
 without a copy from the user's buffer, or through a shared-memory slot (slots.py).
 """
 from __future__ import annotations
 
 import time
+from typing import Deque, List
 
 import zmq
 
@@ -37,12 +40,19 @@ class Pump:
         self.window = window
 
     def run(self) -> None:
-        """Send chunks in global order until one's reducer has a full window."""
-        ledger, inflight = self.ledger, self.ledger.inflight
-        while ledger.sending:
-            coll = ledger.sending[0]
+        """Send chunks in each group's order until one's reducer has a full window for that
+        group: a group that waits holds back only its own later collectives."""
+        sending = self.ledger.sending
+        for group, queue in list(sending.items()):
+            self._run_group(queue, self.ledger.window(group))
+            if not queue:
+                del sending[group]
+
+    def _run_group(self, queue: Deque[Collective], inflight: List[int]) -> None:
+        while queue:
+            coll = queue[0]
             if self.connections.down and coll.next == 0 and not self._startable(coll):
-                if ledger.sending and ledger.sending[0] is coll:
+                if queue and queue[0] is coll:
                     return  # it waits for a lost reducer to come back
                 continue  # it failed and left the queue
             while coll.next < len(coll.chunks):
@@ -50,12 +60,12 @@ class Pump:
                 r = coll.chunks[k].reducer
                 if inflight[r] >= self.window:
                     return
-                if not self._send_chunk(coll, k, r):
+                if not self._send_chunk(coll, k, r, inflight):
                     # Its socket has no connection left (and never makes another): the reducer is
                     # gone, though its monitor has not said so yet. This fails coll, among others.
                     return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
                 coll.next += 1
-            ledger.sending.popleft()
+            queue.popleft()
 
     def _startable(self, coll: Collective) -> bool:
         """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
@@ -75,7 +85,7 @@ class Pump:
             self.ledger.give_up(coll, reason)
         return False
 
-    def _send_chunk(self, coll: Collective, k: int, r: int) -> bool:
+    def _send_chunk(self, coll: Collective, k: int, r: int, inflight: List[int]) -> bool:
         """Send chunk k of coll to reducer r; False if its connection is gone."""
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
@@ -88,7 +98,7 @@ class Pump:
             MSG_DATA if slot is None else MSG_DATA_SHM, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
             world=self.me.world, job=self.me.job, generation=self.me.generation, seq=coll.seq, chunk=k,
             nchunks=len(coll.chunks), offset=offset, count=count, total=coll.total, nbytes=nbytes,
-            aux=coll.root if slot is None else slot)
+            aux=coll.root if slot is None else slot, group=coll.group)
         if slot is not None:
             self.slots.view(r, slot, nbytes)[:] = payload
         sock = self.connections.sockets[r]
@@ -101,9 +111,9 @@ class Pump:
         except zmq.Again:
             return False
         if slot is not None:
-            self.slots.put(r, slot, coll.seq, k)
+            self.slots.put(r, slot, coll.group, coll.seq, k)
         coll.state[k] = SENT
-        self.ledger.inflight[r] += 1
+        inflight[r] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
         if coll.trace is not None:
             coll.trace.chunk_sent()

@@ -15,7 +15,8 @@ import zmq
 
 from reduction_server import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.protocol import ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM, ErrorCode, MsgType
+from reduction_server.protocol import (ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM, OP_BROADCAST, ErrorCode,
+                                      MsgType)
 
 from .collective import Collective
 from .connections import CHALLENGED, Connections
@@ -106,6 +107,12 @@ class Results:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
         size = ITEMSIZE[coll.dtype]
+        if not more and h.nbytes == 0 and coll.op is OP_BROADCAST and coll.send is not None \
+                and not self._misshapen(h, coll):
+            # This rank is the root: its own data does not come back; out of place, it is copied.
+            if coll.send is not coll.recv:
+                coll.recv[offset * size:(offset + count) * size] = coll.send[offset * size:(offset + count) * size]
+            return self.ledger.chunk_done(coll, h.chunk, r, None)
         if not more or self._misshapen(h, coll):
             _skip(sock, more)
             return self.ledger.chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))

@@ -34,7 +34,7 @@ class Slots:
         self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
         self.segments: List[Optional[shared_memory.Segment]] = [None] * len(offers)
         self.free: List[List[int]] = [[] for _ in offers]  # empty until the reducer maps the segment
-        self.slot_of: List[Dict[Tuple[int, int], int]] = [{} for _ in offers]  # (seq, chunk) -> slot
+        self.slot_of: List[Dict[Tuple[int, int, int], int]] = [{} for _ in offers]  # (group, seq, chunk) -> slot
         self.chunks_shared = 0  # chunks that went through shared memory (both ways)
 
     def offer(self, r: int) -> Optional[dict]:
@@ -69,10 +69,10 @@ class Slots:
         free = self.free[r]
         return free[-1] if free and nbytes <= self.slot_bytes else None
 
-    def put(self, r: int, slot: int, seq: int, chunk: int) -> None:
-        """Chunk `chunk` of collective `seq` went out in `slot` (the one take() gave)."""
+    def put(self, r: int, slot: int, group: int, seq: int, chunk: int) -> None:
+        """Chunk `chunk` of collective `seq` of `group` went out in `slot` (the one take() gave)."""
         self.free[r].pop()
-        self.slot_of[r][seq, chunk] = slot
+        self.slot_of[r][group, seq, chunk] = slot
         self.chunks_shared += 1
 
     def view(self, r: int, slot: int, nbytes: int) -> memoryview:
@@ -89,7 +89,7 @@ class Slots:
         chunk did not go through shared memory."""
         if h.nchunks == 0 or not self.me.owns(h):
             return None  # an answer about no chunk (an ERROR about a frame, not a key)
-        slot = self.slot_of[r].pop((h.seq, h.chunk), None)
+        slot = self.slot_of[r].pop((h.group, h.seq, h.chunk), None)
         if slot is not None:
             self.free[r].append(slot)
         return slot

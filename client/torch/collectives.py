@@ -14,7 +14,7 @@ import torch  # the real torch: imports are absolute
 
 from reduction_server.protocol import ReduceOp
 
-from ..communicator import Handle
+from ..communicator import Communicator, Handle
 from .pipeline import Pipeline, Started
 from .tensors import Staged, as_wire, check_device, future_for
 
@@ -38,9 +38,9 @@ def _scratch_like(tensor: torch.Tensor, count: Optional[int] = None) -> torch.Te
 class Collectives:
     """The torch collectives of one process group, over its Pipeline's Communicator."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, comm: Optional[Communicator] = None) -> None:
         self.pipeline = pipeline
-        self.comm = pipeline.communicator
+        self.comm = comm or pipeline.communicator  # another one: a group of the pipeline's (send/recv pairs)
 
     @property
     def rank(self) -> int:

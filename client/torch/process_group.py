@@ -2,31 +2,28 @@
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from reduction_server import settings
 from reduction_server.discovery import discover_worker
 from reduction_server.protocol import ReduceOp
 
 from ..communicator import Communicator
+from ..group import Group
 from .collectives import Collectives
 from .pipeline import Pipeline
 from .sparse import Sparse
 from .tensors import reduction
+from .work import FutureWork
 
 BACKEND_NAME = "reduction_server"
 
 
 def _as_list(tensors: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def _work(future: torch.futures.Future) -> dist.Work:
-    return _create_work_from_future(future)
 
 
 def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.Future:
@@ -53,10 +50,6 @@ def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], world: int, what: st
     return list(torch.split(tensor.reshape(rows, width), list(sizes)))
 
 
-_POINT_TO_POINT = ("send/recv are not supported by the reduction_server backend yet (they need the reducers to "
-                   "serve pairs of ranks); use a gloo group for them: dist.new_group(backend='gloo')")
-
-
 class ReductionServerProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives go through the reducers.
 
@@ -75,6 +68,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         super().__init__(comm.rank, comm.world_size)
         self._rank, self._size = comm.rank, comm.world_size
         self._name, self._desc = "", ""
+        self._pairs: Dict[Tuple[int, int, int], Collectives] = {}
         self._collectives = Collectives(self._pipeline)
         self._sparse = Sparse(self._collectives)
         # torch's timeout= bounds each collective when it is shorter than the reducers' RS_TIMEOUT
@@ -138,8 +132,8 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         op, factor = reduction(getattr(opts, "reduceOp", opts) if opts is not None else ReduceOp.SUM)
         tensors = _as_list(tensors)
         if any(t.is_sparse for t in tensors):
-            return _work(self._sparse.all_reduce(tensors, op, self._limit(opts)))
-        return _work(self._collectives.all_reduce(tensors, op, factor, timeout=self._limit(opts)))
+            return FutureWork(self._sparse.all_reduce(tensors, op, self._limit(opts)))
+        return FutureWork(self._collectives.all_reduce(tensors, op, factor, timeout=self._limit(opts)))
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         """ProcessGroup.allreduce_coalesced: allreduce of each tensor, as one Work."""
@@ -149,14 +143,14 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """ProcessGroup.reduce: the tensors reduced into the root's (ReduceOptions); the other
         ranks' tensors are left unchanged."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return _work(self._collectives.reduce(_as_list(tensors), op, self._root(opts, "reduce"), factor,
+        return FutureWork(self._collectives.reduce(_as_list(tensors), op, self._root(opts, "reduce"), factor,
                                               self._limit(opts)))
 
     def broadcast(self, tensors, opts=None) -> dist.Work:
         """ProcessGroup.broadcast: overwrite the tensors on every rank with the root's
         (BroadcastOptions.rootRank or an int, 0 by default); returns a Work at once. ValueError
         for a root out of range."""
-        return _work(self._collectives.broadcast(_as_list(tensors), self._root(opts, "broadcast"), self._limit(opts)))
+        return FutureWork(self._collectives.broadcast(_as_list(tensors), self._root(opts, "broadcast"), self._limit(opts)))
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.allgather: each input into output_tensors[i][rank] on every rank (also as
@@ -165,24 +159,24 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
             input_tensors = [input_tensors]
             if output_tensors and isinstance(output_tensors[0], torch.Tensor):
                 output_tensors = [output_tensors]
-        return _work(self._collectives.all_gather(output_tensors, list(input_tensors), self._limit(opts)))
+        return FutureWork(self._collectives.all_gather(output_tensors, list(input_tensors), self._limit(opts)))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
         """ProcessGroup.allgather_coalesced: output_lists[r][i] receives rank r's input_list[i]."""
         by_input = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
-        return _work(_together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))],
+        return FutureWork(_together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))],
                                output_lists))
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
         """ProcessGroup.all_gather_single (all_gather_into_tensor): every rank's input into its
         piece of output, in rank order."""
-        return _work(self._collectives.all_gather_single(output, input, self._limit(opts)))
+        return FutureWork(self._collectives.all_gather_single(output, input, self._limit(opts)))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         """all_gather_single of each (output, input) pair, as one Work."""
-        return _work(_together([self._collectives.all_gather_single(o, i, self._limit(opts))
+        return FutureWork(_together([self._collectives.all_gather_single(o, i, self._limit(opts))
                                 for o, i in zip(outputs, inputs)], list(outputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -191,39 +185,39 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """ProcessGroup.gather: every rank's input into output_tensors[0][rank] on the root."""
         root = self._root(opts, "gather")
         outputs = output_tensors[0] if output_tensors else []
-        return _work(self._collectives.gather(outputs, _as_list(input_tensors)[0], root, self._limit(opts)))
+        return FutureWork(self._collectives.gather(outputs, _as_list(input_tensors)[0], root, self._limit(opts)))
 
     def scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.scatter: the root's input_tensors[0][r] into rank r's output_tensors[0]."""
         root = self._root(opts, "scatter")
         inputs = input_tensors[0] if input_tensors else []
-        return _work(self._collectives.scatter(_as_list(output_tensors)[0], inputs, root, self._limit(opts)))
+        return FutureWork(self._collectives.scatter(_as_list(output_tensors)[0], inputs, root, self._limit(opts)))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.reduce_scatter: input_tensors[0][r] reduced over the ranks into rank r's output_tensors[0]."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return _work(self._collectives.reduce_scatter(_as_list(output_tensors)[0], input_tensors[0], op, factor,
+        return FutureWork(self._collectives.reduce_scatter(_as_list(output_tensors)[0], input_tensors[0], op, factor,
                                                       self._limit(opts)))
 
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
         """ProcessGroup.reduce_scatter_single (reduce_scatter_tensor): input cut into world-size
         pieces, piece r reduced into rank r's output."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return _work(self._collectives.reduce_scatter_single(output, input, op, factor, self._limit(opts)))
+        return FutureWork(self._collectives.reduce_scatter_single(output, input, op, factor, self._limit(opts)))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         """reduce_scatter_single of each (output, input) pair, as one Work."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return _work(_together([self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
+        return FutureWork(_together([self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
                                 for o, i in zip(outputs, inputs)], list(outputs)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.alltoall: rank j's input_tensors[r] into rank r's output_tensors[j]."""
-        return _work(self._collectives.all_to_all(list(output_tensors), list(input_tensors),
+        return FutureWork(self._collectives.all_to_all(list(output_tensors), list(input_tensors),
                                                   timeout=self._limit(opts)))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:  # noqa: A002
@@ -233,26 +227,49 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         even = not output_split_sizes and not input_split_sizes
         outputs = _split_rows(output, output_split_sizes, self._size, "output")
         inputs = _split_rows(input, input_split_sizes, self._size, "input")
-        return _work(_together([self._collectives.all_to_all(outputs, inputs, even, self._limit(opts))], [output]))
+        return FutureWork(_together([self._collectives.all_to_all(outputs, inputs, even, self._limit(opts))], [output]))
 
     alltoall_base = all_to_all_single
 
+    def _job_rank(self, rank: int) -> int:
+        ranks = self.communicator.ranks
+        return ranks[rank] if ranks is not None else rank
+
+    def _pair(self, src: int, dst: int, tag: int) -> Collectives:
+        """The collectives of messages from job rank src to dst with `tag`: a group of the two
+        (one per direction and tag, so that each keeps torch's matching order), made on first use."""
+        key = (src, dst, tag)
+        pair = self._pairs.get(key)
+        if pair is None:
+            comm = self.communicator
+            job = comm.parent if isinstance(comm, Group) else comm
+            group = Group(job, [src, dst], f"{self._name}:p2p:{src}>{dst}:{tag}")
+            pair = self._pairs[key] = Collectives(self._pipeline, group)
+        return pair
+
     def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803 - torch's names
-        """Point-to-point messages are not relayed yet: NotImplementedError saying what to use."""
-        raise NotImplementedError(_POINT_TO_POINT)
+        """ProcessGroup.send: the tensors to rank dstRank, relayed by the reducers (a broadcast in
+        the pair's own group); matched with dstRank's recv of the same tag, in order."""
+        src, dst = self._job_rank(self._rank), self._job_rank(int(dstRank))
+        pair = self._pair(src, dst, int(tag))
+        return FutureWork(pair.broadcast(_as_list(tensors), pair.comm.ranks.index(src), self._time_limit))
 
     def recv(self, tensors, srcRank, tag=0) -> dist.Work:  # noqa: N803 - torch's names
-        """See send()."""
-        raise NotImplementedError(_POINT_TO_POINT)
+        """ProcessGroup.recv: the tensors from rank srcRank's send of the same tag."""
+        src, dst = self._job_rank(int(srcRank)), self._job_rank(self._rank)
+        pair = self._pair(src, dst, int(tag))
+        return FutureWork(pair.broadcast(_as_list(tensors), pair.comm.ranks.index(src), self._time_limit))
 
     def recv_anysource(self, tensors, tag=0) -> dist.Work:
-        """See send()."""
-        raise NotImplementedError(_POINT_TO_POINT)
+        """Not supported: a receive from any rank cannot be matched by the reducers, which relay
+        each message within the pair that sends it. NotImplementedError."""
+        raise NotImplementedError("recv without a source (recv_anysource) is not supported by the reduction_server "
+                                  "backend: name the source rank, or use a gloo group")
 
     def barrier(self, opts=None) -> dist.Work:
         """ProcessGroup.barrier: a Work that completes once every rank has entered the barrier,
         or fails ("Timed out after ...") past BarrierOptions.timeout."""
-        return _work(self._collectives.barrier(self._limit(opts)))
+        return FutureWork(self._collectives.barrier(self._limit(opts)))
 
     def shutdown(self) -> None:
         """Finish the queued completions and, if this group made it, close the Communicator."""
@@ -265,8 +282,8 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         self.shutdown()
 
 
-# One process group per process over the reducers (a second Communicator on the same job would
-# reuse its sequence numbers). Groups over the whole world share it; subgroups are refused.
+# The job's Communicator, made with the default group; every other group of the job runs on it
+# (its own order of collectives when it has fewer ranks, the default group's when it has them all).
 _groups: Dict[int, ReductionServerProcessGroup] = {}
 _groups_lock = threading.Lock()
 
@@ -286,18 +303,22 @@ def _communicator_for(rank: int, world_size: int) -> Communicator:
                         generation=place.generation)
 
 
-def create_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> ReductionServerProcessGroup:
-    """The creator registered with torch for "reduction_server" (store and timeout are unused:
-    the reducers are the meeting point, and RS_TIMEOUT bounds each collective)."""
+def create_backend(options: Any, backend_options: Any = None) -> ReductionServerProcessGroup:
+    """The creator registered with torch for "reduction_server" (its extended API: options is a
+    _DistributedBackendOptions). The default group makes the job's Communicator; a group of
+    fewer ranks is a Group of it, named by torch's group name; a group of all ranks shares the
+    default group's. The store is unused: the reducers are the meeting point."""
+    ranks, rank, size = list(options.global_ranks_in_group), options.group_rank, options.group_size
     with _groups_lock:
-        existing = next(iter(_groups.values()), None)
-        if existing is not None:
-            if world_size != existing.size() or rank != existing.rank():
-                raise NotImplementedError(
-                    f"the reduction_server backend serves one group of all {existing.size()} ranks; a subgroup "
-                    f"(rank {rank} of {world_size}) needs another backend (dist.new_group(ranks, backend='gloo'))")
-            # The same ranks: share the one Communicator, so collectives keep one order.
-            return ReductionServerProcessGroup(timeout=timeout, _share=existing)
-        pg = ReductionServerProcessGroup(_communicator_for(rank, world_size), owns_communicator=True, timeout=timeout)
-        _groups[id(pg)] = pg
-        return pg
+        world = next(iter(_groups.values()), None)
+        if world is None:
+            if ranks and len(ranks) != size:
+                raise RuntimeError("the reduction_server backend's first group must be the default group")
+            pg = ReductionServerProcessGroup(_communicator_for(rank, size), owns_communicator=True,
+                                             timeout=options.timeout)
+            _groups[id(pg)] = pg
+            return pg
+        if not ranks or len(ranks) == world.size():
+            return ReductionServerProcessGroup(timeout=options.timeout, _share=world)
+        group = Group(world.communicator, ranks, f"torch:{options.group_id}")
+        return ReductionServerProcessGroup(group, owns_communicator=True, timeout=options.timeout)

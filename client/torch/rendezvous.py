@@ -104,7 +104,7 @@ def register() -> None:
     """Register the backend with torch, and the env:// handler that needs no MASTER_ADDR (idempotent)."""
     global _env_handler
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])
     rdzv = sys.modules["torch.distributed.rendezvous"]  # the module (its package re-exports a function)
     handler = rdzv._rendezvous_handlers.get("env")
     if handler is not None and handler is not _env_rendezvous:

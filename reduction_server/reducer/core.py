@@ -232,12 +232,26 @@ class Reducer:
             self.admission.hello(identity, h, payload)
         elif h.type is MsgType.AUTH:
             self.admission.auth(identity, payload)
+        elif h.type is MsgType.GROUP:
+            self._group(identity, h, payload)
         elif h.type is MsgType.BYE:
             self.members.leave(identity)
         elif h.type is MsgType.PING:
             self.admission.ping(identity)
         else:
             self.admission.malformed(identity, f"a worker does not send {h.type.name} messages")
+
+    def _group(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        """A GROUP: an admitted member names the ranks of one of the job's groups."""
+        peer = self.members.holder(identity)
+        if peer is None:
+            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
+                                     f"{self.name}: GROUP from a peer that has not completed the handshake", about=h)
+        try:
+            ranks = protocol.group_ranks(payload.bytes if payload is not None else b"", peer.world)
+        except ProtocolError as exc:
+            return self.admission.malformed(identity, str(exc))
+        self.members.announce(peer, h.group, ranks)
 
     def _shared_data(self, identity: bytes, h: Header, frame: Optional[zmq.Frame]) -> None:
         """A DATA_SHM: the contribution is in slot h.aux of the sender's segment."""

@@ -8,15 +8,19 @@ job or generation replaces the one served.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import protocol, shared_memory
 from ..log import event, get_logger
 from ..protocol import MsgType
+from ..round import format_ranks
 from .outbox import Outbox
 
 log = get_logger("reducer")
+
+#: groups one job may announce to a reducer (each costs its list of ranks)
+MAX_GROUPS = 65536
 
 
 @dataclass
@@ -32,7 +36,7 @@ class Peer:
     nonce: bytes = b""
     info: Optional[dict] = None  # the HELLO's JSON: host, pid, client version
     heartbeats: bool = False  # it sends PINGs: silence longer than the liveness timeout is a loss
-    max_seq: int = -1  # highest seq it contributed to (a rank sends collectives in seq order)
+    max_seq: Dict[int, int] = field(default_factory=dict)  # group -> highest seq it contributed to there
     hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
     segment: Optional[shared_memory.Segment] = None  # its shared-memory slots, when it shares this host
 
@@ -58,6 +62,9 @@ class Membership:
         self.rank_identity: Dict[int, bytes] = {}
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
         self.gone: List[bytes] = []  # identities a send found gone, judged after the batch (check_unreachable)
+        # Groups of the job's ranks other than all of them (0): id -> ranks, as their members announce them.
+        self.groups: Dict[int, Tuple[int, ...]] = {}
+        self.group_errors: Dict[int, str] = {}  # a group announced two ways: why its rounds fail
 
     def admitted(self, identity: bytes) -> Optional[Peer]:
         """The peer at `identity` if it is admitted, else None."""
@@ -73,6 +80,8 @@ class Membership:
         """A new job or generation replaces the one served: its ranks and its losses are dropped."""
         self.rank_identity.clear()
         self.lost.clear()
+        self.groups.clear()
+        self.group_errors.clear()
         self.peers = {i: p for i, p in self.peers.items() if (p.job, p.generation) == job}
         self.job = job
         self.world = self.fixed_world or world
@@ -132,8 +141,39 @@ class Membership:
             else:  # one that never completed the handshake, or a connection its rank replaced
                 self.peers.pop(identity, None)
 
-    def seq_of(self, rank: int) -> int:
-        """The highest seq `rank` contributed to (-1: none, or not connected)."""
+    def seq_of(self, rank: int, group: int) -> int:
+        """The highest seq `rank` contributed to in `group` (-1: none, or not connected)."""
         identity = self.rank_identity.get(rank)
         peer = self.peers.get(identity) if identity is not None else None
-        return peer.max_seq if peer is not None else -1
+        return peer.max_seq.get(group, -1) if peer is not None else -1
+
+    # -- groups ------------------------------------------------------------------------------
+    def announce(self, peer: Peer, group: int, ranks: Tuple[int, ...]) -> None:
+        """A member's GROUP: the first announcement of a group defines it; one that disagrees
+        makes its rounds fail with both versions named, on every member."""
+        known = self.groups.get(group)
+        if group == 0 or peer.rank not in ranks:
+            self.group_errors[group] = (f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
+                                        "which it is not a member of" if group else "group 0 is all ranks")
+        elif known is None:
+            if len(self.groups) >= MAX_GROUPS:
+                self.group_errors[group] = f"this reducer serves at most {MAX_GROUPS} groups per job"
+            else:
+                self.groups[group] = ranks
+        elif known != ranks:
+            self.group_errors[group] = (f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
+                                        f"another member as ranks {format_ranks(known)}")
+
+    def ranks_of(self, h: protocol.Header) -> Tuple[Sequence[int], Optional[str]]:
+        """The ranks of h's group, and why h cannot be one of its contributions (None: it can)."""
+        if h.group == 0:
+            return range(self.world or 0), None
+        ranks = self.groups.get(h.group, ())
+        problem = self.group_errors.get(h.group)
+        if problem is None and not ranks:
+            problem = f"rank {h.rank} sent {h.describe()}, a group none of its ranks announced (GROUP) to this reducer"
+        elif problem is None and h.rank not in ranks:
+            problem = f"rank {h.rank} sent {h.describe()} but is not one of its ranks {format_ranks(ranks)}"
+        elif problem is None and h.op == protocol.OP_BROADCAST and h.aux not in ranks:
+            problem = f"{h.describe()} names root {h.aux}, which is not one of its ranks {format_ranks(ranks)}"
+        return ranks, problem

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import zmq
 
 from .. import protocol
 from ..accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
-from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, ErrorCode, Header, MsgType
+from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, OP_BROADCAST, ErrorCode, Header, MsgType
 from ..round import Round, format_ranks
 from .clock import Clock
 from .fold import Folder, Payload, Result
@@ -80,8 +80,8 @@ class Rounds:
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
         if bad_payload is not None:
             return self._fail_contribution(h, ErrorCode.BAD_PAYLOAD, bad_payload)
-        if h.seq > peer.max_seq:
-            peer.max_seq = h.seq
+        if h.seq > peer.max_seq.get(h.group, -1):
+            peer.max_seq[h.group] = h.seq
         if h.key not in self.rounds and len(self.rounds) >= self.max_rounds:
             in_flight = self.open_count
             if in_flight >= self.max_rounds:
@@ -89,12 +89,14 @@ class Rounds:
                     f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
                     f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
                     "collectives in the same order stay within their window (RS_WINDOW) of each other"))
-        rnd = self._round_for(h)
+        rnd, problem = self._round_for(h)
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
+        if problem is not None:
+            return self.fail(rnd, ErrorCode.MISMATCH, problem, extra=h)
         lost = self.members.lost
         if lost:
-            gone = [rank for rank in lost if rank not in rnd.contributed]
+            gone = [rank for rank in lost if rank not in rnd.contributed and rank in rnd.ranks]
             if gone:
                 return self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
                                  + "; ".join(lost[rank] for rank in sorted(gone)[:8]), extra=h)
@@ -140,7 +142,8 @@ class Rounds:
         frame = None
         # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
         # after every copy out of its slot.
-        order = range(rnd.world) if not rnd.in_slot else [*(r for r in range(rnd.world) if r != rnd.owner), rnd.owner]
+        order = rnd.ranks if not rnd.in_slot else [*(r for r in rnd.ranks if r != rnd.owner), rnd.owner]
+        root = h.aux if h.op == OP_BROADCAST else -1  # a broadcast's root holds the data: its answer is bare
         for rank in order:
             identity = members.rank_identity.get(rank)
             if identity is None:
@@ -156,6 +159,9 @@ class Rounds:
                     self.bytes_out += nbytes
                     self.bytes_shared_out += nbytes
                 continue
+            if rank == root:
+                self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT, self.index, 0)])
+                continue
             if frame is None:
                 frame = self.folder.frame(rnd, out)
             if self.outbox.send(identity, [header, frame]):
@@ -166,17 +172,19 @@ class Rounds:
     def _fail_contribution(self, h: Header, code: ErrorCode, reason: str) -> None:
         """A contribution that cannot be used fails its whole round, so no rank waits for it
         (h.rank is its sender's: the core checked it)."""
-        rnd = self._round_for(h)
+        rnd, _ = self._round_for(h)
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
         self.fail(rnd, code, reason, extra=h)
 
-    def _round_for(self, h: Header) -> Round:
-        """The round of h's key; a new one, with h as its first contribution, if there is none."""
+    def _round_for(self, h: Header) -> Tuple[Round, Optional[str]]:
+        """The round of h's key (a new one, with h as its first contribution, if there is none),
+        and why h cannot contribute to it (its group's verdict: membership.ranks_of)."""
+        ranks, problem = self.members.ranks_of(h)
         rnd = self.rounds.get(h.key)
         if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, world=self.members.world, started=time.monotonic())
-        return rnd
+            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=time.monotonic())
+        return rnd, problem
 
     def fail(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
         """rnd fails: its memory goes back, and every rank that contributed (and `extra`'s
@@ -210,7 +218,7 @@ class Rounds:
         answered = len(rnd.answered)
         lost = self.members.lost
         if answered < rnd.world and lost:
-            answered += sum(1 for rank in lost if rank not in rnd.answered)
+            answered += sum(1 for rank in lost if rank not in rnd.answered and rank in rnd.ranks)
         if answered >= rnd.world:
             self._forget(rnd.first.key)
 
@@ -218,7 +226,7 @@ class Rounds:
         """Fail every open round `rank` has not contributed to; what it did, for the log line."""
         failed = 0
         for rnd in list(self.rounds.values()):
-            if rnd.error is None and rank not in rnd.contributed:
+            if rnd.error is None and rank not in rnd.contributed and rank in rnd.ranks:
                 self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: {text}")
                 failed += 1
             elif rnd.error is not None:
@@ -233,7 +241,7 @@ class Rounds:
         for rnd in list(self.rounds.values()):
             if rnd.error is not None or (rnd.first.job, rnd.first.generation) != self.members.job:
                 continue
-            skipped = [rank for rank in rnd.missing if self.members.seq_of(rank) > rnd.first.seq]
+            skipped = [rank for rank in rnd.missing if self.members.seq_of(rank, rnd.first.group) > rnd.first.seq]
             if skipped:
                 self.fail(rnd, ErrorCode.LOST, (
                     f"{rnd.first.describe()} cannot complete: ranks {format_ranks(skipped)} went on to later "

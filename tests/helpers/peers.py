@@ -91,7 +91,7 @@ def data(rank: int = 0, world: int = 2, *, job: int = JOB, generation: int = 0, 
 def raw_header(magic: int = protocol.MAGIC, version: int = protocol.VERSION, mtype: int = int(MsgType.DATA)) -> bytes:
     h = protocol.unpack(data())
     return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation, h.chunk,
-                                h.nchunks, h.aux, h.job, h.seq, h.offset, h.count, h.total, h.nbytes)
+                                h.nchunks, h.aux, h.job, h.group, h.seq, h.offset, h.count, h.total, h.nbytes)
 
 
 def port_of(address: str) -> int:

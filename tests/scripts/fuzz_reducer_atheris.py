@@ -95,8 +95,8 @@ def any_message(fdp: atheris.FuzzedDataProvider):
     identity = [*RANKS, b"stranger"][fdp.ConsumeIntInRange(0, 2)] if fdp.ConsumeIntInRange(0, 3) == 0 else b"stranger"
     if kind == 6:  # a header with arbitrary fields, and a payload
         values = [fdp.ConsumeInt(1) & 0xFF for _ in range(3)] + [fdp.ConsumeInt(4) & 0xFFFFFFFF for _ in range(6)]
-        values += [fdp.ConsumeInt(8) & 0xFFFFFFFFFFFFFFFF for _ in range(6)]
-        values[0] = values[0] % 11
+        values += [fdp.ConsumeInt(8) & 0xFFFFFFFFFFFFFFFF for _ in range(7)]
+        values[0] = values[0] % 14
         header = protocol.HEADER.pack(protocol.MAGIC, protocol.VERSION, *values)
         return identity, [header, fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 300))]
     if kind == 7:  # raw frames

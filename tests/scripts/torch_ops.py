@@ -130,24 +130,24 @@ def main():
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     check("all_gather_object", torch.tensor([o["rank"] for o in objs]), torch.arange(world))
-    # A second group over all ranks shares the Communicator; a subgroup is refused clearly.
+    # A second group over all ranks shares the Communicator's order.
     whole = dist.new_group(list(range(world)))
     t = torch.ones(3)
     dist.all_reduce(t, group=whole)
     check("new_group all ranks", t, torch.full((3,), float(world)))
-    if world > 1:
-        try:
-            dist.new_group([0])  # the creator runs on rank 0 only (the others are not members)
-            if rank == 0:
-                failures.append("a subgroup was created")
-        except (NotImplementedError, RuntimeError) as exc:
-            if "one group of all" not in str(exc):
-                failures.append(f"subgroup: unclear error {exc}")
+    subgroups(rank, world, check)
     t = torch.ones(3)
     dist.all_reduce(t)
     check("default group after new_group", t, torch.full((3,), float(world)))
+    failed = torch.ones(3 if rank == 0 else 4)  # the ranks disagree: the reducers fail it on every rank
+    try:
+        dist.all_reduce(failed)
+        failures.append("an all_reduce the reducers failed returned")
+    except RuntimeError as exc:
+        if "disagree" not in str(exc):
+            failures.append(f"a failed all_reduce raised without the reducers' words: {exc}")
     relays_and_reductions(rank, world, check)
-    point_to_point(rank, world, failures)
+    point_to_point(rank, world, check)
     backend = dist.get_backend()
     dist.destroy_process_group()
     return {"rank": rank, "done": done, "failures": failures[:20], "backend": backend}
@@ -220,14 +220,57 @@ def relays_and_reductions(rank, world, check):
     check("sparse all_reduce", sparse.to_dense(), want)
 
 
-def point_to_point(rank, world, failures):
-    """send/recv say what to use instead."""
-    try:
-        dist.send(torch.ones(1), dst=(rank + 1) % world)
-        failures.append("send did not raise")
-    except (NotImplementedError, RuntimeError) as exc:
-        if "gloo" not in str(exc):
-            failures.append(f"send: unclear error {exc}")
+def point_to_point(rank, world, check):
+    """send/recv, isend/irecv and batch_isend_irecv, relayed by the reducers within each pair."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    out = torch.zeros(5)
+    works = [dist.isend(torch.full((5,), float(rank)), nxt), dist.irecv(out, prv)]
+    for work in works:
+        work.wait()
+    check("isend/irecv ring", out, torch.full((5,), float(prv)))
+    if world > 1 and rank in (0, world - 1):  # tags keep two messages of one pair apart
+        other = world - 1 - rank
+        first, second = torch.zeros(4), torch.zeros(4)
+        if rank == 0:  # sends wait for their receives (as NCCL's): two in flight, received in reverse
+            works = [dist.isend(torch.arange(4.0), dst=other, tag=7), dist.isend(torch.arange(4.0) * 3, dst=other, tag=8)]
+            for work in works:
+                work.wait()
+            dist.recv(first, src=other)
+            check("send/recv back", first, torch.arange(4.0) * 2)
+        else:
+            dist.recv(second, src=other, tag=8)
+            dist.recv(first, src=other, tag=7)
+            check("recv tag 7", first, torch.arange(4.0))
+            check("recv tag 8", second, torch.arange(4.0) * 3)
+            dist.send(first * 2, dst=other)
+    buf = torch.zeros(3, dtype=torch.int64)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), rank, dtype=torch.int64), nxt), dist.P2POp(dist.irecv, buf, prv)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    check("batch_isend_irecv", buf, torch.full((3,), prv, dtype=torch.int64))
+    big = torch.zeros(1 << 20)  # many chunks, receive posted first: each pair's group has its own window
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, big, prv),
+                                        dist.P2POp(dist.isend, torch.full((1 << 20,), float(rank)), nxt)]):
+        work.wait()
+    check("batch_isend_irecv, receive first, 4 MiB", big[::4096], torch.full((256,), float(prv)))
+
+
+def subgroups(rank, world, check):
+    """Groups of fewer ranks, served by the same reducers beside the default group."""
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(world) if r % 2 == 1]) if world > 1 else None
+    mine = evens if rank % 2 == 0 else odds
+    members = [r for r in range(world) if r % 2 == rank % 2]
+    t = torch.tensor([rank + 1.0, 1.0])
+    dist.all_reduce(t, group=mine)
+    check("subgroup all_reduce", t, torch.tensor([sum(r + 1.0 for r in members), float(len(members))]))
+    t = torch.tensor([float(rank)])
+    dist.broadcast(t, src=members[-1], group=mine)  # src is a job rank
+    check("subgroup broadcast", t, torch.tensor([float(members[-1])]))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the default group goes on beside them
+    check("default group beside subgroups", t, torch.full((2,), float(world)))
+    dist.destroy_process_group(mine)
 
 
 if __name__ == "__main__":
