@@ -196,7 +196,7 @@ class Communicator:
 
     def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any,
                trace: Optional[Trace] = None, traced: bool = True, time_limit: Optional[float] = None) -> Handle:
-        if self.ranks is not None:  # a group's root is one of its ranks: the wire names the job's rank
+        if self.ranks is not None and op is ReduceOp.BROADCAST:  # the wire names the root by its job rank
             root = self.ranks[root]
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
             if trace is not None:

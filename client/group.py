@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
-from .communicator import Communicator
+from reduction_server.errors import CollectiveError
+
+from .communicator import Communicator, Handle
 
 
 def group_id(name: str) -> int:
@@ -53,6 +55,11 @@ class Group(Communicator):
         self._engine = parent._engine
         self._closed = False
         self._engine.add_group(self.group_id, self.ranks)
+
+    def _start(self, *args: Any, **kwargs: Any) -> Handle:
+        if self._closed:
+            raise CollectiveError(f"rank {self.parent.rank}: group {self.name!r} is closed")
+        return super()._start(*args, **kwargs)
 
     def close(self) -> None:
         """The group takes no more collectives; the engine stays its parent's."""

@@ -14,7 +14,7 @@ from reduction_server.client.buffers import wire_view
 from reduction_server.client.group import Group, group_id
 from reduction_server.protocol import ErrorCode, MsgType
 from helpers.cluster import reducers
-from helpers.jobs import run_job
+from helpers.jobs import connect, new_job, run_job
 from helpers.peers import JOB, Peer, data
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,6 +48,23 @@ def test_a_group_runs_its_collectives_beside_the_jobs(group):
         if rank != 1:
             np.testing.assert_array_equal(out["sum"], want)
             assert out["bcast"] == [2.0] * 7
+
+
+def test_a_group_without_rank_0_mixes_shared_memory_and_frames(group):
+    """Group {1, 2} of W=3, rank 1 through shared-memory slots (on the shared-memory reducers) and
+    rank 2 through frames: their contributions agree on every field, whichever way they came."""
+    job = new_job()
+
+    def body(comm, rank):
+        if rank == 0:
+            return None
+        sub = Group(comm, [1, 2], "no zero")
+        return sub.all_reduce(np.arange(300_000, dtype=np.float32) * rank)
+
+    make = lambda rank: connect(group, rank, 3, job, shared_memory=rank == 1, chunk_bytes=65536)  # noqa: E731
+    results = run_job(3, body, make=make)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, np.arange(300_000, dtype=np.float32) * 3)
 
 
 def test_two_groups_over_the_same_ranks_keep_their_own_order(group):
@@ -116,6 +133,21 @@ def test_a_group_outside_the_rules_is_refused_by_name():
             header, payload = peers[rank].recv()
             assert header.type is MsgType.RESULT and header.group == 5
             assert np.frombuffer(payload, np.float32).tolist() == [4.0] * 4
+        for rank, group_id_, members, words in ((1, 5, [0, 2], "which it is not one of"),
+                                                (0, 0, [0, 1, 2], "never announced")):
+            payload = protocol.group_payload(members)  # refused to its sender alone
+            peers[rank].send(protocol.text_header(MsgType.GROUP, payload, rank=rank, world=3, job=JOB,
+                                                  group=group_id_), payload)
+            peers[rank].expect_error(ErrorCode.MISMATCH, words)
+        for rank in (0, 2):  # and the group still works, for its members only
+            h = protocol.unpack(data(rank, world=3, seq=4))
+            h.group = 5
+            peers[rank].send(h.pack(), np.full(4, 10.0 * (rank + 1), np.float32).tobytes())
+        for rank in (0, 2):
+            header, payload = peers[rank].recv()
+            assert header.type is MsgType.RESULT and (header.group, header.seq) == (5, 4)
+            assert np.frombuffer(payload, np.float32).tolist() == [40.0] * 4
+        peers[1].expect_silence(0.3)
         bad = b"\x02\0\0\0\x01\0\0\0"  # not ascending
         peers[0].send(protocol.text_header(MsgType.GROUP, bad, rank=0, world=3, job=JOB, group=6), bad)
         peers[0].expect_error(ErrorCode.MALFORMED, "ascending")

@@ -102,7 +102,7 @@ class Pump:
         if slot is not None:
             self.slots.view(r, slot, nbytes)[:] = payload
         sock = self.connections.sockets[r]
-        try:  # a window of chunks stays far below libzmq's queue: only a lost connection says Again
+        try:  # windows of chunks stay far below libzmq's queue: only a lost connection says Again
             if payload is None or slot is not None:
                 _backend_send(sock, header, _NOBLOCK)
             else:

@@ -1,4 +1,5 @@
 """The Work the backend hands torch for each collective: it completes with the collective's Future."""
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -15,7 +16,14 @@ class FutureWork(dist.Work):
         self._future = future
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait for the collective; raises its error if it failed."""
+        """Wait for the collective; raises its error if it failed, and RuntimeError ("Timed
+        out") if `timeout` passes first (the collective itself goes on)."""
+        if timeout is not None and timeout.total_seconds() > 0:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not self._future.done():
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"Timed out after {timeout.total_seconds():g} s waiting for a collective")
+                time.sleep(0.001)
         self._future.wait()
         return True
 

@@ -251,7 +251,9 @@ class Reducer:
             ranks = protocol.group_ranks(payload.bytes if payload is not None else b"", peer.world)
         except ProtocolError as exc:
             return self.admission.malformed(identity, str(exc))
-        self.members.announce(peer, h.group, ranks)
+        refused = self.members.announce(peer, h.group, ranks)
+        if refused is not None:
+            self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {refused}", about=h)
 
     def _shared_data(self, identity: bytes, h: Header, frame: Optional[zmq.Frame]) -> None:
         """A DATA_SHM: the contribution is in slot h.aux of the sender's segment."""

@@ -19,8 +19,9 @@ from .outbox import Outbox
 
 log = get_logger("reducer")
 
-#: groups one job may announce to a reducer (each costs its list of ranks)
+#: groups one job may announce to a reducer, and their ranks in all (each costs its list of ranks)
 MAX_GROUPS = 65536
+MAX_GROUP_RANKS = 1 << 22
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Membership:
         # Groups of the job's ranks other than all of them (0): id -> ranks, as their members announce them.
         self.groups: Dict[int, Tuple[int, ...]] = {}
         self.group_errors: Dict[int, str] = {}  # a group announced two ways: why its rounds fail
+        self.group_ranks = 0  # ranks kept over all groups (bounded: MAX_GROUP_RANKS)
 
     def admitted(self, identity: bytes) -> Optional[Peer]:
         """The peer at `identity` if it is admitted, else None."""
@@ -80,8 +82,7 @@ class Membership:
         """A new job or generation replaces the one served: its ranks and its losses are dropped."""
         self.rank_identity.clear()
         self.lost.clear()
-        self.groups.clear()
-        self.group_errors.clear()
+        self.forget_groups()
         self.peers = {i: p for i, p in self.peers.items() if (p.job, p.generation) == job}
         self.job = job
         self.world = self.fixed_world or world
@@ -120,6 +121,7 @@ class Membership:
             # Every rank has gone: the job is over (or all of it failed). Ranks that connect
             # again with the same job and generation (a second communicator) start afresh.
             self.lost.clear()
+            self.forget_groups()
 
     def ping_peers(self) -> None:
         """Send a PING to every worker that heartbeats; a send to one whose connection is gone
@@ -148,21 +150,31 @@ class Membership:
         return peer.max_seq.get(group, -1) if peer is not None else -1
 
     # -- groups ------------------------------------------------------------------------------
-    def announce(self, peer: Peer, group: int, ranks: Tuple[int, ...]) -> None:
+    def announce(self, peer: Peer, group: int, ranks: Tuple[int, ...]) -> Optional[str]:
         """A member's GROUP: the first announcement of a group defines it; one that disagrees
-        makes its rounds fail with both versions named, on every member."""
+        makes its rounds fail with both versions named, on every member. Returns why the
+        announcement itself is refused (its sender alone hears it), else None."""
+        if group == 0:
+            return "group 0 is all of the job's ranks: it is never announced"
+        if peer.rank not in ranks:
+            return f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, which it is not one of"
         known = self.groups.get(group)
-        if group == 0 or peer.rank not in ranks:
-            self.group_errors[group] = (f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
-                                        "which it is not a member of" if group else "group 0 is all ranks")
-        elif known is None:
-            if len(self.groups) >= MAX_GROUPS:
-                self.group_errors[group] = f"this reducer serves at most {MAX_GROUPS} groups per job"
-            else:
-                self.groups[group] = ranks
-        elif known != ranks:
+        if known is None:
+            if len(self.groups) >= MAX_GROUPS or self.group_ranks + len(ranks) > MAX_GROUP_RANKS:
+                return (f"rank {peer.rank} announced group {group:#x}, but this reducer keeps at most {MAX_GROUPS} "
+                        f"groups and {MAX_GROUP_RANKS} of their ranks per job")
+            self.groups[group] = ranks
+            self.group_ranks += len(ranks)
+        elif known != ranks and group not in self.group_errors:
             self.group_errors[group] = (f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
                                         f"another member as ranks {format_ranks(known)}")
+        return None
+
+    def forget_groups(self) -> None:
+        """Drop every group (a new job or generation, or every rank has left)."""
+        self.groups.clear()
+        self.group_errors.clear()
+        self.group_ranks = 0
 
     def ranks_of(self, h: protocol.Header) -> Tuple[Sequence[int], Optional[str]]:
         """The ranks of h's group, and why h cannot be one of its contributions (None: it can)."""

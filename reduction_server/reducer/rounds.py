@@ -80,8 +80,6 @@ class Rounds:
                 f"limit of {self.max_chunk_bytes} bytes per chunk"))
         if bad_payload is not None:
             return self._fail_contribution(h, ErrorCode.BAD_PAYLOAD, bad_payload)
-        if h.seq > peer.max_seq.get(h.group, -1):
-            peer.max_seq[h.group] = h.seq
         if h.key not in self.rounds and len(self.rounds) >= self.max_rounds:
             in_flight = self.open_count
             if in_flight >= self.max_rounds:
@@ -90,6 +88,10 @@ class Rounds:
                     f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
                     "collectives in the same order stay within their window (RS_WINDOW) of each other"))
         rnd, problem = self._round_for(h)
+        if rnd is None:  # not one of the group's ranks: it alone hears why, the group's round goes on
+            return self.outbox.error(peer.identity, ErrorCode.MISMATCH, f"{self.name}: {problem}", about=h)
+        if h.seq > peer.max_seq.get(h.group, -1):
+            peer.max_seq[h.group] = h.seq
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
         if problem is not None:
@@ -172,15 +174,23 @@ class Rounds:
     def _fail_contribution(self, h: Header, code: ErrorCode, reason: str) -> None:
         """A contribution that cannot be used fails its whole round, so no rank waits for it
         (h.rank is its sender's: the core checked it)."""
-        rnd, _ = self._round_for(h)
+        rnd, problem = self._round_for(h)
+        if rnd is None:  # not one of the group's ranks: no round of the group is touched
+            identity = self.members.rank_identity.get(h.rank)
+            if identity is not None:
+                self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {problem}", about=h)
+            return None
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
         self.fail(rnd, code, reason, extra=h)
 
-    def _round_for(self, h: Header) -> Tuple[Round, Optional[str]]:
+    def _round_for(self, h: Header) -> Tuple[Optional[Round], Optional[str]]:
         """The round of h's key (a new one, with h as its first contribution, if there is none),
-        and why h cannot contribute to it (its group's verdict: membership.ranks_of)."""
+        and why h cannot contribute to it (its group's verdict: membership.ranks_of); no round
+        when h's sender is not one of the group's ranks (or the group is unknown)."""
         ranks, problem = self.members.ranks_of(h)
+        if problem is not None and h.rank not in ranks:
+            return None, problem
         rnd = self.rounds.get(h.key)
         if rnd is None:
             rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=time.monotonic())
@@ -209,7 +219,7 @@ class Rounds:
         identity = self.members.rank_identity.get(rank)
         if identity is not None:
             self.outbox.error(identity, rnd.code, rnd.error, about=about)
-        if rank not in rnd.answered:
+        if rank not in rnd.answered and rank in rnd.ranks:
             rnd.answered.append(rank)
         self._maybe_forget(rnd)
 

@@ -267,6 +267,22 @@ def subgroups(rank, world, check):
     t = torch.tensor([float(rank)])
     dist.broadcast(t, src=members[-1], group=mine)  # src is a job rank
     check("subgroup broadcast", t, torch.tensor([float(members[-1])]))
+    # Roots given as job ranks (torch makes them the group's), each collective against exact values.
+    mine_of = [torch.arange(4.0) + 10 * r for r in members]
+    t = torch.arange(4.0) + 10 * rank
+    dist.reduce(t, dst=members[-1], group=mine)
+    check("subgroup reduce", t, sum(mine_of) if rank == members[-1] else torch.arange(4.0) + 10 * rank)
+    outs = [torch.zeros(4) for _ in members]
+    dist.all_gather(outs, torch.arange(4.0) + 10 * rank, group=mine)
+    check("subgroup all_gather", torch.stack(outs), torch.stack(mine_of))
+    out = torch.zeros(4)
+    dist.scatter(out, [x * 2 for x in mine_of] if rank == members[0] else None, src=members[0], group=mine)
+    check("subgroup scatter", out, (torch.arange(4.0) + 10 * rank) * 2)
+    out = torch.zeros(2)
+    dist.reduce_scatter_tensor(out, torch.arange(2.0 * len(members)) + rank, group=mine)
+    position = members.index(rank)
+    check("subgroup reduce_scatter_tensor", out,
+          torch.arange(2.0 * len(members))[2 * position:2 * position + 2] * len(members) + sum(members))
     t = torch.ones(2)
     dist.all_reduce(t)  # the default group goes on beside them
     check("default group beside subgroups", t, torch.full((2,), float(world)))
