@@ -61,7 +61,9 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
         warm = [{"rss": rss(p.pid), "fds": open_fds(p.pid)} for p in group.procs]
         results = collect(procs, timeout=60 + 2 * SOAK_SECONDS)
         end = [{"rss": rss(p.pid), "fds": open_fds(p.pid)} for p in group.procs]
-        after_job = [settled_fds(p.pid, fds) for p, fds in zip(group.procs, idle)]
+        # A worker's segment and connection go when the reducer has judged it gone: heartbeat
+        # probes, each up to a second apart, and later on a loaded machine (seen: over 5 s).
+        after_job = [settled_fds(p.pid, fds, limit=30.0) for p, fds in zip(group.procs, idle)]
         assert group.alive()
         logs = group.stop()
     done = sum(r["done"] for r in results) // WORLD
