@@ -50,7 +50,8 @@ class Collectives:
     def world(self) -> int:
         return self.comm.world_size
 
-    def _run(self, start: Callable[[], Started], tensors: Sequence[torch.Tensor]) -> torch.futures.Future:
+    def submit(self, start: Callable[[], Started], tensors: Sequence[torch.Tensor]) -> torch.futures.Future:
+        """Hand start() to the Pipeline; a Future for `tensors` (on their CUDA devices, if any)."""
         return self.pipeline.run(start, future_for(tensors))
 
     def _reduce_into(self, x: torch.Tensor, out: torch.Tensor, op: ReduceOp, factor: Factor,
@@ -60,7 +61,8 @@ class Collectives:
             x = x * factor if x.data_ptr() != out.data_ptr() else x.mul_(factor)
         return self.comm.all_reduce_async(as_wire(x, op), op, out=as_wire(out, op), timeout=timeout)
 
-    def _broadcast(self, host: torch.Tensor, root: int, timeout: Optional[float] = None) -> Handle:
+    def relay(self, host: torch.Tensor, root: int, timeout: Optional[float] = None) -> Handle:
+        """Start a broadcast of host tensor `host` from `root` (any dtype, as bytes)."""
         return self.comm.broadcast_async(as_wire(host, None), root, timeout=timeout)
 
     # -- all-reduce and its relatives -------------------------------------------------------
@@ -76,7 +78,7 @@ class Collectives:
                     s.finish()
                 return list(tensors) if value is None else value
             return handles, finish
-        return self._run(start, tensors)
+        return self.submit(start, tensors)
 
     def reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, root: int, factor: Factor = None,
                timeout: Optional[float] = None) -> torch.futures.Future:
@@ -88,7 +90,7 @@ class Collectives:
             staged = [Staged(t, "reduce tensor") for t in tensors]
             handles = [self._reduce_into(s.host, torch.empty_like(s.host), op, factor, timeout) for s in staged]
             return handles, lambda: list(tensors)
-        return self._run(start, tensors)
+        return self.submit(start, tensors)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: ReduceOp,
                        factor: Factor = None, timeout: Optional[float] = None) -> torch.futures.Future:
@@ -113,7 +115,7 @@ class Collectives:
                 out.finish()
                 return [output]
             return handles, finish
-        return self._run(start, [output])
+        return self.submit(start, [output])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,  # noqa: A002
                               factor: Factor = None, timeout: Optional[float] = None) -> torch.futures.Future:
@@ -137,7 +139,7 @@ class Collectives:
         """Overwrite each tensor with root's, in place (sent as bytes); the Future's value is the list."""
         def start() -> Started:
             staged = [Staged(t, "broadcast tensor", load=self.rank == root) for t in tensors]
-            handles = [self._broadcast(s.host, root, timeout) for s in staged]
+            handles = [self.relay(s.host, root, timeout) for s in staged]
 
             def finish():
                 if self.rank != root:
@@ -145,7 +147,7 @@ class Collectives:
                         s.finish()
                 return list(tensors)
             return handles, finish
-        return self._run(start, tensors)
+        return self.submit(start, tensors)
 
     def all_gather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
                    timeout: Optional[float] = None) -> torch.futures.Future:
@@ -171,7 +173,7 @@ class Collectives:
                 for root, o in enumerate(outs):  # W broadcasts, each rank the root of its slot
                     s = Staged(o, "allgather output", load=root == rank)
                     staged.append((root, s))
-            handles = [self._broadcast(s.host, root, timeout) for root, s in staged]
+            handles = [self.relay(s.host, root, timeout) for root, s in staged]
 
             def finish():
                 for root, s in staged:
@@ -179,7 +181,7 @@ class Collectives:
                         s.finish()
                 return [list(outs) for outs in outputs]
             return handles, finish
-        return self._run(start, [o for outs in outputs for o in outs])
+        return self.submit(start, [o for outs in outputs for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           timeout: Optional[float] = None) -> torch.futures.Future:
@@ -216,7 +218,7 @@ class Collectives:
                     buf = Staged(inputs[r], "scatter input").host
                 else:
                     buf = out.host if r == rank else _scratch_like(out.host)
-                handles.append(self._broadcast(buf, root, timeout))
+                handles.append(self.relay(buf, root, timeout))
             if rank == root:
                 with torch.no_grad():
                     out.host.copy_(inputs[root].reshape(out.host.shape))
@@ -225,7 +227,7 @@ class Collectives:
                 out.finish()
                 return [output]
             return handles, finish
-        return self._run(start, [output])
+        return self.submit(start, [output])
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    even: bool = False, timeout: Optional[float] = None) -> torch.futures.Future:
@@ -246,7 +248,7 @@ class Collectives:
                 else _flat(Staged(inputs[0], "all_to_all input").host)
             outs = [Staged(o, "all_to_all output", load=False) for o in outputs]
             bufs = [sent if j == rank else _scratch_like(sent, sum(counts[j])) for j in range(world)]
-            handles = [self._broadcast(buf, j, timeout) for j, buf in enumerate(bufs)]
+            handles = [self.relay(buf, j, timeout) for j, buf in enumerate(bufs)]
 
             def finish():
                 with torch.no_grad():
@@ -256,7 +258,7 @@ class Collectives:
                         out.finish()
                 return list(outputs)
             return handles, finish
-        return self._run(start, list(outputs))
+        return self.submit(start, list(outputs))
 
     def _counts(self, sends: List[int], receives: List[int]) -> List[List[int]]:
         """counts[j][r]: the elements rank j sends rank r, from every rank's `sends` and

@@ -40,7 +40,7 @@ class Sparse:
                     else:
                         indices = torch.empty((mine.sparse_dim(), nnz[j]), dtype=torch.int64)
                         values = torch.empty((nnz[j], *mine.shape[mine.sparse_dim():]), dtype=mine.dtype)
-                    handles += [collectives._broadcast(indices, j, timeout), collectives._broadcast(values, j, timeout)]
+                    handles += [collectives.relay(indices, j, timeout), collectives.relay(values, j, timeout)]
                     parts.append((indices, values))
                 received.append(parts)
 
@@ -52,4 +52,4 @@ class Sparse:
                         t.copy_(total.to(t.device))
                 return list(tensors)
             return handles, finish
-        return collectives._run(start, tensors)
+        return collectives.submit(start, tensors)
