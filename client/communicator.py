@@ -151,11 +151,15 @@ class Communicator:
         self._closed = False
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **options: Any) -> "Communicator":
-        """Rank, world size, reducers and job identity from the environment (discovery.py)."""
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, *, incarnation: int = 0,
+                 **options: Any) -> "Communicator":
+        """Rank, world size, reducers and job identity from the environment (discovery.py).
+        `incarnation`: how many communicators of this job each rank opened and closed before
+        (Horovod's init after shutdown); each takes the next generation, so that the reducers
+        never take its collectives for the previous one's."""
         place = discover_worker(environ)
         return cls(place.reducers, place.rank, place.world_size, job_token=place.job_token,
-                   job_id=place.job_id, generation=place.generation, **options)
+                   job_id=place.job_id, generation=place.generation + incarnation, **options)
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x: Any, op: OpLike = "sum", out: Any = None) -> Any:
@@ -200,7 +204,7 @@ class Communicator:
             root = self.ranks[root]
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
             if trace is not None:
-                self._engine.timeline.finish(trace)  # frees its timeline row
+                trace.timeline.finish(trace)  # frees its timeline row
             future: Future = Future()
             future.set_result(result)
             return Handle(future)

@@ -21,7 +21,7 @@ from reduction_server import settings
 
 from .buffers import WireBuffer, wire_view
 from .communicator import Communicator, Handle
-from .timeline import Trace
+from .timeline import Timeline, Trace
 
 
 def fusion_threshold(environ: Optional[Mapping[str, str]] = None) -> int:
@@ -121,7 +121,6 @@ class FusedAllReduce:
         self._missing = [len(b.specs) for b in plan.buckets]
         self._handles: List[Optional[Handle]] = [None] * len(plan.buckets)
         self._seen: set = set()
-        self._timeline = comm._engine.timeline  # None unless RS_TIMELINE is set
         self._traces: List[Optional[Trace]] = [None] * len(plan.buckets)
 
     def ready(self, name: str, tensor: Any) -> None:
@@ -136,7 +135,8 @@ class FusedAllReduce:
             raise ValueError(f"tensor {name!r} holds {src.describe()}, the plan says {spec.describe()}")
         size = spec.dtype.itemsize
         start = bucket.offsets[i] * size
-        trace = self._bucket_trace(bucket) if self._timeline is not None else None
+        timeline = self.comm._engine.timeline  # read once: hvd.stop_timeline() may clear it meanwhile
+        trace = self._bucket_trace(bucket, timeline) if timeline is not None else None
         copy_started = time.perf_counter() if trace is not None else 0.0
         self._bytes[bucket.index][start:start + len(src.data)] = src.data
         if trace is not None:
@@ -148,11 +148,11 @@ class FusedAllReduce:
             self._handles[bucket.index] = self.comm._start(wire, wire, self.op, 0, None,
                                                            trace=self._traces[bucket.index])
 
-    def _bucket_trace(self, bucket: Bucket) -> Trace:
+    def _bucket_trace(self, bucket: Bucket, timeline: Timeline) -> Trace:
         """The bucket's timeline record, begun at its first tensor: named after its tensors."""
         trace = self._traces[bucket.index]
         if trace is None:
-            trace = self._traces[bucket.index] = self._timeline.begin_tensors(
+            trace = self._traces[bucket.index] = timeline.begin_tensors(
                 f"bucket {bucket.index}: ", [s.name for s in bucket.specs], {"bucket": bucket.index})
         return trace
 

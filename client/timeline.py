@@ -13,10 +13,11 @@ slots), send (first chunk sent to last chunk sent), wait (only when it lasted: e
 no result yet) and receive (from then until the last result). Results that arrive while chunks
 are still being sent fall in `send`: the phases never overlap.
 
-Events are appended to the file, one flushed write per finished collective, as a JSON array;
-close() (when the last communicator of the rank closes) and an atexit hook write its closing
-bracket, so a process that ends normally leaves a file that json.load reads. A process that is
-killed leaves the array unterminated, which chrome://tracing and Perfetto still load.
+Events are appended to the file, one flushed write per finished collective, as a JSON array.
+When its last user lets go (the rank's last communicator closes, or hvd.stop_timeline()) and no
+collective is still on it, the file gets its closing bracket and is closed; an atexit hook
+brackets one still open, so a process that ends normally leaves a file that json.load reads. A
+process that is killed leaves the array unterminated, which chrome://tracing and Perfetto still load.
 
 With RS_TIMELINE unset nothing here runs: the engine checks one attribute per chunk.
 """
@@ -47,24 +48,32 @@ def timeline_path(template: str, rank: int) -> str:
 def acquire(rank: int) -> Optional["Timeline"]:
     """The timeline for this rank if RS_TIMELINE is set (else None); release() it when done."""
     template = settings.read("RS_TIMELINE")
-    if not template:
-        return None
-    path = os.path.abspath(timeline_path(template, rank))
+    return open_timeline(timeline_path(template, rank), rank) if template else None
+
+
+def open_timeline(path: str, rank: int, mark_cycles: bool = False) -> "Timeline":
+    """The timeline writing `path` (started if no one writes it yet); release() it when done.
+    `mark_cycles`: Horovod's negotiation cycles are marked on it (CYCLE_START)."""
+    path = os.path.abspath(path)
     with _lock:
         timeline = _open.get(path)
-        if timeline is None:
+        if timeline is None or timeline.closed:
             timeline = _open[path] = Timeline(path, rank)
         timeline.users += 1
+        timeline.released = False  # released but still finishing collectives: it goes on
+        timeline.mark_cycles = mark_cycles
     return timeline
 
 
 class Trace:
     """The timestamps (time.perf_counter()) of one collective, filled in as it progresses."""
 
-    __slots__ = ("name", "args", "lane", "start", "fusion_end", "submitted", "first_send", "last_send",
-                 "first_result", "copy_s")
+    __slots__ = ("timeline", "name", "args", "lane", "start", "fusion_end", "submitted", "first_send", "last_send",
+                 "first_result", "copy_s", "negotiated")
 
-    def __init__(self, name: str, lane: int, start: float, args: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, timeline: "Timeline", name: str, lane: int, start: float,
+                 args: Optional[Dict[str, Any]] = None) -> None:
+        self.timeline = timeline  # the file it is written to, though the engine may have moved on
         self.name = name
         self.args = args or {}
         self.lane = lane
@@ -75,6 +84,7 @@ class Trace:
         self.last_send: Optional[float] = None
         self.first_result: Optional[float] = None
         self.copy_s = 0.0  # time spent copying tensors into the bucket (fusion)
+        self.negotiated: Optional[tuple] = None  # Horovod's (NEGOTIATE_<KIND>, first submitted, agreed)
 
     def chunk_sent(self) -> None:
         """A chunk went out now: the first sets first_send, every one moves last_send."""
@@ -101,6 +111,8 @@ class Timeline:
         self.path = path
         self.rank = rank
         self.users = 0
+        self.released = False  # its last user is gone: a new start writes a new file
+        self.mark_cycles = False
         self._lock = threading.Lock()
         self._lanes: List[bool] = []  # busy flags: a collective holds its row while it runs
         # Timestamps: microseconds of wall-clock time, advanced by the monotonic counter, so the
@@ -110,7 +122,8 @@ class Timeline:
         self._file = open(path, "wb")
         self._end: Optional[int] = None  # file offset of the closing bracket, once written
         self._count = 0
-        self._write([{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+        self._write([{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                      "args": {"name": f"rank {rank}", "start_time_since_epoch_in_micros": self._wall0}},
                      {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}])
         atexit.register(self._complete)
 
@@ -125,7 +138,7 @@ class Timeline:
                               "args": {"name": f"collectives {lane}"}}])
             self._lanes[lane] = True
         # After taking the row: the collective that held it before has finished by now.
-        return Trace(name, lane, time.perf_counter(), args)
+        return Trace(self, name, lane, time.perf_counter(), args)
 
     def begin_tensors(self, prefix: str, names: List[str], args: Dict[str, Any]) -> Trace:
         """begin() for a collective of named tensors: named after the first three, all in its args."""
@@ -150,6 +163,9 @@ class Timeline:
         if error:
             args["error"] = error
         events = [self._event(trace.name, "collective", trace.start, done, tid, args)]
+        if trace.negotiated is not None:
+            label, asked, agreed = trace.negotiated
+            events.append(self._event(label, "phase", asked, agreed, tid, {}))
         phases = [("fusion", trace.start if trace.fusion_end is not None else None, trace.fusion_end),
                   ("queue", trace.submitted, trace.first_send),
                   ("send", trace.first_send, trace.last_send)]
@@ -165,6 +181,13 @@ class Timeline:
         with self._lock:
             self._lanes[trace.lane] = False
             self._write(events)
+        self._settle()
+
+    def mark(self, name: str) -> None:
+        """An instant event now (Horovod's CYCLE_START)."""
+        with self._lock:
+            self._write([{"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": 0,
+                          "ts": self._us(time.perf_counter())}])
 
     # -- the file --------------------------------------------------------------------------
     def _event(self, name: str, cat: str, begin: float, end: float, tid: int, args: Dict[str, Any]) -> dict:
@@ -198,13 +221,32 @@ class Timeline:
             self.users -= 1
             if self.users > 0:
                 return
-        self._complete()
+            self.released = True
+        self._settle()
+
+    @property
+    def closed(self) -> bool:
+        """Whether its file is complete and closed (a later start writes the path anew)."""
+        return self._file.closed
+
+    def _settle(self) -> None:
+        """Once released and no collective is still on it: complete the file and close it."""
+        with _lock, self._lock:
+            if not self.released or any(self._lanes) or self._file.closed:
+                return
+            self._terminate()
+            self._file.close()
+        atexit.unregister(self._complete)
 
     def _complete(self) -> None:
         """Terminate the array so the file is valid JSON as it stands (later events reopen it)."""
         with self._lock:
-            if self._file.closed or self._end is not None:
-                return
-            self._end = self._file.tell()
-            self._file.write(b"\n]\n")
-            self._file.flush()
+            self._terminate()
+
+    def _terminate(self) -> None:
+        """_complete() with the lock held."""
+        if self._file.closed or self._end is not None:
+            return
+        self._end = self._file.tell()
+        self._file.write(b"\n]\n")
+        self._file.flush()

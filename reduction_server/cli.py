@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
-                   host=args.host, metrics_port=args.metrics_port)
+                   host=args.host, metrics_port=args.metrics_port, max_restarts=args.max_restarts)
 
 
 def _size(args: argparse.Namespace) -> int:
@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--host", default="127.0.0.1", help="address the reducers bind (default 127.0.0.1)")
     run.add_argument("--metrics-port", type=int, default=None,
                      help="reducer i serves Prometheus metrics on METRICS_PORT+i (default: off)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="start the worker group again (same reducers, next RS_GENERATION, "
+                          "TORCHELASTIC_RESTART_COUNT) when a worker fails, up to this many times (default 0)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(func=_run)
 

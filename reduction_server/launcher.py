@@ -4,6 +4,11 @@ The launcher gives every worker the variables the client (RS_*) and torch.distri
 code (RANK, WORLD_SIZE, MASTER_ADDR, ...) expect, prefixes each output line with its rank, and
 makes sure the job ends as a whole: the first failing worker, a reducer that dies early, or a
 signal to the launcher stops every process, grandchildren included.
+
+With --max-restarts N, as torchrun's elastic agent does, a failing worker instead stops the
+other workers and starts the whole group again, up to N times: the same reducers serve the new
+group under the next generation (RS_GENERATION), and TORCHELASTIC_RESTART_COUNT tells the
+script which attempt it is (so it resumes from its checkpoint).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ _READER_JOIN_S = 2.0  # how long to wait for the last output after the children 
 _READY_S = 60.0  # how long a reducer may take to listen (imports, bind) before the job gives up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
+_RESTART = -1  # _outcome(): a worker failed, and the group may start again
 
 
 @dataclass(frozen=True)
@@ -53,9 +59,13 @@ class _Job:
     np: int
     command: List[str]
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
+    max_restarts: int = 0
+    restarts: int = 0  # how many times the worker group has been started again
+    env: Dict[str, str] = field(default_factory=dict)  # what every child sees (_job_environment)
     workers: List[Child] = field(default_factory=list)
     reducers: List[Child] = field(default_factory=list)
-    readers: List[threading.Thread] = field(default_factory=list)
+    worker_readers: List[threading.Thread] = field(default_factory=list)  # copying each worker's output
+    reducer_readers: List[threading.Thread] = field(default_factory=list)
     output_lock: threading.Lock = field(default_factory=threading.Lock)
     signum: Optional[int] = None  # the first stop signal the launcher received
 
@@ -70,26 +80,31 @@ class _Job:
             failure = self._spawn_all()
         finally:
             # After the last fork, not before: preexec_fn is only safe while no other thread runs.
-            self._start_readers()
+            self.worker_readers = self._start_readers(self.workers)
+            self.reducer_readers = self._start_readers(self.reducers)
         if failure is not None:
             return failure
         _say(f"started {self.np} worker(s) and {len(self.reducers)} reducer(s) at "
              f"{','.join(self.layout.reducer_addresses())}; "
              f"MASTER_ADDR={self.layout.connect_host} MASTER_PORT={self.layout.master_port}")
-        while (code := self._outcome()) is None:
-            time.sleep(POLL_S)
-        return code
+        while True:
+            code = self._outcome()
+            if code is None:
+                time.sleep(POLL_S)
+            elif code == _RESTART:
+                failure = self._restart_workers()
+                if failure is not None:
+                    return failure
+            else:
+                return code
 
     def stop(self) -> None:
         """Stop and reap every child, then let the readers copy the rest of their output."""
         stop_all(self.workers + self.reducers, _GRACE_S)
-        deadline = time.monotonic() + _READER_JOIN_S
-        for reader in self.readers:
-            # Bounded: a process that escaped its group could hold a pipe open forever.
-            reader.join(max(0.0, deadline - time.monotonic()))
+        _join(self.worker_readers + self.reducer_readers)
 
     def _spawn_all(self) -> Optional[int]:
-        env = _job_environment(self.layout, self.np)
+        env = self.env = _job_environment(self.layout, self.np)
         die_with_parent = die_with_parent_hook()
         # Reducers first, and workers only once every reducer listens: a port that another process
         # holds fails the job here, before any worker could reach a stranger there.
@@ -118,12 +133,29 @@ class _Job:
             close_all(ready)
         if failure is not None or self.signum is not None:
             return failure if failure is not None else self._outcome()
+        return self._spawn_workers(die_with_parent)
+
+    def _spawn_workers(self, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+        # Each start of the group its own generation: the reducers drop the previous one's rounds.
+        generation = int(self.env.get("RS_GENERATION") or 0) + self.restarts
+        env = dict(self.env, RS_GENERATION=str(generation), TORCHELASTIC_RESTART_COUNT=str(self.restarts))
         for rank in range(self.np):
             failure = self._spawn(self.workers, f"rank {rank}", self.command,
                                   _worker_environment(env, self.layout, rank, self.np), die_with_parent)
             if failure is not None:
                 return failure
         return None
+
+    def _restart_workers(self) -> Optional[int]:
+        """Stop what is left of the worker group and start it again (the reducers keep running)."""
+        stop_all(self.workers, _GRACE_S)
+        _join(self.worker_readers)
+        self.workers.clear()
+        self.restarts += 1
+        _say(f"restarting the {self.np} worker(s) (restart {self.restarts} of {self.max_restarts})")
+        failure = self._spawn_workers(die_with_parent_hook())
+        self.worker_readers = self._start_readers(self.workers)
+        return failure
 
     def _await_reducers(self, ready: List[int]) -> Optional[int]:
         """Wait until every reducer says, on its `ready` pipe, that it listens at its planned port;
@@ -169,15 +201,19 @@ class _Job:
         children.append(Child(label, proc))
         return None
 
-    def _start_readers(self) -> None:
-        for child in self.workers + self.reducers:
+    def _start_readers(self, children: List[Child]) -> List[threading.Thread]:
+        """One started thread per child, copying its output."""
+        readers = []
+        for child in children:
             reader = threading.Thread(target=copy_output, args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
                                       name=f"output of {child.label}", daemon=True)
             reader.start()
-            self.readers.append(reader)
+            readers.append(reader)
+        return readers
 
     def _outcome(self) -> Optional[int]:
-        """The job's exit code once it is decided, else None; says why when it is a failure."""
+        """The job's exit code once it is decided (_RESTART: a worker failed and the group may
+        start again), else None; says why when it is a failure."""
         if self.signum is not None:
             _say(f"received {signal_name(self.signum)}; stopping the job")
             return 128 + self.signum
@@ -187,6 +223,9 @@ class _Job:
             if status is None:
                 running += 1
             elif status != 0:
+                if self.restarts < self.max_restarts:
+                    _say(f"{child.label} {describe(status)}; stopping the other workers")
+                    return _RESTART
                 _say(f"{child.label} {describe(status)}; stopping the job")
                 return exit_code(status)
         if running == 0:
@@ -200,13 +239,17 @@ class _Job:
 
 
 def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[int] = None,
-            host: str = "127.0.0.1", metrics_port: Optional[int] = None) -> int:
-    """Run `reducers` reducer processes and `np` copies of `command` on this machine.
+            host: str = "127.0.0.1", metrics_port: Optional[int] = None, max_restarts: int = 0) -> int:
+    """Run `reducers` reducer processes and `np` copies of `command` on this machine; a failing
+    worker starts the worker group again up to `max_restarts` times.
 
     Returns 0 when every worker exits 0; the first failing worker's exit code (128+signal when
-    it was killed); 128+signal when the launcher is stopped by SIGINT/SIGTERM/SIGHUP; 1 or the
-    reducer's code when a reducer exits while workers run; 2 for bad arguments.
+    it was killed) once no restart is left; 128+signal when the launcher is stopped by
+    SIGINT/SIGTERM/SIGHUP; 1 or the reducer's code when a reducer exits while workers run; 2 for
+    bad arguments.
     """
+    if max_restarts < 0:
+        return _usage_error(f"--max-restarts must be at least 0 (got {max_restarts})")
     problem = _check_arguments(np, reducers, command, port_base, metrics_port)
     if problem is not None:
         return _usage_error(problem)
@@ -214,12 +257,20 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
         layout = _plan_layout(host, reducers, port_base)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
-    job = _Job(layout, np, list(command), metrics_port)
+    job = _Job(layout, np, list(command), metrics_port, max_restarts)
     with _signals_recorded_by(job):
         try:
             return job.run()
         finally:
             job.stop()
+
+
+def _join(readers: List[threading.Thread]) -> None:
+    """Let the readers copy the last output of children that are gone."""
+    deadline = time.monotonic() + _READER_JOIN_S
+    for reader in readers:
+        # Bounded: a process that escaped its group could hold a pipe open forever.
+        reader.join(max(0.0, deadline - time.monotonic()))
 
 
 def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int],

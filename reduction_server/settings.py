@@ -171,6 +171,10 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("HOROVOD_CYCLE_TIME", (WORKERS,), f"{DEFAULT_CYCLE_TIME_MS:g} ms",
              "Horovod's name for `RS_CYCLE_TIME` (which wins)", float, DEFAULT_CYCLE_TIME_MS, 0.0, 10_000.0),
     Variable("RS_TIMELINE", (WORKERS,), "off", "path of a Chrome trace of each rank's collectives", value=""),
+    Variable("HOROVOD_TIMELINE", (WORKERS,), "off", "Horovod API: a timeline path (rank 0 writes it, the others "
+             "beside it, `.rank<N>`), or DYNAMIC: none until `hvd.start_timeline()`", value=""),
+    Variable("HOROVOD_TIMELINE_MARK_CYCLES", (WORKERS,), "0", "Horovod API: 1 marks each negotiation cycle "
+             "(CYCLE_START) on the timeline", bool, False),
     # the reducer
     Variable("RS_DETERMINISTIC", (REDUCERS,), "0", "1: sum in rank order, so results are bitwise reproducible",
              bool, False),

@@ -22,6 +22,7 @@ import reduction_server.client as rs  # noqa: E402  (after the tree left sys.pat
 from reduction_server import _native  # noqa: E402
 from helpers.cluster import Reducers, reducers  # noqa: E402
 from helpers.jobs import connect, new_job  # noqa: E402
+collect_ignore_glob = ["fixtures/*"]  # third-party test files, run by the test modules that vendor them
 
 
 def pytest_addoption(parser) -> None:

@@ -1,7 +1,10 @@
 """The Horovod-style TensorFlow/Keras API (reduction_server.client.horovod.tensorflow and .keras)
 through real reducers and real rank processes: a custom loop with hvd.DistributedGradientTape and
 model.fit with hvd.DistributedOptimizer and hvd.callbacks, each against a single process on the
-concatenated batch, the collectives, and the errors."""
+concatenated batch, the collectives (reducescatter, alltoall, grouped allgather, join, barrier,
+process sets, IndexedSlices, integer scaling) against NumPy references, the gradients Horovod's
+test_tensorflow.py asserts, and the errors. One job per world size runs every check
+(horovod_tf_worker.py, horovod_tf_checks.py)."""
 import json
 import os
 import sys
@@ -94,5 +97,201 @@ def test_collectives(job):
         assert c["object"] == {"from": 1}
         assert c["objects"] == [10 * k for k in ranks]
         shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
-        assert f"tensor 'mismatch.0': ranks disagree on its shape: {shapes}" in c["mismatch"], c["mismatch"]
+        assert c["mismatch"] == f"HorovodInternalError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
+                                f"shape: {shapes}"
         assert "XLA" in c["xla"] and "jit_compile=False" in c["xla"], c["xla"]
+
+
+def rows(rank, count):
+    """horovod_tf_checks.rows_tensor's values: row k of rank r holds [100 r + k, 100 r + k + 0.5]."""
+    return np.arange(count, dtype=np.float64)[:, None] + 100 * rank + np.array([0.0, 0.5])
+
+
+def share(array, rank, size):
+    """rank's rows of `array` as Horovod's reducescatter divides them: the first len % size ranks take one more."""
+    counts = [len(array) // size + (r < len(array) % size) for r in range(size)]
+    start = sum(counts[:rank])
+    return array[start:start + counts[rank]]
+
+
+def is_argument_error(error, words):
+    """Horovod's InvalidArgumentError that is also a ValueError, saying `words`."""
+    return error[0].startswith("ArgumentError: ") and words in error[0] and error[1:] == [True, True]
+
+
+def test_exports():
+    import reduction_server.client.horovod.keras as hvd_keras
+    import reduction_server.client.horovod.tensorflow as hvd
+    for name in ("ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "HorovodInternalError",
+                 "HostsUpdatedInterrupt", "start_timeline", "stop_timeline", "join", "barrier", "reducescatter",
+                 "grouped_reducescatter", "alltoall", "grouped_allgather", "broadcast_object", "allgather_object"):
+        assert name in hvd.__all__ and name in hvd_keras.__all__ and hasattr(hvd_keras, name), name
+    assert [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(),
+            hvd.ddl_built(), hvd.ccl_built(), hvd.cuda_built(), hvd.rocm_built()] == [False] * 4 + [0] + [False] * 4
+    with pytest.raises(ValueError):
+        hvd.mpi_threads_supported()
+
+
+def test_reducescatter_against_numpy(job):
+    world, results = job
+    count = 2 * world + 1
+    total = sum(rows(k, count) for k in range(world))
+    for r in results:
+        o, rank = r["ops"], r["rank"]
+        np.testing.assert_array_equal(o["reducescatter_sum"], share(total, rank, world))
+        np.testing.assert_allclose(o["reducescatter_avg"], share(total / world, rank, world), rtol=1e-6)
+        np.testing.assert_allclose(o["reducescatter_scaled"], share(total * 1.5, rank, world), rtol=1e-6)
+        assert o["grouped_reducescatter"] == [share(total, rank, world).tolist(),
+                                              share(total[:world], rank, world).tolist()]
+        assert is_argument_error(o["reducescatter_scalar"], "at least one dimension"), o["reducescatter_scalar"]
+        # In tf.function: the same reducescatter, and an alltoall of the first `world` rows (one to each rank).
+        assert o["in_graph"] == [o["reducescatter_sum"], [rows(k, world)[rank].tolist() for k in range(world)]]
+
+
+def test_integer_and_half_scaling(job):
+    """Horovod scales integers in float64 (truncating back) and float16 in float32."""
+    world, results = job
+    ints = [np.array([7, -7, 5, 100], np.int32) * (k + 1) for k in range(world)]
+    total = sum(ints)
+    big = [(np.arange(world * 2) * (k + 3)).reshape(-1, 1).astype(np.int64) for k in range(world)]
+    halves = [np.array([1.5, 3.0], np.float16) * np.float16(k + 1) for k in range(world)]
+    half_sum = sum((h.astype(np.float32) * np.float32(0.1)).astype(np.float16).astype(np.float32) for h in halves)
+    for r in results:
+        o = r["ops"]
+        assert o["int_prescale"] == sum((x * 0.35).astype(np.int32) for x in ints).tolist()
+        assert o["int_postscale"] == (total * 0.35).astype(np.int32).tolist()
+        assert o["int_average"] == (total * (1.0 / world)).astype(np.int32).tolist()
+        assert o["int64_reducescatter_prescale"] == share(sum((b * 0.7).astype(np.int64) for b in big), r["rank"],
+                                                          world).tolist()
+        np.testing.assert_allclose(o["half_prescale"], half_sum.astype(np.float16), rtol=1e-3)
+
+
+def test_alltoall_against_numpy(job):
+    world, results = job
+    for r in results:
+        o, me = r["ops"], r["rank"]
+        # Rank k sends (k + i) % 3 rows to rank i, each [100 k + i] * 2.
+        got, received, dtype = o["alltoall"]
+        assert received == [(k + me) % 3 for k in range(world)] and dtype == "int32"
+        assert got == [[100.0 * k + me] * 2 for k in range(world) for _ in range((k + me) % 3)]
+        # Without splits: a tensor alone (as Horovod's), equal shares; int16 travels exactly.
+        assert o["alltoall_equal"] == ["EagerTensor", "int16", [me + 10 * k for k in range(world) for _ in range(2)]]
+        assert is_argument_error(o["alltoall_indivisible"], "does not divide"), o["alltoall_indivisible"]
+        assert is_argument_error(o["alltoall_too_many"], "at most the first dimension"), o["alltoall_too_many"]
+        assert is_argument_error(o["alltoall_length"], f"each of the {world} ranks"), o["alltoall_length"]
+
+
+def test_grouped_allgather_and_bool_broadcast(job):
+    world, results = job
+    for r in results:
+        assert r["ops"]["grouped_allgather"] == [["float32", [[float(k)] * 2 for k in range(world) for _ in range(k + 1)]],
+                                                 ["int64", list(range(world))],
+                                                 ["bool", [k % 2 == 0 for k in range(world)]]]
+        assert r["ops"]["broadcast_bool"] == [True, True]
+
+
+def test_gradients_as_horovod_asserts(job):
+    """Horovod's test_horovod_*_grad_cpu: each result is (shape, distinct values) of the gradient."""
+    world, results = job
+    sizes = [3, 2, 7][:world]
+    for r in results:
+        g, rank = r["gradients"], r["rank"]
+        assert g["allreduce_sum"] == [[5, 5], [world]]
+        assert g["allreduce_average"] == [[5, 5], [1.0]]
+        assert g["allreduce_scaled"] == [[5, 5], [world * 2.0 * 0.25]]
+        assert g["grouped_allreduce"] == [[[5, 5], [world]]] * 2
+        assert g["allgather"] == [[sizes[rank], 4], [rank]]
+        assert g["grouped_allgather"] == [[[sizes[rank], 4], [rank]]] * 2
+        assert g["broadcast"] == [[[5, 5], [1.0 if rank == root else 0.0]] for root in range(world)]
+        assert g["alltoall"] == [[world * (rank + 1), 3], [1.0]]
+        assert g["alltoall_equal"] == [[2 * world, 3], [1.0]]
+        assert g["reducescatter_sum"] == [[4 * world, 3], [world]]
+        assert g["reducescatter_average"] == [[4 * world, 3], [1.0]]
+        assert g["grouped_reducescatter"] == [[[4 * world, 3], [world]]] * 2
+        # In tf.function: allgather's gradient (this rank's rows of grad_ys, ones x rank) plus, through a
+        # reducescatter of the first `world` gathered rows (all rank 0's), world x ones on those rows.
+        expected = np.full([sizes[rank], 4], float(rank))
+        if rank == 0:
+            expected[:world] += world
+        assert g["in_graph"] == expected.tolist()
+
+
+def test_indexed_slices_are_gathered(job):
+    """Horovod's test_horovod_allreduce_indexed_slices_cpu: values and indices gathered, duplicates summed."""
+    world, results = job
+    values = np.arange(6, dtype=np.float32).reshape(3, 2)
+    reference = np.stack([values] + [2 * values] * (world - 1) + [values])
+    for r in results:
+        s = r["sparse"]
+        assert s["sum"] == ["IndexedSlices", reference.tolist()]
+        np.testing.assert_allclose(s["average"], reference / world, rtol=1e-6)
+        assert s["grouped"] == [reference.tolist(), [float(sum(range(world)))] * 2]
+        assert s["min"] == ["NotImplementedError: Only Sum and Average ops are supported with tf.IndexedSlices",
+                            False, False]
+        assert s["prescale"][0] == "NotImplementedError: Pre/postscale_factor are not supported with tf.IndexedSlices"
+        # An embedding's gradient: rank k adds 2 (k + 1) to row k; averaged over the ranks.
+        dense = [[2.0 * (k + 1) / world] * 2 for k in range(world)]
+        kind, got = s["tape_as_dense_False"]
+        assert kind == "IndexedSlices"
+        np.testing.assert_allclose(got, dense, rtol=1e-6)
+        kind, got = s["tape_as_dense_True"]
+        assert kind != "IndexedSlices"
+        np.testing.assert_allclose(got, dense, rtol=1e-6)
+
+
+def test_process_sets(job):
+    """Even and odd ranks (hvd.init(process_sets=...)): every op among its set's ranks; the tape and
+    optimizer reduce over the even set's ranks and leave the others' gradients as they are."""
+    world, results = job
+    even, odd = list(range(0, world, 2)), list(range(1, world, 2))
+    for r in results:
+        p, rank = r["process_sets"], r["rank"]
+        mine = even if rank % 2 == 0 else odd
+        assert [p["ranks"], p["size"], p["rank"]] == [mine, len(mine), mine.index(rank)]
+        assert p["allreduce"] == [float(sum(k + 1 for k in mine))] * 2
+        assert p["grouped"] == [[float(sum(mine))] * 2, [sum(mine)]]
+        assert p["broadcast"] == [float(mine[-1])] * 2
+        assert p["allgather"] == [k for k in mine for _ in range(k + 1)]
+        assert p["reducescatter"] == share(sum(rows(k, 3) for k in mine), mine.index(rank), len(mine)).tolist()
+        assert p["alltoall"] == mine
+        assert p["broadcast_variables"] == [mine[0]]
+        assert p["object"] == {"from": mine[0]} and p["objects"] == [10 * k for k in mine]
+        assert p["gradient"] == [float(len(mine))] * 3
+        assert p["outsider"][0].startswith(f"ValueError: rank {rank} is not in process set") and p["outsider"][1]
+        value = rank * rank + 1
+        if rank in even and len(even) > 1:
+            value = sum(k * k + 1 for k in even) / len(even)
+        assert p["tape"] == pytest.approx(2 * value)
+        assert p["optimizer"] == pytest.approx([-value])
+
+
+def test_join_and_barrier(job):
+    """Rank 0 joins first: the others' allreduce gets zeros from it (Average still divides by
+    every rank), their allgather no rows; join returns the last rank to join, everywhere."""
+    world, results = job
+    others = range(1, world)
+    lasts = {r["join"]["last"][0] for r in results}
+    assert len(lasts) == 1 and lasts != {0}
+    for r in results:
+        j = r["join"]
+        assert j["last"][1] == "int32" and j["last_everywhere"] == [j["last"][0]] * world
+        if r["rank"] != 0:
+            assert j["sum"] == [float(sum(others))] * 3
+            assert j["average"] == pytest.approx([sum(others) / world] * 3)
+            assert j["allgather"] == [k for k in others for _ in range(k)]
+            assert j["barrier_wait"] > 0.3, "the barrier did not wait for rank 0"
+
+
+def test_failed_collectives_raise_horovod_internal_error(job):
+    world, results = job
+    even, odd = list(range(0, world, 2)), list(range(1, world, 2))
+    shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in range(world))
+    for r in results:
+        e, rank = r["errors"], r["rank"]
+        assert e["dtype"] == (f"rank {rank}: tensor 'dtype_mismatch': ranks disagree on its dtype: ranks {even}: float32;"
+                              f" ranks {odd}: int32")
+        # Inside tf.function a Python error becomes a tf.errors one that carries it (as Horovod's ops raise tf.errors).
+        assert e["in_graph"].startswith("UnknownError: ")
+        assert (f"HorovodInternalError: rank {rank}: tensor 'graph_mismatch': ranks disagree on its shape: {shapes}"
+                in e["in_graph"]), e["in_graph"]
+        assert e["after"] == [float(world)]  # a mismatch fails that tensor, not the job

@@ -101,7 +101,7 @@ def test_collectives_matched_by_name(job):
         assert c["object"] == {"from": 1, "list": [1, 1, 1]}
         assert c["objects"] == [["rank", k] for k in ranks]
         shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
-        assert c["mismatch"] == f"CollectiveError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
+        assert c["mismatch"] == f"HorovodInternalError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
                                 f"shape: {shapes}"
         assert c["after_mismatch"] == [float(world)]  # a mismatch fails that tensor, not the job
 

@@ -261,6 +261,7 @@ def test_port_base_is_honoured() -> None:
     (["-np", "1", "--reducers", "2", "--port-base", "65535", "--", "true"], "65535-65536, outside 1-65535"),
     (["-np", "1"], "no command given"),
     (["-np", "1", "--"], "no command given"),
+    (["-np", "1", "--max-restarts", "-1", "--", "true"], "--max-restarts must be at least 0 (got -1)"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args: List[str], message: str) -> None:
     result = run_launcher(*args)
@@ -273,3 +274,21 @@ def test_a_command_that_cannot_start_gives_127() -> None:
     result = run_launcher("-np", "2", "--", str(ROOT / "no-such-command"))
     assert result.returncode == 127, result
     assert "cannot start rank 0" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_path) -> None:
+    """Rank 1 is SIGKILLed at step 5 of 10: the launcher stops rank 0 and starts both again on
+    the same reducers with the next generation; they resume from rank 0's checkpoint and end with
+    what an undisturbed run ends with (10 steps of 1 + 2 on every element)."""
+    worker = [sys.executable, str(ROOT / "tests" / "scripts" / "restart_worker.py"), str(tmp_path), "10", "5"]
+    result = run_launcher("-np", "2", "--reducers", "2", "--max-restarts", "1", "--", *worker, RS_GENERATION="7")
+    assert result.returncode == 0, result
+    assert "rank 1 was killed by signal 9 (SIGKILL); stopping the other workers" in result.stderr, result.stderr
+    assert "restarting the 2 worker(s) (restart 1 of 1)" in result.stderr, result.stderr
+    reports = [json.loads(line) for rank in (0, 1) for line in lines_of(result.stdout, f"[rank {rank}] RESULT ")]
+    assert [(r["rank"], r["attempt"], r["generation"]) for r in reports] == [(0, 1, 8), (1, 1, 8)], reports
+    assert {r["resumed_from"] for r in reports} == {5}, reports  # rank 0 never finished step 5 without rank 1
+    assert all(r["state"] == [30.0] * 4 for r in reports), reports
+    # Without restarts left, the same failure ends the job with the worker's status.
+    again = run_launcher("-np", "2", "--max-restarts", "0", "--", *worker)
+    assert again.returncode == 128 + signal.SIGKILL, again

@@ -55,7 +55,7 @@ class Engine:
         liveness = liveness_timeout or settings.read("RS_LIVENESS_TIMEOUT")
         self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
         names = [f"reducer {r} ({address})" for r, address in enumerate(reducers)]
-        self.ledger = Ledger(me, names, self.timeline)
+        self.ledger = Ledger(me, names)
         # A segment is offered only to a reducer on this host: only it can map one.
         self.slots = Slots(me, [shared and shared_memory.is_local(address) for address in reducers], window,
                            slot_bytes)
@@ -109,6 +109,14 @@ class Engine:
                 coll.trace = self.timeline.submitted(coll.trace, *coll.trace_facts())
             self._queue.append(coll)
             self._wake()
+
+    def set_timeline(self, new: Optional["timeline.Timeline"]) -> None:
+        """Trace collectives started from now on to `new` (None: none), releasing the one used
+        so far; collectives in flight finish on the timeline they began on."""
+        with self._lock:
+            old, self.timeline = self.timeline, new
+        if old is not None:
+            old.release()
 
     def add_group(self, group: int, ranks: Sequence[int]) -> None:
         """Serve collectives of `group` (ranks ascending, this rank among them): the reducers

@@ -9,7 +9,6 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from reduction_server.errors import CollectiveError
 from reduction_server.protocol import Header
 
-from ..timeline import Timeline
 from .collective import ANSWERED, SENT, Collective
 from .identity import Identity
 
@@ -17,10 +16,9 @@ from .identity import Identity
 class Ledger:
     """Collectives started and not finished, and the chunks each reducer has not answered."""
 
-    def __init__(self, me: Identity, names: Sequence[str], timeline: Optional[Timeline]) -> None:
+    def __init__(self, me: Identity, names: Sequence[str]) -> None:
         self.me = me
         self.names = names  # "reducer r (address)", by reducer
-        self.timeline = timeline
         self.active: Dict[Tuple[int, int], Collective] = {}  # by (group, seq)
         # Started, with chunks still to send, in order, by group (each group's own window, below).
         self.sending: Dict[int, Deque[Collective]] = {}
@@ -65,7 +63,7 @@ class Ledger:
                 self.fail(coll, f"{min(coll.errors)[1]}{more}")
             else:
                 if coll.trace is not None:
-                    self.timeline.finish(coll.trace)
+                    coll.trace.timeline.finish(coll.trace)
                 coll.future.set_result(coll.result)
 
     def fail(self, coll: Collective, reason: str) -> None:
@@ -73,7 +71,7 @@ class Ledger:
         `reason`, and end its timeline record; nothing if it has already completed."""
         if not coll.future.done():
             if coll.trace is not None:
-                self.timeline.finish(coll.trace, reason)
+                coll.trace.timeline.finish(coll.trace, reason)
             coll.future.set_exception(CollectiveError(f"rank {self.me.rank}: {coll.describe()} failed: {reason}"))
 
     def abandon(self, coll: Collective) -> None:

@@ -11,23 +11,29 @@ import pickle
 import socket
 import threading
 from concurrent.futures import Future
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from reduction_server import settings
 from reduction_server.errors import ConfigError
 from reduction_server.protocol import ReduceOp
 
 from ..buffers import wire_view
 from ..communicator import Communicator
+from ..timeline import open_timeline, timeline_path
 from .coordinator import ALLGATHER, BROADCAST, Coordinator, Request, gather_bytes, name_counter
+from .exceptions import as_horovod_errors
+from .process_sets import ProcessSet, ProcessSetLike, ProcessSets
 
 _lock = threading.Lock()
 _state: Optional["_Process"] = None
+_incarnations = 0  # communicators this process opened for Horovod: each init after a shutdown takes the next
+_sessions = 0  # init() calls: names this session's process sets apart from an earlier one's on the same comm
 
 
 class _Process:
-    def __init__(self, comm: Communicator, owns: bool) -> None:
+    def __init__(self, comm: Communicator, owns: bool, session: int) -> None:
         hosts = [h.decode() for h in gather_bytes(comm, socket.gethostname().encode())]
         me = hosts[comm.rank]
         distinct = list(dict.fromkeys(hosts))  # hosts in order of their first rank
@@ -36,17 +42,54 @@ class _Process:
         self.cross_rank = distinct.index(me)
         self.cross_size = len(distinct)
         self.coordinator = Coordinator(comm, owns_communicator=owns)
+        self.process_sets = ProcessSets(comm, self.coordinator, f"horovod.{session}")
         self.object_names = name_counter("object")
+        self.set_names = name_counter("process_set")  # advanced by every rank alike, unlike object_names
 
 
-def init(comm: Optional[Communicator] = None) -> None:
-    """Join the job: a Communicator from the environment (or `comm`), and the negotiation thread.
-    Calling it again while initialized does nothing, as in Horovod."""
-    global _state
+def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+    """Join the job: a Communicator from the environment (or `comm`), and the negotiation thread;
+    then add `process_sets` (every rank passes the same). Calling it again while initialized does
+    nothing, as in Horovod; after shutdown() it joins the job again, on a generation of its own."""
+    global _state, _incarnations, _sessions
     with _lock:
-        if _state is not None and _state.coordinator.running:
-            return
-        _state = _Process(comm if comm is not None else Communicator.from_env(), owns=comm is None)
+        if _state is not None:
+            if _state.coordinator.running:
+                return
+            _state.process_sets.shutdown()  # a failure ended it: its process sets go too
+        owns = comm is None
+        # Counted per call, failed or not: ranks that call init() alike stay on one generation.
+        _sessions += 1
+        if owns:
+            _incarnations += 1
+            comm = Communicator.from_env(incarnation=_incarnations - 1)
+        try:
+            _state = _Process(comm, owns, _sessions)
+        except BaseException:
+            _state = None
+            if owns:
+                comm.close()
+            raise
+    path = settings.read("HOROVOD_TIMELINE")
+    if path and path != "DYNAMIC":
+        start_timeline(path, settings.read("HOROVOD_TIMELINE_MARK_CYCLES"))
+    for process_set in process_sets or ():
+        add_process_set(process_set)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's hvd.start_timeline: from now on, write the collectives to a Chrome trace.
+    Rank 0 writes `file_path` itself, as in Horovod; the other ranks write their own beside it
+    (`.rank<N>` before the extension). Calling it again switches files."""
+    state = _process()
+    comm = state.coordinator.comm
+    path = file_path if comm.rank == 0 else timeline_path(file_path, comm.rank)
+    comm._engine.set_timeline(open_timeline(path, comm.rank, mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Horovod's hvd.stop_timeline: stop writing the timeline; its file is complete JSON."""
+    _process().coordinator.comm._engine.set_timeline(None)
 
 
 def shutdown() -> None:
@@ -55,7 +98,7 @@ def shutdown() -> None:
     with _lock:
         state, _state = _state, None
     if state is not None:
-        state.coordinator.shutdown()
+        state.process_sets.shutdown()
 
 
 atexit.register(shutdown)
@@ -68,9 +111,46 @@ def _process() -> _Process:
     return state
 
 
-def coordinator() -> Coordinator:
-    """This process's Coordinator; raises ConfigError before hvd.init()."""
-    return _process().coordinator
+def coordinator(process_set: Optional[ProcessSet] = None) -> Coordinator:
+    """The Coordinator of `process_set` (default: every rank's); raises ConfigError before
+    hvd.init(), ValueError for a set this rank is not in."""
+    return _process().process_sets.coordinator(process_set)
+
+
+def set_root(process_set: Optional[ProcessSet], root_rank: int) -> int:
+    """`root_rank` (a global rank, as Horovod's collectives take it) as a rank of `process_set`."""
+    return _process().process_sets.root(process_set, root_rank)
+
+
+def add_process_set(process_set: ProcessSetLike) -> ProcessSet:
+    """Horovod's hvd.add_process_set: a collective of every rank (each passes the same ranks);
+    returns the set, its process_set_id assigned."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set} has been added already")
+    state = _process()
+    everyone = allgather_object(process_set.ranks, name=f"add.{state.set_names()}")
+    if any(r != process_set.ranks for r in everyone):
+        raise ValueError(f"rank {rank()}: ranks disagree on the process set to add: "
+                         + "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone)))
+    process_set.process_set_id = state.process_sets.add(process_set.ranks)
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Horovod's hvd.remove_process_set: a collective of every rank; False for the global set
+    or one never added. The set's object can no longer be used."""
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0:
+        return False
+    state = _process()
+    everyone = allgather_object(set_id, name=f"remove.{state.set_names()}")
+    if any(i != set_id for i in everyone):
+        raise ValueError(f"rank {rank()}: ranks disagree on the process set to remove: "
+                         + "; ".join(f"rank {r}: {i}" for r, i in enumerate(everyone)))
+    process_set.process_set_id = None
+    return state.process_sets.remove(set_id)
 
 
 def is_initialized() -> bool:
@@ -108,41 +188,48 @@ def cross_size() -> int:
     return _process().cross_size
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """root_rank's `obj` (pickled), on every rank."""
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> Any:
+    """root_rank's `obj` (pickled), on every rank (of `process_set`)."""
     state = _process()
     name = name or state.object_names()
-    coord = state.coordinator
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if coord.rank == root_rank else b""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if rank() == root_rank else b""
     length = np.array([len(data)], np.int64)
-    run(BROADCAST, f"{name}.length", length, length, root=root_rank)
+    run(BROADCAST, f"{name}.length", length, length, root=root_rank, process_set=process_set)
     buf = np.zeros(int(length[0]), np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
-    run(BROADCAST, f"{name}.bytes", buf, buf, root=root_rank)
-    return obj if coord.rank == root_rank else pickle.loads(buf.tobytes())
+    run(BROADCAST, f"{name}.bytes", buf, buf, root=root_rank, process_set=process_set)
+    return obj if rank() == root_rank else pickle.loads(buf.tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Every rank's `obj` (pickled), in rank order."""
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> List[Any]:
+    """Every rank's `obj` (pickled), in rank order (the ranks of `process_set`)."""
     name = name or _process().object_names()
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    lengths = run(ALLGATHER, f"{name}.length", np.array([len(data)], np.int64))
-    joined = run(ALLGATHER, f"{name}.bytes", data)
+    lengths = run(ALLGATHER, f"{name}.length", np.array([len(data)], np.int64), process_set=process_set)
+    joined = run(ALLGATHER, f"{name}.bytes", data, process_set=process_set)
     ends = np.cumsum(lengths)
     return [pickle.loads(joined[e - n:e].tobytes()) for e, n in zip(ends, lengths)]
 
 
 def submit(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
-           op: ReduceOp = ReduceOp.SUM, root: int = 0) -> Future:
-    """Start one named collective of NumPy arrays: the Future's value is the gathered array for
-    allgather; the others leave their result in `out`."""
+           op: ReduceOp = ReduceOp.SUM, root: int = 0, process_set: Optional[ProcessSet] = None,
+           splits: Sequence[int] = ()) -> Future:
+    """Start one named collective of NumPy arrays among `process_set` (default: every rank);
+    `root` is a global rank, `splits` alltoall's rows for each rank. The Future's value is the
+    gathered array for allgather, (rows received, rows from each rank) for alltoall, None for
+    the others, which leave their result in `out` (reducescatter: the whole reduction)."""
+    coord = coordinator(process_set)
     wire = wire_view(send, what=f"tensor {name!r}")
-    request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, root)
+    local_root = set_root(process_set, root) if kind == BROADCAST else 0
+    request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, local_root, splits=tuple(splits))
     dst = None if out is None else wire_view(out, writable=True, what=f"output of {name!r}")
-    return coordinator().submit(request, wire, dst)
+    return coord.submit(request, wire, dst)
 
 
 def run(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
-        op: ReduceOp = ReduceOp.SUM, root: int = 0) -> Any:
-    """submit(), waited for."""
-    return submit(kind, name, send, out, op=op, root=root).result()
+        op: ReduceOp = ReduceOp.SUM, root: int = 0, process_set: Optional[ProcessSet] = None,
+        splits: Sequence[int] = ()) -> Any:
+    """submit(), waited for; a failed collective raises HorovodInternalError."""
+    with as_horovod_errors():
+        return submit(kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits).result()

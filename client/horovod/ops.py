@@ -30,9 +30,3 @@ def resolve_op(op: Optional[Any], average: Optional[bool] = None) -> ReduceOp:
         raise ValueError(f"unknown reduction op {op!r}; use one of hvd."
                          + ", hvd.".join(_NAMES.values())) from None
 
-
-def check_process_set(process_set: Any) -> None:
-    """Every collective spans all ranks: a process set other than the global one is refused."""
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("process sets are not supported by the reduction server; every collective spans "
-                         "all ranks")

@@ -1,10 +1,10 @@
-"""Running what the negotiation agreed on: consecutive all-reduces of one dtype and op fused
-into one collective of up to the fusion threshold, broadcasts and allgathers one by one, each
+"""Running what the negotiation agreed on: consecutive reductions (allreduce, reducescatter) of
+one dtype and op fused into one collective of up to the fusion threshold, the other kinds one by
+one (allgather and alltoall as in gathering.py; a barrier needs no data), each
 started on the cycle thread (so every rank's order is the agreed one) and completed on a thread
 of its own, so a large copy-out never delays the next negotiation."""
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -18,18 +18,18 @@ from reduction_server.protocol import DType, ReduceOp
 from ..buffers import WireBuffer
 from ..communicator import Communicator
 from ..timeline import Trace
-from .requests import ALLREDUCE, BROADCAST, Request, Submission, disagreement
+from . import gathering
+from .requests import ALLREDUCE, BARRIER, BROADCAST, REDUCING, Request, Submission, disagreement
 
 
 class Runner:
     """Starts agreed collectives, fused, and completes their Futures."""
 
-    def __init__(self, comm: Communicator, threshold: int, take: Callable[[str], Submission]) -> None:
+    def __init__(self, comm: Communicator, threshold: int, take: Callable[[str], Optional[Submission]]) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.world_size
         self.threshold = threshold
-        self._take_submission = take  # this rank's submission of an agreed name, no longer pending
-        self._timeline = comm._engine.timeline  # None unless RS_TIMELINE is set
+        self._take_submission = take  # this rank's submission of an agreed name (None: it joined instead)
         self._lock = threading.Lock()
         self._spare: List[np.ndarray] = []  # fusion buffers, reused
         self._completions: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -44,20 +44,28 @@ class Runner:
 
     def launch(self, ready: List[Tuple[str, Dict[int, Request]]]) -> None:
         """Start one cycle's agreed names in their order: a name the ranks disagree on fails at
-        once; consecutive all-reduces of one dtype and op are fused up to the threshold;
-        broadcasts and allgathers run one by one."""
+        once; consecutive reductions of one dtype and op are fused up to the threshold; the
+        other kinds run one by one. A rank that has joined and did not ask for a name takes
+        part in an allreduce with zeros; the other kinds fail on every rank while some have
+        joined, as in Horovod."""
         batch: List[Submission] = []
         count = 0  # elements in batch, kept as it grows so that a cycle of N tensors costs O(N)
-        for name, requests in ready:
-            problem = disagreement(name, requests)
-            mine = self._take_submission(name)
+        for name, asked in ready:
+            problem = disagreement(name, asked)
+            template = asked[min(asked)]
+            joined = [r for r in range(self.size) if r not in asked]
+            if problem is None and joined and template.kind not in (ALLREDUCE, BARRIER):
+                problem = (f"tensor {name!r}: {template.kind} is not supported with join (ranks {joined} have joined "
+                           "and wait for the others): only allreduce and barrier are, as in Horovod")
+            # A joined rank stands in even for a name it has submitted since: that one is announced later.
+            mine = (self._take_submission(name) if self.rank in asked else None) or self._stand_in(template)
             if problem is not None:
                 self._flush(batch, count)
                 batch, count = [], 0
                 mine.future.set_exception(CollectiveError(f"rank {self.rank}: {problem}"))
                 continue
             req = mine.request
-            if req.kind == ALLREDUCE:
+            if req.kind in REDUCING:
                 n = req.count
                 if batch:
                     head = batch[0].request
@@ -72,9 +80,21 @@ class Runner:
             batch, count = [], 0
             if req.kind == BROADCAST:
                 self._start([mine], mine.send, mine.out, ReduceOp.BROADCAST, req.root)
+            elif req.kind == BARRIER:  # agreed on means every rank has reached it; done after what came before
+                self._completions.put((None, [mine], None, None))
             else:
-                self._allgather(mine, requests)
+                buf, finish = gathering.plan(req, mine.send.data, asked, self.rank)
+                wire = WireBuffer(DType.UINT8, len(buf), memoryview(buf))
+                self._start([mine], wire, wire, ReduceOp.SUM, 0, result=finish)
         self._flush(batch, count)
+
+    @staticmethod
+    def _stand_in(template: Request) -> Submission:
+        """What this rank, joined, contributes to a name it did not ask for: zeros, into a
+        buffer of its own."""
+        zeros = np.zeros(template.count, template.dtype.storage)
+        wire = WireBuffer(template.dtype, template.count, memoryview(zeros).cast("B"))
+        return Submission(template, wire, wire)
 
     def _flush(self, batch: List[Submission], total: int) -> None:
         """Start one all-reduce for a batch of `total` elements: in place for one tensor, through
@@ -99,30 +119,23 @@ class Runner:
         wire = WireBuffer(req.dtype, total, memoryview(fused[:total * size]))
         self._start(batch, wire, wire, req.op, 0, fused, trace=trace)
 
-    def _allgather(self, mine: Submission, requests: Dict[int, Request]) -> None:
-        """Each rank's rows at its offset in a zero buffer, summed as bytes: exact for any dtype."""
-        size = mine.request.dtype.itemsize
-        counts = [requests[r].count * size for r in range(self.size)]
-        offset = sum(counts[:self.rank])
-        out = np.zeros(sum(counts), np.uint8)
-        out[offset:offset + counts[self.rank]] = np.frombuffer(mine.send.data, np.uint8)
-        rows = sum(requests[r].shape[0] if requests[r].shape else 1 for r in range(self.size))
-        shape = (rows, *mine.request.shape[1:])
-        mine.out = WireBuffer(mine.request.dtype, math.prod(shape), memoryview(out))
-        wire = WireBuffer(DType.UINT8, len(out), memoryview(out))
-        self._start([mine], wire, wire, ReduceOp.SUM, 0, result=(out, shape))
-
     def _trace(self, batch: List[Submission]) -> Optional[Trace]:
-        """The timeline record of a batch's collective, named after its tensors, begun now that
-        negotiation has agreed on it; `negotiation_us` is how long its first tensor waited."""
-        if self._timeline is None:
+        """The timeline record of a batch's collective, named after its tensors as Horovod names
+        them ("allreduce.<name>"), begun now that negotiation has agreed on it; its negotiation
+        (NEGOTIATE_ALLREDUCE, ...) spans from its first tensor's submission until now."""
+        timeline = self.comm._engine.timeline  # None unless RS_TIMELINE is set or hvd.start_timeline() ran
+        if timeline is None:
             return None
-        waited = time.perf_counter() - min(m.submitted for m in batch)
-        return self._timeline.begin_tensors(f"{batch[0].request.kind} ", [m.request.name for m in batch],
-                                            {"negotiation_us": round(waited * 1e6)})
+        asked, now = min(m.submitted for m in batch), time.perf_counter()
+        trace = timeline.begin_tensors("", [f"{m.request.kind}.{m.request.name}" for m in batch],
+                                       {"negotiation_us": round((now - asked) * 1e6)})
+        trace.negotiated = (f"NEGOTIATE_{batch[0].request.kind.upper()}", asked, now)
+        return trace
 
     def _start(self, batch: List[Submission], send: Optional[WireBuffer], out: WireBuffer, op: ReduceOp, root: int,
-               fused: Optional[np.ndarray] = None, result: Any = None, trace: Optional[Trace] = None) -> None:
+               fused: Optional[np.ndarray] = None, result: Optional[Callable[[], Any]] = None,
+               trace: Optional[Trace] = None) -> None:
+        """Start one collective for `batch`; its Futures get `result()` (None without it) once done."""
         if trace is None and len(batch) == 1:
             trace = self._trace(batch)
         try:
@@ -130,7 +143,7 @@ class Runner:
                                       out, op, root, None, trace=trace)
         except BaseException as exc:  # noqa: BLE001 - e.g. the communicator has failed
             if trace is not None:
-                self._timeline.finish(trace, str(exc))
+                trace.timeline.finish(trace, str(exc))
             for m in batch:
                 m.future.set_exception(exc)
             return
@@ -150,7 +163,8 @@ class Runner:
                 return
             handle, batch, fused, result = item
             try:
-                handle.wait()
+                if handle is not None:  # None: a barrier, done once what was started before it is
+                    handle.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the callers
                 for m in batch:
                     m.future.set_exception(exc)
@@ -163,9 +177,6 @@ class Runner:
                     offset += n
                 with self._lock:
                     self._spare.append(fused)
+            value = None if result is None else result()
             for m in batch:
-                if result is not None:
-                    out, shape = result
-                    m.future.set_result(out.view(m.request.dtype.storage).reshape(shape))
-                else:
-                    m.future.set_result(None)
+                m.future.set_result(value)

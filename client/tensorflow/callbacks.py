@@ -15,16 +15,31 @@ class BroadcastVariablesCallback(keras.callbacks.Callback):
     """Broadcast the model's weights and the optimizer's variables from `root_rank` when
     training starts, so that every rank starts from root's state (Horovod's
     BroadcastGlobalVariablesCallback). The optimizer is built first if it is not yet, so that a
-    restored optimizer state is broadcast too. Random-seed state (Dropout's) is not broadcast:
-    ranks keep drawing different masks."""
+    restored optimizer state is broadcast too. A model not yet built when training starts (a
+    Sequential without an Input: TensorFlow's Keras builds it, and the optimizer, in the first
+    training step) is broadcast at the end of the first batch instead, as Horovod always does:
+    every rank then continues from root's state after that step. Random-seed state (Dropout's)
+    is not broadcast: ranks keep drawing different masks."""
 
     def __init__(self, root_rank: int = 0) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self._pending = False
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         """Keras hook: overwrite the model's weights and the optimizer's variables (building it
-        first if needed) with root_rank's."""
+        first if needed) with root_rank's; if the model is not built yet, wait for the first batch's end."""
+        self._pending = not self.model.built
+        if not self._pending:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Keras hook: the broadcast on_train_begin left for the first step to build the model."""
+        if self._pending:
+            self._pending = False
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         model = self.model
         variables = list(model.weights)
         optimizer = getattr(model, "optimizer", None)

@@ -2,7 +2,7 @@
 DistributedOptimizer for model.fit (a Keras 3 optimizer whose apply() all-reduces first)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import keras
 import tensorflow as tf  # the real tensorflow: absolute import
@@ -17,6 +17,10 @@ from .ops import grouped_allreduce
 def scaled(tensor: Optional[tf.Tensor], factor: float) -> Optional[tf.Tensor]:
     """tensor x factor in its own dtype (None and a factor of 1 pass through)."""
     return tensor if tensor is None or factor == 1.0 else tensor * tf.cast(factor, tensor.dtype)
+
+
+#: how a step's gradients are reduced: the list (None entries included) to the list reduced
+Reduction = Callable[[List[Any]], List[Any]]
 
 
 class _GradientReduction:
@@ -55,15 +59,17 @@ class DistributedGradientTape:
         grads = tape.gradient(loss, model.trainable_variables)
 
     `op`: "average" or "sum" (or min, max, product); `compression`: see Compressor;
-    `gradient_predivide_factor`: see Horovod (op average only).
+    `gradient_predivide_factor`: see Horovod (op average only). `reduce`, if given, reduces the
+    gradients instead (a list, None entries included, to the list reduced; the Horovod layer
+    passes its own, with process sets and sparse gradients), and the three are not used.
     """
 
     def __init__(self, tape: tf.GradientTape, op: Any = "average", compression: Optional[Compressor] = None,
-                 gradient_predivide_factor: float = 1.0) -> None:
+                 gradient_predivide_factor: float = 1.0, reduce: Optional[Reduction] = None) -> None:
         if isinstance(tape, DistributedGradientTape):
             raise TypeError("this tape is already a DistributedGradientTape")
         self._tape = tape
-        self._reduce = _GradientReduction(op, compression, gradient_predivide_factor)
+        self._reduce = reduce or _GradientReduction(op, compression, gradient_predivide_factor)
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
@@ -101,15 +107,15 @@ _distributed_classes: Dict[type, type] = {}
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = "average",  # noqa: N802 - Horovod's name
-                         compression: Optional[Compressor] = None,
-                         gradient_predivide_factor: float = 1.0) -> keras.optimizers.Optimizer:
+                         compression: Optional[Compressor] = None, gradient_predivide_factor: float = 1.0,
+                         reduce: Optional[Reduction] = None) -> keras.optimizers.Optimizer:
     """A copy of `optimizer` (a Keras 3 optimizer, not yet built) whose ``apply`` /
     ``apply_gradients`` all-reduce the gradients first; use it with ``model.fit`` or a custom
-    loop. `op`, `compression`, `gradient_predivide_factor`: as for DistributedGradientTape. The
+    loop. `op`, `compression`, `gradient_predivide_factor`, `reduce`: as for DistributedGradientTape. The
     copy's class has the original's name and module, so a saved model loads with the plain
     optimizer. With Keras's gradient_accumulation_steps, every micro-step's gradients are
     all-reduced (the result is the same; the traffic is not saved)."""
-    reduction = _GradientReduction(op, compression, gradient_predivide_factor)
+    reduction = reduce or _GradientReduction(op, compression, gradient_predivide_factor)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer takes a Keras 3 optimizer (keras.optimizers.Optimizer), "
                         f"not {type(optimizer).__name__}")

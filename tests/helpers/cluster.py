@@ -186,11 +186,12 @@ def run_ranks(world: int, make: Callable[[int], Any], body: Callable[[Any, int],
 
 
 def run_example(example: str, *args: str, cwd: Path, world: int = 2, reducer_count: int = 1,
-                timeout: float = 180) -> str:
-    """Run examples/<example> under `reduction-server run` as the README shows; its stdout
-    (a non-zero exit is an AssertionError carrying the output)."""
+                timeout: float = 180, env: Optional[Dict[str, str]] = None) -> str:
+    """Run examples/<example> (or the script at an absolute path) under `reduction-server run`
+    as the README shows, with `env` added to the environment; its stdout (a non-zero exit is an
+    AssertionError carrying the output)."""
     proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers",
                            str(reducer_count), "--", sys.executable, str(ROOT / "examples" / example), *args],
-                          env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+                          env=child_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

@@ -1,6 +1,7 @@
 """One rank of a Horovod-style TensorFlow/Keras job (reduction_server.client.horovod.keras):
 a custom loop with hvd.DistributedGradientTape, model.fit with hvd.DistributedOptimizer and
-hvd.callbacks, and the collectives. Prints one JSON line."""
+hvd.callbacks, the collectives, and horovod_tf_checks.py's (new ops, process sets, join,
+barrier, gradients, IndexedSlices, errors). Prints one JSON line."""
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import horovod_tf_checks as checks  # noqa: E402
 import keras_fit  # noqa: E402
 import reduction_server.client.horovod.keras as hvd  # noqa: E402
 import tf_custom_loop  # noqa: E402
@@ -88,9 +90,14 @@ def collectives(rank, world):
 
 def main():
     spec = json.loads(sys.argv[1])
-    hvd.init()
-    rank, world = hvd.rank(), hvd.size()
+    world = int(os.environ["RS_WORLD_SIZE"])
+    even, odd = hvd.ProcessSet(range(0, world, 2)), hvd.ProcessSet(range(1, world, 2))
+    hvd.init(process_sets=[even, odd])
+    rank = hvd.rank()
     result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "collectives": collectives(rank, world),
+              "ops": checks.ops(rank, world), "gradients": checks.gradients(rank, world),
+              "sparse": checks.sparse(rank, world), "process_sets": checks.process_sets(rank, world, even, odd),
+              "join": checks.join_and_barrier(rank, world), "errors": checks.errors(rank, world),
               "loop": custom_loop(rank, world, **spec["loop"]), "fit": fit(rank, world, **spec["fit"]),
               "warmup": fit(rank, world, **spec["warmup"])["history"]}
     hvd.shutdown()

@@ -8,23 +8,39 @@
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Modules, as Horovod's own: mpi_ops (the collectives), functions (parameters and optimizer state
-from the root), optimizer (DistributedOptimizer).
+Modules, as Horovod's own: mpi_ops (the collectives, with handles), autograd (the
+differentiable forms), sparse (sparse all-reduce), functions (parameters and optimizer state
+from the root), optimizer (DistributedOptimizer), sync_batch_norm (SyncBatchNorm).
 """
-from ..basics import (allgather_object, broadcast_object, cross_rank, cross_size, init, is_initialized, local_rank,
-                      local_size, rank, shutdown, size)
+from ..basics import (add_process_set, allgather_object, broadcast_object, cross_rank, cross_size, init,
+                      is_initialized, local_rank, local_size, rank, remove_process_set, shutdown, size,
+                      start_timeline, stop_timeline)
+from ..build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                     mpi_threads_supported, nccl_built, rocm_built)
 from ..compression import Compression
+from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..ops import Adasum, Average, Max, Min, Product, Sum
+from ..process_sets import ProcessSet, global_process_set
+from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+                       grouped_reducescatter, reducescatter)
 from .functions import broadcast_optimizer_state, broadcast_parameters
-from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, broadcast,
-                      broadcast_, broadcast_async, broadcast_async_, grouped_allreduce, grouped_allreduce_,
-                      grouped_allreduce_async, grouped_allreduce_async_, poll, synchronize)
+from .mpi_ops import (allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async, barrier,
+                      broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
+                      grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async, join, poll,
+                      reducescatter_async, synchronize)
 from .optimizer import DistributedOptimizer
+from .sparse import sparse_allreduce_async
+from .sync_batch_norm import SyncBatchNorm
 
-__all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-           "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-           "allreduce_async_", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
-           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-           "init", "is_initialized", "local_rank", "local_size", "poll", "rank", "shutdown", "size",
-           "synchronize"]
+__all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
+           "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
+           "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+           "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+           "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+           "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+           "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
+           "start_timeline", "stop_timeline", "synchronize"]

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import io
-from typing import Iterable, Mapping, Tuple, Union
+from typing import Any, Iterable, Mapping, Tuple, Union
 
 import torch  # the real torch: absolute import
 
 from ..basics import broadcast_object, rank
 from .mpi_ops import broadcast_async_, synchronize
+from .optimizer import is_distributed
 
 
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
@@ -24,9 +25,25 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
         synchronize(handle)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
     """Overwrite every rank's optimizer state (moments, step counts, hyperparameters) with
-    root_rank's: its state_dict travels serialized, so every kind of state does."""
+    root_rank's: its state_dict travels serialized, so every kind of state does. A new optimizer
+    gets its state first, as in Horovod: a step with zero gradients for the parameters that have
+    none (sparse for a SparseAdam's, or `model`'s sparse embeddings under SGD)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (as in Horovod)")
+    if not optimizer.state_dict()["state"]:
+        sparse = {id(p) for m in (model.modules() if model is not None else ())
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or (
+                            isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                        p.grad = p.grad.to_sparse()
+        # A DistributedOptimizer's own step() would all-reduce, which not every rank may call here.
+        (super(type(optimizer), optimizer).step if is_distributed(optimizer) else optimizer.step)()
     data = None
     if rank() == root_rank:
         buf = io.BytesIO()
@@ -36,5 +53,3 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     if rank() != root_rank:
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
         optimizer.load_state_dict(torch.load(io.BytesIO(data), map_location=device, weights_only=False))
-
-

@@ -1,15 +1,15 @@
-"""Horovod's collectives on torch tensors (its mpi_ops): allreduce, grouped_allreduce, broadcast
-and allgather, in place or not, async with integer handles (``synchronize``, ``poll``).
+"""Horovod's collectives on torch tensors (its mpi_ops), the forms that return handles:
+allreduce, broadcast, allgather, reducescatter and alltoall (each alone or grouped, in place or
+not), join and barrier. The differentiable forms that return tensors are in autograd.py.
 
 Collectives are matched across ranks by name (coordinator.py), fused up to
-HOROVOD_FUSION_THRESHOLD, and negotiated every HOROVOD_CYCLE_TIME ms. CPU tensors go to the wire
-without a copy; CUDA tensors through pinned host buffers (client/torch/tensors.py).
+HOROVOD_FUSION_THRESHOLD, and negotiated every HOROVOD_CYCLE_TIME ms; `process_set=` runs one
+among a process set's ranks (process_sets.py). CPU tensors go to the wire without a copy; CUDA
+tensors through pinned host buffers (client/torch/tensors.py).
 """
 from __future__ import annotations
 
-import itertools
-import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch  # the real torch: absolute import
 
@@ -17,223 +17,271 @@ from reduction_server.protocol import ReduceOp
 
 from ...buffers import wire_view
 from ...torch.tensors import Staged
-from ..basics import coordinator, rank
-from ..compression import Compression
-from ..coordinator import ALLGATHER, ALLREDUCE, BROADCAST, Request, name_counter
-from ..ops import check_process_set, resolve_op
+from ..basics import coordinator, rank, set_root
+from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
+from ..requests import BARRIER_NAME
+from ..exceptions import as_horovod_errors
+from ..ops import Adasum, Average, resolve_op
+from .. import shares
+from ..process_sets import ProcessSet
+from .handles import new_handle, poll, synchronize, take
 
-_names = {kind: name_counter(kind) for kind in (ALLREDUCE, ALLGATHER, BROADCAST, "grouped_allreduce")}
-_handles: Dict[int, Tuple[List[Any], Callable[[], Any]]] = {}
-_handle_ids = itertools.count(1)
-_handles_lock = threading.Lock()
+__all__ = ["allgather_async", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier",
+           "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async", "join", "poll",
+           "reducescatter_async", "synchronize"]
 
-
-def _handle(futures: List[Any], finish: Callable[[], Any]) -> int:
-    with _handles_lock:
-        handle = next(_handle_ids)
-        _handles[handle] = (futures, finish)
-    return handle
-
-
-def poll(handle: int) -> bool:
-    """True once the collective behind `handle` has finished (synchronize() will not block)."""
-    with _handles_lock:
-        if handle not in _handles:
-            raise ValueError(f"unknown or already synchronized handle {handle!r}")
-        futures, _ = _handles[handle]
-    return all(f.done() for f in futures)
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the collective behind `handle` and return its result."""
-    with _handles_lock:
-        try:
-            futures, finish = _handles.pop(handle)
-        except KeyError:
-            raise ValueError(f"unknown or already synchronized handle {handle!r}") from None
-    for future in futures:
-        future.result()
-    return finish()
-
-
-# -- tensors on the wire ---------------------------------------------------------------------
 
 def _type_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).replace("torch.", "")
 
 
-def _submit_reduce(tensor: torch.Tensor, name: str, op: ReduceOp) -> Tuple[Any, Staged]:
-    """Start an in-place all-reduce of `tensor`: (future, staging to finish once it is done)."""
-    staged = Staged(tensor, f"allreduce tensor {name!r}")
-    wire = wire_view(staged.wire(op), writable=True, what=f"tensor {name!r}")
-    request = Request(name, ALLREDUCE, wire.dtype, tuple(tensor.shape), op, type_name=_type_name(tensor))
-    return coordinator().submit(request, wire, wire), staged
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
 def _bytes(host: torch.Tensor) -> torch.Tensor:
-    """A contiguous host tensor as its bytes, one trailing dimension of itemsize per element."""
-    return host.reshape(*host.shape, 1).view(torch.uint8) if host.dim() else host.reshape(1, 1).view(torch.uint8)
+    """A contiguous host tensor as its bytes, one trailing dimension of itemsize per element
+    (flattened first: a contiguous tensor's size-1 dimensions may have any stride)."""
+    return host.reshape(-1).view(torch.uint8).reshape(*(host.shape or (1,)), host.element_size())
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    """tensor *= factor in place, as Horovod scales: integers in float64 (truncated back),
+    16-bit floats in float32."""
+    if factor == 1.0:
+        return
+    with torch.no_grad():
+        if not tensor.is_floating_point() and not tensor.is_complex():
+            tensor.copy_(tensor.double() * factor)
+        elif tensor.dtype in (torch.float16, torch.bfloat16):
+            tensor.copy_(tensor.float() * factor)
+        else:
+            tensor.mul_(factor)
+
+
+def _submit(kind: str, name: str, wire_tensor: torch.Tensor, tensor: torch.Tensor, process_set: Optional[ProcessSet],
+            op: ReduceOp = ReduceOp.SUM, root: int = 0, splits: Sequence[int] = ()) -> Any:
+    """Submit one named collective of `wire_tensor` (the wire's view of `tensor`) in place; its Future."""
+    wire = wire_view(wire_tensor, writable=True, what=f"tensor {name!r}")
+    request = Request(name, kind, wire.dtype, tuple(wire_tensor.shape), op, root, _type_name(tensor), tuple(splits))
+    with as_horovod_errors():  # a collective that cannot start is Horovod's internal error too
+        return coordinator(process_set).submit(request, wire, wire)
 
 
 # -- allreduce ---------------------------------------------------------------------------------
 
-def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Any = None) -> int:
-    """Start an in-place all-reduce of `tensor`; a handle for synchronize()/poll()."""
-    check_process_set(process_set)
-    rop = resolve_op(op, average)
-    name = name or _names[ALLREDUCE]()
-    if prescale_factor != 1.0:
-        with torch.no_grad():
-            tensor.mul_(prescale_factor)
-    future, staged = _submit_reduce(tensor, name, rop)
+def _reduce(tensor: torch.Tensor, name: str, op: Optional[int], average: Optional[bool], prescale: float,
+            postscale: float, process_set: Optional[ProcessSet], kind: str = ALLREDUCE) -> tuple:
+    """Start reducing `tensor` in place: (its Future, the finishing step that scales it)."""
+    integer = not tensor.is_floating_point() and not tensor.is_complex()
+    rop, postscale = shares.reduction(resolve_op(op, average), integer, postscale, coordinator(process_set).size)
+    _scale(tensor, prescale)
+    staged = Staged(tensor, f"{kind} tensor {name!r}")
+    future = _submit(kind, name, staged.wire(rop), tensor, process_set, rop)
 
     def finish() -> torch.Tensor:
         staged.finish()
-        if postscale_factor != 1.0:
-            with torch.no_grad():
-                tensor.mul_(postscale_factor)
+        _scale(tensor, postscale)
         return tensor
-    return _handle([future], finish)
+    return future, finish
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Optional[ProcessSet] = None) -> int:
+    """Start an in-place all-reduce of `tensor` (Average by default); a handle for synchronize()/poll()."""
+    name = name or coordinator(process_set).auto_name(ALLREDUCE)
+    future, finish = _reduce(tensor, name, op, average, prescale_factor, postscale_factor, process_set)
+    return new_handle([future], finish)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None) -> int:
+                    process_set: Optional[ProcessSet] = None) -> int:
     """Start an all-reduce into a new tensor; `tensor` is left as it is."""
-    return allreduce_async_(tensor.detach().clone(memory_format=torch.contiguous_format), average, name, op,
-                            prescale_factor, postscale_factor, process_set)
+    return allreduce_async_(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Any = None) -> torch.Tensor:
-    """Horovod's hvd.allreduce_: all-reduce `tensor` in place (Average by default); returns it once done."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
+    """Horovod's hvd.allreduce_: all-reduce `tensor` in place; returns it once done."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
-    """The reduction of `tensor` over all ranks, as a new tensor (compressed on the wire)."""
-    compressed, ctx = compression.compress(tensor)
-    if compressed is tensor:
-        compressed = tensor.detach().clone(memory_format=torch.contiguous_format)
-    reduced = synchronize(allreduce_async_(compressed, average, name, op, prescale_factor, postscale_factor,
-                                           process_set))
-    return compression.decompress(reduced, ctx)
+def _grouped(handles: List[int]) -> int:
+    """One handle for several: synchronize() returns the list of their results."""
+    parts = [take(h) for h in handles]
+    return new_handle([f for futures, _ in parts for f in futures], lambda: [finish() for _, finish in parts])
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Any = None) -> int:
+                             process_set: Optional[ProcessSet] = None) -> int:
     """Start in-place all-reduces of a list of tensors, submitted together (so fused together
     when they fit the fusion threshold); synchronize() returns the list."""
-    name = name or _names["grouped_allreduce"]()
-    inner = [allreduce_async_(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
-             for i, t in enumerate(tensors)]
-    with _handles_lock:
-        parts = [_handles.pop(h) for h in inner]
-    return _handle([f for futures, _ in parts for f in futures], lambda: [finish() for _, finish in parts])
+    name = name or coordinator(process_set).auto_name("grouped_allreduce")
+    return _grouped([allreduce_async_(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
+                     for i, t in enumerate(tensors)])
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: Any = None) -> int:
+                            process_set: Optional[ProcessSet] = None) -> int:
     """Horovod's hvd.grouped_allreduce_async: start all-reducing copies of `tensors`, which are
     left as they are; synchronize() returns the list of results."""
-    copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
+    return grouped_allreduce_async_([_copy(t) for t in tensors], average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Optional[int] = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, process_set: Any = None) -> List[torch.Tensor]:
+                       postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_allreduce_: all-reduce `tensors` in place, submitted together; returns them once done."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, compression: Any = Compression.none, op: Optional[int] = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: Any = None) -> List[torch.Tensor]:
-    """Horovod's hvd.grouped_allreduce: the reductions of `tensors` over all ranks as new
-    tensors, submitted together (compressed on the wire)."""
-    compressed = [compression.compress(t) for t in tensors]
-    wire = [c if c is not t else t.detach().clone(memory_format=torch.contiguous_format)
-            for (c, _), t in zip(compressed, tensors)]
-    reduced = synchronize(grouped_allreduce_async_(wire, average, name, op, prescale_factor, postscale_factor,
-                                                   process_set))
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
-
-
-# -- broadcast and allgather ---------------------------------------------------------------------
+# -- broadcast ---------------------------------------------------------------------------------
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                     process_set: Any = None) -> int:
-    """Start overwriting `tensor` on every rank with root_rank's."""
-    check_process_set(process_set)
-    name = name or _names[BROADCAST]()
+                     process_set: Optional[ProcessSet] = None) -> int:
+    """Start overwriting `tensor` on every rank (of `process_set`) with root_rank's (a global rank)."""
+    name = name or coordinator(process_set).auto_name(BROADCAST)
+    root = set_root(process_set, root_rank)
     staged = Staged(tensor, f"broadcast tensor {name!r}", load=rank() == root_rank)
-    wire = wire_view(staged.wire(None), writable=True, what=f"tensor {name!r}")
-    request = Request(name, BROADCAST, wire.dtype, tuple(tensor.shape), root=root_rank,
-                      type_name=_type_name(tensor))
-    future = coordinator().submit(request, wire, wire)
+    future = _submit(BROADCAST, name, staged.wire(None), tensor, process_set, root=root)
 
     def finish() -> torch.Tensor:
         if rank() != root_rank:
             staged.finish()
         return tensor
-    return _handle([future], finish)
+    return new_handle([future], finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                    process_set: Any = None) -> int:
+                    process_set: Optional[ProcessSet] = None) -> int:
     """Horovod's hvd.broadcast_async: start broadcasting root_rank's `tensor` into a new tensor
     (`tensor` is left as it is); synchronize() returns it."""
-    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name,
-                            process_set)
+    return broadcast_async_(_copy(tensor), root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-               process_set: Any = None) -> torch.Tensor:
+               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
     """Horovod's hvd.broadcast_: overwrite `tensor` on every rank with root_rank's; returns it once done."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-              process_set: Any = None) -> torch.Tensor:
-    """root_rank's `tensor`, as a new tensor on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+# -- allgather and alltoall --------------------------------------------------------------------
+
+def _rows(kind: str, tensor: torch.Tensor, name: str, process_set: Optional[ProcessSet],
+          splits: Sequence[int] = ()) -> tuple:
+    """Start a collective that moves rows of `tensor` between ranks: (Future, staging). The rows
+    travel as bytes (every dtype, exactly)."""
+    staged = Staged(tensor, f"{kind} tensor {name!r}")
+    return _submit(kind, name, _bytes(staged.host), tensor, process_set, splits=splits), staged
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> int:
+def _from_bytes(raw: Any, like: torch.Tensor) -> torch.Tensor:
+    result = torch.from_numpy(raw).view(like.dtype).squeeze(-1)
+    return result.to(like.device) if like.device.type != "cpu" else result
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: Optional[ProcessSet] = None) -> int:
     """Start concatenating every rank's `tensor` along the first dimension (which may differ
     across ranks; the others must match)."""
-    check_process_set(process_set)
-    name = name or _names[ALLGATHER]()
-    staged = Staged(tensor, f"allgather tensor {name!r}")
-    raw = _bytes(staged.host)
-    wire = wire_view(raw, what=f"tensor {name!r}")
-    request = Request(name, ALLGATHER, wire.dtype, tuple(raw.shape), type_name=_type_name(tensor))
-    future = coordinator().submit(request, wire, None)
+    future, _ = _rows(ALLGATHER, tensor, name or coordinator(process_set).auto_name(ALLGATHER), process_set)
 
     def finish() -> torch.Tensor:
-        gathered = torch.from_numpy(future.result()).view(tensor.dtype).squeeze(-1)
-        if tensor.dim() == 0:
-            gathered = gathered.reshape(-1)
-        return gathered.to(tensor.device) if tensor.device.type != "cpu" else gathered
-    return _handle([future], finish)
+        gathered = _from_bytes(future.result(), tensor)
+        return gathered.reshape(-1) if tensor.dim() == 0 else gathered
+    return new_handle([future], finish)
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
-    """Horovod's hvd.allgather: every rank's `tensor` concatenated along the first dimension, in
-    rank order, as a new tensor."""
-    return synchronize(allgather_async(tensor, name, process_set))
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: Optional[ProcessSet] = None) -> int:
+    """Horovod's hvd.grouped_allgather_async: allgathers of a list of tensors, submitted together."""
+    name = name or coordinator(process_set).auto_name("grouped_allgather")
+    return _grouped([allgather_async(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)])
 
 
+def _splits(tensor: torch.Tensor, splits: Any, size: int) -> List[int]:
+    """alltoall's rows for each rank (shares.splits), from a tensor or list of integers."""
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension; got a scalar")
+    if splits is not None:
+        values = splits if isinstance(splits, torch.Tensor) else torch.tensor(splits)
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise ValueError(f"alltoall's splits must be integers, got {values.dtype}")
+        splits = values.reshape(-1).tolist()
+    return shares.splits(tensor.shape[0], splits, size)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: Optional[ProcessSet] = None) -> int:
+    """Start sending splits[i] rows of `tensor` (along its first dimension, in order) to rank i
+    of the process set; synchronize() returns (the rows every rank sent here, in rank order;
+    how many rows came from each rank, as an int32 tensor)."""
+    size = coordinator(process_set).size
+    counts = _splits(tensor, splits, size)
+    future, _ = _rows(ALLTOALL, tensor, name or coordinator(process_set).auto_name(ALLTOALL), process_set, counts)
+
+    def finish() -> tuple:
+        rows, received = future.result()
+        return _from_bytes(rows, tensor), torch.tensor(received, dtype=torch.int32)
+    return new_handle([future], finish)
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
+                        process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start reducing `tensor` over the ranks and giving each its share of the first dimension
+    (Horovod's division: the first rows % size ranks get one row more); `tensor` is left as it is."""
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension (it divides the first); got a scalar")
+    if op == Adasum:
+        raise NotImplementedError("reducescatter does not support hvd.Adasum (nor does Horovod's)")
+    name = name or coordinator(process_set).auto_name(REDUCESCATTER)
+    coord = coordinator(process_set)
+    future, finish = _reduce(_copy(tensor), name, op, None, prescale_factor, 1.0, process_set, REDUCESCATTER)
+    first, count = shares.piece(tensor.shape[0], coord.rank, coord.size)
+
+    def mine() -> torch.Tensor:
+        piece = finish().narrow(0, first, count).clone()
+        _scale(piece, postscale_factor)
+        return piece
+    return new_handle([future], mine)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: int = Average,
+                                process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Horovod's hvd.grouped_reducescatter_async: reducescatters of a list of tensors, submitted
+    together (fused when they fit the threshold)."""
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("reducescatter needs tensors of at least one dimension; the list holds a scalar")
+    name = name or coordinator(process_set).auto_name("grouped_reducescatter")
+    return _grouped([reducescatter_async(t, f"{name}.{i}", op, process_set, prescale_factor, postscale_factor)
+                     for i, t in enumerate(tensors)])
+
+
+# -- join and barrier --------------------------------------------------------------------------
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: until every rank has joined, it takes part in the others'
+    collectives with zeros (an all-reduce's Average still divides by every rank). Returns the
+    rank that joined last, the same on every rank. `device` is accepted for Horovod's signature."""
+    with as_horovod_errors():
+        return coordinator().join().result()
+
+
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Wait until every rank (of `process_set`) has reached its barrier."""
+    placeholder = torch.empty(0, dtype=torch.uint8)
+    synchronize(new_handle([_submit(BARRIER, BARRIER_NAME, placeholder, placeholder, process_set)], lambda: None))

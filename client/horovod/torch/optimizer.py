@@ -9,11 +9,11 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch  # the real torch: absolute import
 
 
-from ..basics import size
 from ..compression import Compression
-from ..ops import Average, Sum, check_process_set, resolve_op
-
+from ..ops import Average, Sum, resolve_op
+from ..process_sets import ProcessSet, global_process_set
 from .mpi_ops import allreduce_async_, synchronize
+from .sparse import sparse_allreduce_async
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -22,7 +22,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
                  compression: Any, backward_passes_per_step: int, op: int,
-                 gradient_predivide_factor: float) -> None:
+                 gradient_predivide_factor: float, sparse_as_dense: bool, process_set: ProcessSet) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is not None:
             named = list(named_parameters)
@@ -46,18 +46,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if op not in (Average, Sum) and gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average or hvd.Sum")
         self._compression = compression
-        self._names = {p: n for n, p in named if id(p) in ours}
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self._parameter_names = {p: n for n, p in named if id(p) in ours}
         self._op = op
         resolve_op(op)  # refuses Adasum and unknown ops here, not at the first step
         self._predivide = gradient_predivide_factor
         self.backward_passes_per_step = backward_passes_per_step
-        self._delay = {p: backward_passes_per_step for p in self._names}
+        self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], Any]] = {}
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = []
-        if size() > 1:
-            for p in self._names:
+        if process_set.included() and process_set.size() > 1:
+            for p in self._parameter_names:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
 
@@ -73,25 +75,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         self._handles[p] = self._start(p) if self._delay[p] == 0 else (None, None)
 
-    def _start(self, p: torch.Tensor) -> Tuple[int, Any]:
-        compressed, ctx = self._compression.compress(p.grad)
+    def _start(self, p: torch.Tensor) -> Tuple[Any, Any]:
+        if p.grad is None:  # not computed on this rank, but maybe on others: every rank reduces every parameter
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                return sparse_allreduce_async(grad, self._parameter_names[p], self._op, self._process_set), None
+            grad = grad.to_dense()
+        compressed, ctx = self._compression.compress(grad)
         prescale, postscale = 1.0, 1.0
         if self._predivide != 1.0:  # average as (sum of g / f) * f / size: smaller partial sums
             prescale, postscale = 1.0 / self._predivide, self._predivide
-        handle = allreduce_async_(compressed, name=self._names[p], op=self._op, prescale_factor=prescale,
-                                  postscale_factor=postscale)
+        handle = allreduce_async_(compressed, name=self._parameter_names[p], op=self._op, prescale_factor=prescale,
+                                  postscale_factor=postscale, process_set=self._process_set)
         return handle, (compressed, ctx)
 
     def synchronize(self) -> None:
-        """Wait for every gradient's all-reduce (starting those backward did not reach)."""
-        for p in self._names:
-            if p.requires_grad and p.grad is not None and self._handles.get(p, (None,))[0] is None:
+        """Wait for every gradient's all-reduce, starting those backward did not reach (a
+        parameter without a gradient on this rank contributes zeros, as in Horovod)."""
+        if not self._process_set.included():
+            self._synchronized = True
+            return
+        for p in self._parameter_names:
+            if p.requires_grad and self._handles.get(p, (None,))[0] is None:
                 self._handles[p] = self._start(p)
-        for p, (handle, (compressed, ctx)) in list(self._handles.items()):
-            reduced = synchronize(handle)
+        for p, (handle, context) in list(self._handles.items()):
             self._delay[p] = self.backward_passes_per_step
-            result = self._compression.decompress(reduced, ctx)
-            if result is not p.grad:
+            if context is None:  # a sparse gradient, gathered
+                p.grad = handle()
+                continue
+            compressed, ctx = context
+            result = self._compression.decompress(synchronize(handle), ctx)
+            if result.layout != p.grad.layout:  # sparse_as_dense: the dense sum, back to sparse
+                p.grad = result.to_sparse()
+            elif result is not p.grad:
                 with torch.no_grad():
                     p.grad.copy_(result)
         self._handles.clear()
@@ -109,9 +127,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): the gradients are all-reduced twice", stacklevel=2)
-            if size() > 1:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients are all-reduced twice; use "
+                              "`with optimizer.skip_synchronize(): optimizer.step()`", stacklevel=2)
+            if self._process_set.size() > 1:
                 self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
@@ -124,19 +143,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is one DistributedOptimizer() made (its step() all-reduces)."""
+    return type(optimizer).__dict__.get("synchronize") is _DistributedOptimizer.__dict__["synchronize"]
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod's name
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          compression: Any = Compression.none, backward_passes_per_step: int = 1,
                          op: int = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: Any = None) -> torch.optim.Optimizer:
-    """`optimizer`, whose step() first averages (op) the gradients over all ranks. Each
-    gradient's all-reduce starts as soon as backward has produced it, fused with its neighbours
-    up to HOROVOD_FUSION_THRESHOLD."""
-    check_process_set(process_set)
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """`optimizer`, whose step() first averages (op) the gradients over all ranks (of
+    `process_set`). Each gradient's all-reduce starts as soon as backward has produced it, fused
+    with its neighbours up to HOROVOD_FUSION_THRESHOLD; sparse gradients are gathered (or
+    densified and all-reduced with `sparse_as_dense`)."""
     if num_groups or groups:
         warnings.warn("num_groups/groups are ignored: the reduction server fuses by the fusion threshold",
                       stacklevel=2)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor)
+               gradient_predivide_factor, sparse_as_dense, process_set)
