@@ -11,7 +11,7 @@ from reduction_server.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp", "collectives")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
@@ -19,7 +19,8 @@ SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate
 _ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib"},
             "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
             "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
-            "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"}}
+            "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
+            "reducer": {"worlds", "sizes_mib"}}
 
 
 def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[str, Any]:
@@ -107,6 +108,16 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
                  report.bars([f"{r['collective']} {r['peer']} W={r['W']} {r['mib']:g} MiB" for r in rows],
                              [r["vs_gloo"] for r in rows], xlabel="speed vs Gloo (same run)", reference=1.0,
                              title="reduce_scatter_tensor and all_gather_into_tensor", path=out / "collectives.png")]
+    elif suite == "reducer":
+        from . import reducer
+
+        rows = reducer.run(**_configure(suite, {"worlds": (2,), "sizes_mib": (16,), "iters": 8, "limit_gib": 0.25}
+                                        if quick else {}, sweep))
+        print(report.table(rows, reducer.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.bars([f"W={r['W']} {r['mib']:g} MiB" for r in rows], [r["vs_limit"] for r in rows],
+                             xlabel="reducer CPU per GiB / copy limit (same run)", reference=1.0,
+                             title="one reducer over tcp: CPU per GiB of incoming gradient", path=out / "reducer.png")]
     for path in files:
         print(f"wrote {path}", file=sys.stderr)
     return files

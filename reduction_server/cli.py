@@ -1,5 +1,5 @@
 """The `reduction-server` command: serve (a reducer), run (a local job), size (a reducer pool),
-bench (the benchmark suites)."""
+bench (the benchmark suites), chaos (failure injection)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,13 @@ def _run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
                    host=args.host, metrics_port=args.metrics_port, max_restarts=args.max_restarts)
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from .chaos import Target, inject, parse_match
+
+    return inject(Target.parse(args.target), args.signal, at=args.at, between=args.between, hold=args.hold,
+                  wait=args.wait, seed=args.seed, match=parse_match(args.match))
 
 
 def _size(args: argparse.Namespace) -> int:
@@ -180,12 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         "reduction-server bench loopback --quick", [BENCH],
         "The emulated hosts of netem and ddp inherit these; --variant NAME=VALUE runs this project once more "
         "with others, in the same turns.")
-    bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp", "collectives"],
+    bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer"],
                        help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
                             "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
                             "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
                             "collectives: reduce_scatter and all_gather vs Gloo on loopback and that network "
-                            "(needs root and torch)")
+                            "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
+                            "measured in the same run, and its busiest thread's share")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
     bench.add_argument("--rounds", type=int, default=1,
@@ -207,6 +215,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"netem, ddp: run this project once more with these settings ({', '.join(TUNING)}), in "
                             "the same turns on the same network, as rows of their own; repeat for more variants")
     bench.set_defaults(func=_bench)
+
+    chaos = _subcommand(
+        sub, "chaos", "Kill or freeze one reducer or worker of a running job on this host, at a chosen or random moment.",
+        "reduction-server chaos --target reducer:1 --between 10,60", [],
+        "Run it on the host of the process to hit. --signal stop freezes it (SIGSTOP) and resumes it (SIGCONT) "
+        "after --for seconds; past RS_LIVENESS_TIMEOUT its peers count it lost.")
+    chaos.add_argument("--target", required=True, metavar="reducer:INDEX|rank:RANK", help="what to hit")
+    chaos.add_argument("--signal", default="kill", choices=["kill", "term", "stop"],
+                       help="SIGKILL (default), SIGTERM, or SIGSTOP then SIGCONT")
+    when = chaos.add_mutually_exclusive_group()
+    when.add_argument("--at", type=float, default=None, metavar="SECONDS", help="this long from now (default 0)")
+    when.add_argument("--between", type=_positive_list(float), default=None, metavar="FIRST,LAST",
+                      help="at a uniformly random moment this many seconds from now")
+    chaos.add_argument("--for", type=float, default=0.0, dest="hold", metavar="SECONDS",
+                       help="--signal stop: how long it stays stopped (default 0)")
+    chaos.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                       help="how long to wait for the target to appear (default 60)")
+    chaos.add_argument("--seed", type=int, default=None, help="seed of --between's random moment")
+    chaos.add_argument("--match", default=None, metavar="NAME=VALUE",
+                       help="only processes whose environment has NAME=VALUE (one job of several on this host)")
+    chaos.set_defaults(func=_chaos)
     return parser
 
 

@@ -82,6 +82,9 @@ def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
     rank, world_size, source = _worker_rank(env, local_rank, local_world_size)
     _, reducers = _reducer_addresses(env)
     token, job_id, generation = _identity(env)
+    # A worker group that torchrun's agent (or `run --max-restarts`) started again is a new
+    # generation: the reducers then drop the rounds and lost ranks of the one before.
+    generation += env.integer("TORCHELASTIC_RESTART_COUNT") or 0
     return WorkerPlace(rank=rank, world_size=world_size, reducers=tuple(join_address(h, p) for h, p in reducers),
                        local_rank=local_rank, local_world_size=local_world_size, job_token=token,
                        job_id=job_id, generation=generation, source=source)

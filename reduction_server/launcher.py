@@ -6,9 +6,9 @@ makes sure the job ends as a whole: the first failing worker, a reducer that die
 signal to the launcher stops every process, grandchildren included.
 
 With --max-restarts N, as torchrun's elastic agent does, a failing worker instead stops the
-other workers and starts the whole group again, up to N times: the same reducers serve the new
-group under the next generation (RS_GENERATION), and TORCHELASTIC_RESTART_COUNT tells the
-script which attempt it is (so it resumes from its checkpoint).
+other workers and starts the whole group again, up to N times, with TORCHELASTIC_RESTART_COUNT
+one higher: the workers add it to RS_GENERATION, so the same reducers serve the new group as the
+next generation, and the script knows which attempt it is (so it resumes from its checkpoint).
 """
 from __future__ import annotations
 
@@ -136,9 +136,9 @@ class _Job:
         return self._spawn_workers(die_with_parent)
 
     def _spawn_workers(self, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
-        # Each start of the group its own generation: the reducers drop the previous one's rounds.
-        generation = int(self.env.get("RS_GENERATION") or 0) + self.restarts
-        env = dict(self.env, RS_GENERATION=str(generation), TORCHELASTIC_RESTART_COUNT=str(self.restarts))
+        # As torchrun's agent does; the workers add it to RS_GENERATION (discovery.py), so the
+        # reducers drop the previous group's rounds.
+        env = dict(self.env, TORCHELASTIC_RESTART_COUNT=str(self.restarts))
         for rank in range(self.np):
             failure = self._spawn(self.workers, f"rank {rank}", self.command,
                                   _worker_environment(env, self.layout, rank, self.np), die_with_parent)

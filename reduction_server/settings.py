@@ -115,6 +115,8 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time"),
     Variable("RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int,
              least=0),
+    Variable("TORCHELASTIC_RESTART_COUNT", (WORKERS,), "0", "how many times torchrun's agent (or `run "
+             "--max-restarts`) restarted the workers: added to a worker's `RS_GENERATION`", int, least=0),
     # the launchers' variables a worker honours, in this order of precedence (after RS_RANK / RS_WORLD_SIZE)
     Variable("RANK", (WORKERS,), "-", "torchrun's (and a PyTorchJob's) rank", int, least=0),
     Variable("WORLD_SIZE", (WORKERS,), "-", "torchrun's world size", int, least=1),

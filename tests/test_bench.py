@@ -194,6 +194,21 @@ def test_collectives_suite(tmp_path):
     assert _bench_namespaces() == before
 
 
+def test_reducer_suite(tmp_path):
+    """One reducer under two workers' load over tcp, its CPU per GiB beside the copy limit of
+    the same run, and how its CPU time splits over its threads."""
+    from reduction_server.bench import reducer
+
+    table, rows = run_suite("reducer", tmp_path)
+    (row,) = rows
+    assert set(reducer.COLUMNS) <= set(row) and (row["W"], row["mib"], row["iters"]) == (2, 16, 8)
+    assert row["limit_s_per_GiB"] == pytest.approx(row["recv"] + row["send"] + row["add"])
+    assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
+    assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
+    assert row["threads"] >= 1 and 1 / row["threads"] <= row["busiest_share"] <= 1
+    assert table.splitlines()[0].split() == reducer.COLUMNS
+
+
 @needs_root
 def test_netem_cleans_up_when_interrupted(tmp_path):
     # SIGINT as a terminal sends it: not inherited as ignored, as it is when the tests themselves
@@ -283,10 +298,12 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["kernels", "--rounds", "3"], "--rounds is for the netem, ddp and collectives suites, not kernels"),
     (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
-    (["kernels", "--workers", "2"], "--workers is for the loopback, netem, ddp and collectives suites, not kernels"),
+    (["kernels", "--workers", "2"],
+     "--workers is for the loopback, netem, ddp, collectives and reducer suites, not kernels"),
     (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem, ddp and collectives suites, not loopback"),
     (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
-    (["ddp", "--mib", "4"], "--mib is for the kernels, loopback, netem and collectives suites, not ddp"),
+    (["ddp", "--mib", "4"],
+     "--mib is for the kernels, loopback, netem, collectives and reducer suites, not ddp"),
     (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
     (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
     (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),

@@ -3,6 +3,7 @@ Coordinator per rank (threads of this process): matching by name, fusion, and ev
 collective can fail."""
 import itertools
 import random
+import threading
 import time
 
 import numpy as np
@@ -127,14 +128,17 @@ def test_disagreements_fail_that_name_on_every_rank_and_nothing_else(group):
 
 
 def test_a_name_only_some_ranks_submit_fails_naming_them(group):
+    failed = threading.Event()  # rank 1 goes on once rank 0 has seen 'lonely' fail
+
     def body(coord, rank):
         lonely = submit(coord, "lonely", np.ones(4, np.float32)) if rank == 0 else None
         if lonely is not None:
             with pytest.raises(CollectiveError) as info:
                 lonely.result(10)
             message = str(info.value)
+            failed.set()
         else:
-            time.sleep(1.0)
+            assert failed.wait(10)
             message = None
         after = np.ones(1, np.float32)
         submit(coord, "after", after).result(10)  # the job goes on

@@ -283,7 +283,9 @@ def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_pat
     worker = [sys.executable, str(ROOT / "tests" / "scripts" / "restart_worker.py"), str(tmp_path), "10", "5"]
     result = run_launcher("-np", "2", "--reducers", "2", "--max-restarts", "1", "--", *worker, RS_GENERATION="7")
     assert result.returncode == 0, result
-    assert "rank 1 was killed by signal 9 (SIGKILL); stopping the other workers" in result.stderr, result.stderr
+    # Whichever the launcher sees first: rank 1's death, or rank 0 failing on the lost rank.
+    assert re.search(r"rank (1 was killed by signal 9 \(SIGKILL\)|0 exited with code 1); stopping the other workers",
+                     result.stderr), result.stderr
     assert "restarting the 2 worker(s) (restart 1 of 1)" in result.stderr, result.stderr
     reports = [json.loads(line) for rank in (0, 1) for line in lines_of(result.stdout, f"[rank {rank}] RESULT ")]
     assert [(r["rank"], r["attempt"], r["generation"]) for r in reports] == [(0, 1, 8), (1, 1, 8)], reports
@@ -291,4 +293,5 @@ def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_pat
     assert all(r["state"] == [30.0] * 4 for r in reports), reports
     # Without restarts left, the same failure ends the job with the worker's status.
     again = run_launcher("-np", "2", "--max-restarts", "0", "--", *worker)
-    assert again.returncode == 128 + signal.SIGKILL, again
+    assert again.returncode in (128 + signal.SIGKILL, 1) and "stopping the job" in again.stderr, again
+    assert "restarting" not in again.stderr

@@ -135,6 +135,7 @@ def add_process_set(process_set: ProcessSetLike) -> ProcessSet:
         raise ValueError(f"rank {rank()}: ranks disagree on the process set to add: "
                          + "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone)))
     process_set.process_set_id = state.process_sets.add(process_set.ranks)
+    process_set._rank = rank()
     return process_set
 
 

@@ -21,6 +21,7 @@ class ProcessSet:
 
     process_set_id: Optional[int] = None
     ranks: Optional[list] = None
+    _rank: Optional[int] = None  # this process's rank in the job, once the set is added
 
     def __init__(self, ranks: Sequence[int]) -> None:  # noqa: D107
         try:
@@ -39,15 +40,13 @@ class ProcessSet:
     def rank(self) -> Optional[int]:
         """This process's rank within the set (None until added, or when it is not a member);
         collectives still take global ranks as their root."""
-        from . import basics
-        if self.process_set_id is None or basics.rank() not in self.ranks:
+        if self.process_set_id is None or self._rank not in self.ranks:
             return None
-        return self.ranks.index(basics.rank())
+        return self.ranks.index(self._rank)
 
     def included(self) -> Optional[bool]:
-        """Whether this process is one of the set's ranks (None until the ranks are known)."""
-        from . import basics
-        return None if self.ranks is None else basics.rank() in self.ranks
+        """Whether this process is one of the set's ranks (None until the set is added)."""
+        return None if self.process_set_id is None else self._rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -72,6 +71,7 @@ class ProcessSets:
         self._sets: Dict[int, Tuple[Tuple[int, ...], Optional[Coordinator]]] = {0: (everyone, world)}
         self._next_id = 1
         global_process_set.ranks = list(range(comm.world_size))
+        global_process_set._rank = comm.rank
 
     def add(self, ranks: Sequence[int]) -> int:
         """Register `ranks` as the next set (every rank calls it with the same ranks); its id."""

@@ -192,8 +192,8 @@ def process_sets(rank, world, even, odd):
 
 
 def join_and_barrier(rank, world):
-    """Rank 0 joins at once; the others reduce and gather without it, then join. Then a barrier
-    that rank 0 reaches late."""
+    """Rank 0 joins at once; the others reduce without it (and an allgather fails meanwhile, as
+    in Horovod), then join. Then a barrier that rank 0 reaches late."""
     out = {}
     if rank == 0:
         last = hvd.join()
@@ -201,7 +201,11 @@ def join_and_barrier(rank, world):
         value = tf.fill([3], float(rank))
         out["sum"] = hvd.allreduce(value, op=hvd.Sum, name="join.sum").numpy().tolist()
         out["average"] = hvd.allreduce(value, op=hvd.Average, name="join.average").numpy().tolist()
-        out["allgather"] = hvd.allgather(tf.fill([rank], rank), name="join.allgather").numpy().tolist()
+        try:
+            hvd.allgather(tf.fill([rank], rank), name="join.allgather")
+            out["allgather"] = "no error"
+        except hvd.HorovodInternalError as error:
+            out["allgather"] = str(error)
         last = hvd.join()
     out["last"] = [int(last), last.dtype.name]
     out["last_everywhere"] = hvd.allgather_object(int(last))
