@@ -9,7 +9,8 @@ that costs it (issue 18):
   byte once, sends it back once and adds it at most once, so it cannot cost less. vs_limit is
   their ratio;
 - busiest_share: the share of the reducer's CPU time spent in its busiest thread (it says
-  whether more cores would help), with the count of threads that did work;
+  whether more cores would help), its name (libzmq calls its I/O threads ZMQbg/IO/N), and the
+  count of threads that did work;
 - Gbit_s_in: incoming gradient per second (the workers share this machine's cores with it).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from reduction_server.client.chunking import plan_chunks
 from . import copy_limit
 
 COLUMNS = ["W", "mib", "iters", "Gbit_s_in", "cpu_s_per_GiB", "limit_s_per_GiB", "vs_limit", "recv", "send", "add",
-           "threads", "busiest_share"]
+           "threads", "busiest_share", "busiest"]
 _GIB = 1 << 30
 _TOKEN = "bench-reducer"
 _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
@@ -39,6 +40,15 @@ _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
 def _clocks(reducer: psutil.Process) -> Dict[int, float]:
     """CPU seconds of each of the reducer's threads so far, by thread id."""
     return {t.id: t.user_time + t.system_time for t in reducer.threads()}
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    """A thread's name as the kernel has it (Linux), else its id."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return str(tid)
 
 
 def _load(world: int, mib: float, iters: int) -> Dict[str, float]:
@@ -67,6 +77,7 @@ def _load(world: int, mib: float, iters: int) -> Dict[str, float]:
         lead.stdin.flush()
         done = lead.stdout.readline()
         after = _clocks(process)
+        busiest = _thread_name(reducer.pid, max(after, key=lambda tid: after[tid] - before.get(tid, 0.0)))
         if not done.startswith("DONE "):
             raise RuntimeError(f"the workers failed: {done!r}")
         lead.stdin.write("end\n")
@@ -80,7 +91,7 @@ def _load(world: int, mib: float, iters: int) -> Dict[str, float]:
                 proc.kill()
             proc.wait()
     spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
-    return {"seconds": json.loads(done[5:])["seconds"], "threads": spent}
+    return {"seconds": json.loads(done[5:])["seconds"], "threads": spent, "busiest": busiest}
 
 
 def _chunk_bytes(mib: float) -> int:
@@ -115,5 +126,5 @@ def _loads(worlds: Sequence[int], mib: float, iters: int, sockets: Dict[str, flo
                      "Gbit_s_in": incoming * _GIB * 8 / load["seconds"] / 1e9,
                      "cpu_s_per_GiB": total / incoming, "limit_s_per_GiB": limit, "vs_limit": total / incoming / limit,
                      "recv": sockets["recv"], "send": sockets["send"], "add": add, "threads": len(busy),
-                     "busiest_share": max(load["threads"].values()) / total})
+                     "busiest_share": max(load["threads"].values()) / total, "busiest": load["busiest"]})
     return rows

@@ -206,6 +206,7 @@ def test_reducer_suite(tmp_path):
     assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
     assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
     assert row["threads"] >= 1 and 1 / row["threads"] <= row["busiest_share"] <= 1
+    assert isinstance(row["busiest"], str) and row["busiest"]  # the busiest thread's name
     assert table.splitlines()[0].split() == reducer.COLUMNS
 
 
