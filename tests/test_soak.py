@@ -30,7 +30,7 @@ from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 
 from helpers.capture import CapturingSocket
 from helpers.cluster import SCRIPTS, TOKEN, child_env, collect, reducers, run_ranks
-from helpers.probes import open_fds, rss, settled_fds
+from helpers.probes import fd_targets, open_fds, rss, settled_fds
 from helpers.handshake import hello_payload
 
 SOAK_SECONDS = float(os.environ.get("RS_SOAK_SECONDS", "20"))
@@ -49,6 +49,7 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
         run_ranks(WORLD, lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN),
                   lambda comm, r: comm.all_reduce(np.ones(1 << 20, np.float32)))
         idle = [settled_fds(p.pid, None) for p in group.procs]
+        idle_targets = [fd_targets(p.pid) for p in group.procs]
         procs: List[subprocess.Popen] = []
         for rank in range(WORLD):
             env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(WORLD),
@@ -64,6 +65,7 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
         # A worker's segment and connection go when the reducer has judged it gone: heartbeat
         # probes, each up to a second apart, and later on a loaded machine (seen: over 5 s).
         after_job = [settled_fds(p.pid, fds, limit=30.0) for p, fds in zip(group.procs, idle)]
+        after_targets = [fd_targets(p.pid) for p in group.procs]
         assert group.alive()
         logs = group.stop()
     done = sum(r["done"] for r in results) // WORLD
@@ -81,7 +83,8 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
               f"{before['fds']} during the job, {after_job[i]} after it")
         assert after["rss"] - before["rss"] < REDUCER_RSS_GROWTH, f"reducer {i} grew: {before} -> {after}"
         # the workers have gone: their connections are closed, and nothing else stays open
-        assert after_job[i] == idle[i], f"reducer {i}: {idle[i]} open files idle, {after_job[i]} after the job"
+        assert after_job[i] == idle[i], (f"reducer {i}: {idle[i]} open files idle, {after_job[i]} after the job; "
+                                         f"new: {sorted(set(after_targets[i]) - set(idle_targets[i]))}")
     for log in logs:
         assert "internal error" not in log and "round_failed" not in log, log[-3000:]
 

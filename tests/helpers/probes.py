@@ -1,6 +1,7 @@
 """What a test reads of a running process: its memory and its open files."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -14,6 +15,17 @@ def rss(pid: int) -> int:
 
 def open_fds(pid: int) -> int:
     return psutil.Process(pid).num_fds()
+
+
+def fd_targets(pid: int) -> list:
+    """What each of the process's file descriptors is (a path, socket:[inode], anon_inode:...)."""
+    targets = []
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        try:
+            targets.append(f"{fd}->{os.readlink(f'/proc/{pid}/fd/{fd}')}")
+        except OSError:  # closed meanwhile
+            continue
+    return targets
 
 
 def settled_fds(pid: int, expected: Optional[int], limit: float = 5.0) -> int:
