@@ -29,11 +29,11 @@ from .process_sets import ProcessSet, ProcessSetLike, ProcessSets
 _lock = threading.Lock()
 _state: Optional["_Process"] = None
 _incarnations = 0  # communicators this process opened for Horovod: each init after a shutdown takes the next
-_sessions = 0  # init() calls: names this session's process sets apart from an earlier one's on the same comm
+_inits = 0  # init() calls so far: each init's process-set groups get names no earlier init's had
 
 
 class _Process:
-    def __init__(self, comm: Communicator, owns: bool, session: int) -> None:
+    def __init__(self, comm: Communicator, owns: bool, init: int) -> None:
         hosts = [h.decode() for h in gather_bytes(comm, socket.gethostname().encode())]
         me = hosts[comm.rank]
         distinct = list(dict.fromkeys(hosts))  # hosts in order of their first rank
@@ -42,7 +42,7 @@ class _Process:
         self.cross_rank = distinct.index(me)
         self.cross_size = len(distinct)
         self.coordinator = Coordinator(comm, owns_communicator=owns)
-        self.process_sets = ProcessSets(comm, self.coordinator, f"horovod.{session}")
+        self.process_sets = ProcessSets(comm, self.coordinator, f"horovod.{init}")
         self.object_names = name_counter("object")
         self.set_names = name_counter("process_set")  # advanced by every rank alike, unlike object_names
 
@@ -51,7 +51,7 @@ def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[Pr
     """Join the job: a Communicator from the environment (or `comm`), and the negotiation thread;
     then add `process_sets` (every rank passes the same). Calling it again while initialized does
     nothing, as in Horovod; after shutdown() it joins the job again, on a generation of its own."""
-    global _state, _incarnations, _sessions
+    global _state, _incarnations, _inits
     with _lock:
         if _state is not None:
             if _state.coordinator.running:
@@ -59,12 +59,12 @@ def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[Pr
             _state.process_sets.shutdown()  # a failure ended it: its process sets go too
         owns = comm is None
         # Counted per call, failed or not: ranks that call init() alike stay on one generation.
-        _sessions += 1
+        _inits += 1
         if owns:
             _incarnations += 1
             comm = Communicator.from_env(incarnation=_incarnations - 1)
         try:
-            _state = _Process(comm, owns, _sessions)
+            _state = _Process(comm, owns, _inits)
         except BaseException:
             _state = None
             if owns:
@@ -215,17 +215,20 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional
 
 def submit(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
            op: ReduceOp = ReduceOp.SUM, root: int = 0, process_set: Optional[ProcessSet] = None,
-           splits: Sequence[int] = ()) -> Future:
+           splits: Sequence[int] = (), type_name: str = "") -> Future:
     """Start one named collective of NumPy arrays among `process_set` (default: every rank);
     `root` is a global rank, `splits` alltoall's rows for each rank. The Future's value is the
     gathered array for allgather, (rows received, rows from each rank) for alltoall, None for
-    the others, which leave their result in `out` (reducescatter: the whole reduction)."""
+    the others, which leave their result in `out` (reducescatter: the whole reduction).
+    `type_name`: the framework's name for the dtype, checked across ranks where the wire's
+    dtype would not show it (bytes). A collective that cannot start raises HorovodInternalError."""
     coord = coordinator(process_set)
     wire = wire_view(send, what=f"tensor {name!r}")
     local_root = set_root(process_set, root) if kind == BROADCAST else 0
-    request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, local_root, splits=tuple(splits))
+    request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, local_root, type_name, tuple(splits))
     dst = None if out is None else wire_view(out, writable=True, what=f"output of {name!r}")
-    return coord.submit(request, wire, dst)
+    with as_horovod_errors():
+        return coord.submit(request, wire, dst)
 
 
 def run(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,

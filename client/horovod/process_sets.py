@@ -66,7 +66,7 @@ class ProcessSets:
     def __init__(self, comm: Communicator, world: Coordinator, prefix: str) -> None:  # noqa: D107
         self.comm = comm
         self.world = world
-        self.prefix = prefix  # the session's: its groups never take an earlier session's keys
+        self.prefix = prefix  # this init's: its groups never reuse the keys of an earlier init's
         everyone = tuple(range(comm.world_size))
         self._sets: Dict[int, Tuple[Tuple[int, ...], Optional[Coordinator]]] = {0: (everyone, world)}
         self._next_id = 1

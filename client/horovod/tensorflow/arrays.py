@@ -13,9 +13,8 @@ import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.protocol import ReduceOp
 
-from ...buffers import wire_view
-from ..basics import coordinator, set_root
-from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
+from ..basics import coordinator, submit
+from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
 from ..exceptions import as_horovod_errors
 from .. import shares
 from ..process_sets import ProcessSet
@@ -61,12 +60,8 @@ def _submit(kind: str, name: str, array: np.ndarray, process_set: Optional[Proce
     if kind in _MOVES:  # one trailing dimension of itemsize bytes: rows stay rows
         send = send.reshape(*send.shape, 1).view(np.uint8) if send.ndim else send.reshape(1, 1).view(np.uint8)
     out = np.empty_like(send) if kind in _WRITES else None
-    wire = wire_view(send, what=f"tensor {name!r}")
-    request = Request(name, kind, wire.dtype, tuple(send.shape), op,
-                      set_root(process_set, root) if kind == BROADCAST else 0, array.dtype.name, tuple(splits))
-    with as_horovod_errors():
-        future = coordinator(process_set).submit(
-            request, wire, None if out is None else wire_view(out, writable=True, what=f"output of {name!r}"))
+    future = submit(kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits,
+                    type_name=array.dtype.name)
     return _Pending(kind, future, out, array.dtype, array.shape)
 
 

@@ -15,10 +15,9 @@ import torch  # the real torch: absolute import
 
 from reduction_server.protocol import ReduceOp
 
-from ...buffers import wire_view
 from ...torch.tensors import Staged
-from ..basics import coordinator, rank, set_root
-from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
+from ..basics import coordinator, rank, submit
+from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
 from ..requests import BARRIER_NAME
 from ..exceptions import as_horovod_errors
 from ..ops import Adasum, Average, resolve_op
@@ -62,11 +61,10 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 def _submit(kind: str, name: str, wire_tensor: torch.Tensor, tensor: torch.Tensor, process_set: Optional[ProcessSet],
             op: ReduceOp = ReduceOp.SUM, root: int = 0, splits: Sequence[int] = ()) -> Any:
-    """Submit one named collective of `wire_tensor` (the wire's view of `tensor`) in place; its Future."""
-    wire = wire_view(wire_tensor, writable=True, what=f"tensor {name!r}")
-    request = Request(name, kind, wire.dtype, tuple(wire_tensor.shape), op, root, _type_name(tensor), tuple(splits))
-    with as_horovod_errors():  # a collective that cannot start is Horovod's internal error too
-        return coordinator(process_set).submit(request, wire, wire)
+    """Submit one named collective of `wire_tensor` (the wire's view of `tensor`) in place; its
+    Future. `root` is a global rank."""
+    return submit(kind, name, wire_tensor, wire_tensor, op=op, root=root, process_set=process_set, splits=splits,
+                  type_name=_type_name(tensor))
 
 
 # -- allreduce ---------------------------------------------------------------------------------
@@ -151,9 +149,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
                      process_set: Optional[ProcessSet] = None) -> int:
     """Start overwriting `tensor` on every rank (of `process_set`) with root_rank's (a global rank)."""
     name = name or coordinator(process_set).auto_name(BROADCAST)
-    root = set_root(process_set, root_rank)
     staged = Staged(tensor, f"broadcast tensor {name!r}", load=rank() == root_rank)
-    future = _submit(BROADCAST, name, staged.wire(None), tensor, process_set, root=root)
+    future = _submit(BROADCAST, name, staged.wire(None), tensor, process_set, root=root_rank)
 
     def finish() -> torch.Tensor:
         if rank() != root_rank:
