@@ -4,7 +4,8 @@ The plan depends only on the element count, the item size, the number of reducer
 size and the pipeline depth, so every rank computes the same one without talking (a rank
 configured with another chunk size or depth is caught by the reducer as a mismatch). Chunk k of
 collective seq goes to reducer (seq + k) mod R: large buffers spread evenly, and small ones
-rotate over the reducers.
+rotate over the reducers. When that reducer is lost, the chunk goes to the first reducer not lost
+in its preference order (`preference`), which every rank computes alike.
 """
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
 def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
     """The reducer that sums chunk `chunk` of collective `seq`: (seq + chunk) mod num_reducers."""
     return (seq + chunk) % num_reducers
+
+
+def preference(seq: int, chunk: int, num_reducers: int) -> List[int]:
+    """The reducers that may sum chunk `chunk` of collective `seq`, in order: its own
+    (reducer_of), then the others, starting one further along for each turn the position comes
+    round, so that a lost reducer's chunks spread evenly over the rest. The first reducer not lost
+    is the chunk's; a chunk on a reducer still up never moves when another one is lost."""
+    position = seq + chunk
+    own = position % num_reducers
+    others = num_reducers - 1
+    turn = position // num_reducers
+    return [own] + [(own + 1 + (turn + j) % others) % num_reducers for j in range(others)]
 
 
 def plan(seq: int, spans: List[Tuple[int, int]], num_reducers: int) -> List[Chunk]:

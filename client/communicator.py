@@ -92,6 +92,8 @@ class Communicator:
         shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
         send_buffer: the kernel send buffer of each connection in bytes, 0 for the kernel's
             autotuning (RS_SNDBUF).
+        failover: move a lost reducer's chunks to the reducers left, so that collectives
+            complete (RS_FAILOVER, on by default); False: they fail naming it.
 
     Raises:
         ConfigError: a setting is malformed or out of range (the message names it).
@@ -108,7 +110,8 @@ class Communicator:
                  pipeline_depth: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
-                 shared_memory: Optional[bool] = None, send_buffer: Optional[int] = None) -> None:
+                 shared_memory: Optional[bool] = None, send_buffer: Optional[int] = None,
+                 failover: Optional[bool] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
@@ -146,6 +149,7 @@ class Communicator:
             shared=shared_memory_enabled() if shared_memory is None else shared_memory,
             slot_bytes=self.chunk_bytes,
             sndbuf=socket_send_buffer(send_buffer),
+            failover=settings.read("RS_FAILOVER") if failover is None else failover,
         )
         self._engine.start()
         self._closed = False

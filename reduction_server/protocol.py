@@ -23,7 +23,7 @@ import zmq
 from .errors import ProtocolError
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
-VERSION = 3  # 2: the reducer proves the job token too (auth.py); 3: groups
+VERSION = 4  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL)
 
 # magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
 # job, group, seq, offset, count, total, nbytes
@@ -49,6 +49,9 @@ class MsgType(enum.IntEnum):
     DATA_SHM = 11  # worker -> reducer: DATA whose chunk is in the slot (no payload frame)
     RESULT_SHM = 12  # reducer -> worker: RESULT written into the slot the chunk came in
     GROUP = 13  # worker -> reducer: the ranks of group `group` (payload: uint32 ranks, ascending)
+    # Failover (client/engine/failover.py): a chunk whose reducer was lost, sent to its substitute.
+    MOVED = 14  # worker -> reducer: DATA of a moved chunk (always a frame)
+    FINAL = 15  # worker -> reducer: a moved chunk's result, which this rank received from the lost reducer
 
 
 class ErrorCode(enum.IntEnum):
@@ -153,8 +156,11 @@ OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 
 
 #: message types that carry (or point at) a chunk
-DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.RESULT_SHM))
-_FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM))
+DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.RESULT_SHM, MsgType.MOVED,
+                        MsgType.FINAL))
+_FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM, MsgType.MOVED, MsgType.FINAL))
+#: contributions to a chunk moved off a lost reducer: exempt from the skipped-collective rule
+MOVED_TYPES = frozenset((MsgType.MOVED, MsgType.FINAL))
 _SHARED = frozenset((MsgType.DATA_SHM, MsgType.RESULT_SHM))
 
 #: the size of an element, and of the type it is accumulated in (float32 for the 16-bit floats),
@@ -169,6 +175,7 @@ ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DTyp
 #: globals: an enum class attribute costs a lookup each time
 MSG_DATA, MSG_DATA_SHM, MSG_RESULT, MSG_RESULT_SHM = MsgType.DATA, MsgType.DATA_SHM, MsgType.RESULT, MsgType.RESULT_SHM
 MSG_ERROR, MSG_PING, OP_BROADCAST = MsgType.ERROR, MsgType.PING, ReduceOp.BROADCAST
+MSG_MOVED, MSG_FINAL = MsgType.MOVED, MsgType.FINAL
 
 
 @dataclass
@@ -253,8 +260,10 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(
             f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
     expected = h.count * itemsize
-    # A broadcast's non-root contributions carry no payload, nor does its root's RESULT (it holds the data).
-    if h.nbytes != expected and not (broadcast and h.nbytes == 0 and h.type in (MSG_DATA, MSG_RESULT)):
+    # A broadcast's non-root contributions carry no payload, nor does a RESULT to a rank that holds
+    # the data already (a broadcast's root, a FINAL's sender).
+    if h.nbytes != expected and not (h.nbytes == 0 and (h.type is MSG_RESULT
+                                                        or broadcast and h.type in (MSG_DATA, MSG_MOVED))):
         raise ProtocolError(
             f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}")
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .protocol import DTYPES, OPS, DType, ErrorCode, Header, ReduceOp
+from .protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
 from .settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
 
 if TYPE_CHECKING:
@@ -80,6 +80,9 @@ class Round:
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     in_slot: bool = False  # the accumulator is the owner's shared-memory slot, not pool memory
     charged: int = 0  # accumulator bytes charged to owner's budget
+    moved: bool = False  # its chunk was moved here from a lost reducer (MOVED, FINAL)
+    final: Any = None  # a moved round's result as a rank brought it (FINAL): a frame, or bytes if small
+    final_owner: int = 0  # the rank whose FINAL it is: its memory is charged to it
 
     @property
     def dtype(self) -> DType:
@@ -93,6 +96,10 @@ class Round:
         """Why h cannot join this round, or None."""
         if h.rank in self.contributed:
             return f"rank {h.rank} contributed twice to {self.first.describe()}"
+        if (h.type in MOVED_TYPES) != self.moved:
+            return (f"rank {h.rank} sent {h.describe()} as {'not ' if self.moved else ''}moved from a lost reducer "
+                    f"and ranks {format_ranks(self.contributed)} did the opposite: the ranks disagree on which "
+                    "reducers are lost")
         if _agreed(h) != _agreed(self.first):
             groups: Dict[str, List[int]] = {}
             for other in [*self.contributed.values(), h]:

@@ -157,6 +157,8 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("RS_LIVENESS_TIMEOUT", _BOTH, _seconds(DEFAULT_LIVENESS_TIMEOUT),
              "silence after which a peer is lost (a closed connection is seen at once)", float,
              DEFAULT_LIVENESS_TIMEOUT, 0.05),
+    Variable("RS_FAILOVER", (WORKERS,), "1", "a lost reducer's chunks move to the reducers left and collectives "
+             "complete (each rank keeps a copy of its last results per reducer); 0: they fail, naming it", bool, True),
     Variable("RS_CONNECT_TIMEOUT", (WORKERS,), _seconds(DEFAULT_CONNECT_TIMEOUT),
              "how long a worker waits for every reducer to admit it (it says what it waits for every few seconds)",
              float, DEFAULT_CONNECT_TIMEOUT, 0.01),

@@ -193,8 +193,9 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
 
     To land the kill inside a collective on every rank (not between two, where a collective waits
     for the reducer to come back: the next test), the reducer is first stopped (SIGSTOP) until no
-    rank makes progress, then killed."""
-    env = {**FAST, "RS_TIMEOUT": "30"}
+    rank makes progress, then killed. With RS_FAILOVER=0: with failover (the default) the
+    collectives move to the other reducer and complete instead (test_failover.py)."""
+    env = {**FAST, "RS_TIMEOUT": "30", "RS_FAILOVER": "0"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
         workers = Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5,
@@ -231,9 +232,9 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
         tmp_path: Path, comes_back: bool):
     """Killed between collectives (a training step's compute phase): the next collective waits
     for the reducer; restarted in time, it is used and nothing fails; otherwise the collective
-    fails after RS_LIVENESS_TIMEOUT, naming it."""
+    fails after RS_LIVENESS_TIMEOUT, naming it (RS_FAILOVER=0, as above)."""
     liveness = QUIET if comes_back else LIVENESS
-    env = {**FAST, "RS_LIVENESS_TIMEOUT": str(liveness), "RS_TIMEOUT": "30"}
+    env = {**FAST, "RS_LIVENESS_TIMEOUT": str(liveness), "RS_TIMEOUT": "30", "RS_FAILOVER": "0"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
         workers = Workers(3, group, {"mode": "between", "count": 1 << 20, "go": str(go)}, env)

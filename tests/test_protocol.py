@@ -44,7 +44,7 @@ def test_header_layout_matches_the_documentation():
     packed = data().pack()
     assert len(packed) == 88
     magic, version, mtype = struct.unpack_from("<IBB", packed)
-    assert (magic, version, mtype) == (0x52535631, 3, 6)
+    assert (magic, version, mtype) == (0x52535631, 4, 6)
     assert packed[:4] == b"1VSR"
     # u64 fields at the documented offsets
     assert struct.unpack_from("<Q", packed, 32)[0] == 0xDEADBEEFCAFEF00D  # job
@@ -113,12 +113,12 @@ def test_garbage_is_rejected():
     rejects(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(HEADER_SIZE, b"x"), "magic")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
 def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 
 
-@pytest.mark.parametrize("mtype", [0, 14, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 16, 99, 255])
 def test_unknown_message_type(mtype):
     rejects(raw(mtype=mtype), "message type", str(mtype))
 
@@ -193,12 +193,17 @@ def test_broadcast_non_root_data_may_have_no_payload():
     rejects(raw(op=int(ReduceOp.BROADCAST), aux=0, nbytes=4), "payload bytes")
 
 
-def test_only_broadcasts_may_omit_the_payload():
+def test_only_broadcasts_and_bare_results_may_omit_the_payload():
     rejects(raw(op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
-    rejects(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
-    # a non-root's contribution to a broadcast, and the reducer's answer to its root, carry none
+    rejects(raw(mtype=int(MsgType.MOVED), op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
+    rejects(raw(mtype=int(MsgType.FINAL), op=int(ReduceOp.SUM), nbytes=0), "0 payload bytes")
+    rejects(raw(mtype=int(MsgType.FINAL), op=int(ReduceOp.BROADCAST), aux=1, nbytes=0), "0 payload bytes")
+    # a non-root's contribution to a broadcast carries none, nor does the reducer's answer to a
+    # rank that holds the data (a broadcast's root, a FINAL's sender)
     assert protocol.unpack(raw(op=int(ReduceOp.BROADCAST), aux=1, nbytes=0)).nbytes == 0
+    assert protocol.unpack(raw(mtype=int(MsgType.MOVED), op=int(ReduceOp.BROADCAST), aux=1, nbytes=0)).nbytes == 0
     assert protocol.unpack(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.BROADCAST), aux=0, nbytes=0)).nbytes == 0
+    assert protocol.unpack(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.SUM), nbytes=0)).nbytes == 0
 
 
 @pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES and t is not MsgType.GROUP])

@@ -5,6 +5,7 @@ Rooms (each a module), in the order they may import each other:
 - collective.py: one collective in flight, its chunk plan (chunking.py) and each chunk's state;
 - ledger.py: the collectives in flight, and every way one ends;
 - slots.py: shared-memory slots with reducers on this host;
+- failover.py: the reducers lost, where each chunk goes now, the results kept, what to resend;
 - connections.py: a socket per reducer, one connection each, lost and opened again;
 - handshake.py: the proofs of the job token both ways, and the first wait for every reducer;
 - pump.py: chunks out in one global order within each reducer's window;

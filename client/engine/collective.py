@@ -26,12 +26,13 @@ class Collective:
     send: Optional[memoryview]  # None: this rank contributes no payload (broadcast, not root)
     recv: memoryview
     total: int
-    chunks: List[Chunk]  # the plan (chunking.py): each chunk's bounds and reducer
+    chunks: List[Chunk]  # the plan (chunking.py): each chunk's bounds and reducer (a substitute once moved)
     result: Any
     future: Future = field(default_factory=Future)
     next: int = 0  # next chunk to send
     answered: int = 0
     state: bytearray = field(default=None)  # per chunk: UNSENT, SENT, ANSWERED
+    moved: bytearray = field(default=None)  # per chunk: 1 once moved off a lost reducer (failover.py)
     errors: List[Tuple[int, str]] = field(default_factory=list)  # (chunk, what went wrong)
     last_progress: float = 0.0
     blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
@@ -43,6 +44,7 @@ class Collective:
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
+        self.moved = bytearray(len(self.chunks))
 
     @cached_property
     def reducers(self) -> FrozenSet[int]:

@@ -26,6 +26,7 @@ from reduction_server import __version__, auth, encryption, protocol
 from reduction_server.log import event, get_logger
 from reduction_server.protocol import MsgType
 
+from .failover import Failover
 from .identity import Identity
 from .ledger import Ledger
 from .slots import Slots
@@ -50,12 +51,14 @@ _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | e
 class Connections:
     """The sockets to every reducer, which of them are down, and when to try each again."""
 
-    def __init__(self, me: Identity, addresses: Sequence[str], ledger: Ledger, slots: Slots, *, job_token: str,
-                 encrypt: bool, heartbeat: float, liveness: float, sndbuf: int, io_threads: int) -> None:
+    def __init__(self, me: Identity, addresses: Sequence[str], ledger: Ledger, slots: Slots, failover: Failover, *,
+                 job_token: str, encrypt: bool, heartbeat: float, liveness: float, sndbuf: int,
+                 io_threads: int) -> None:
         self.me = me
         self.addresses = addresses
         self.ledger = ledger
         self.slots = slots
+        self.failover = failover
         self.job_token = job_token
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
         self.heartbeat = heartbeat
@@ -219,13 +222,33 @@ class Connections:
         self.reopen_at[r] = time.monotonic() + RECONNECT_S
 
     def lose(self, r: int, reason: str, *, reconnect: bool) -> None:
-        """Reducer r is gone: every pending collective that needs it fails now, naming it."""
+        """Reducer r is gone. With failover and another reducer left, its chunks move there
+        (failover.py) and it is not used again in this generation; otherwise every pending
+        collective that needs it fails now, naming it (and every reducer lost before it)."""
         text = f"{self.name(r)} was lost: {reason}"
+        failover = self.failover
+        if failover.enabled and r not in failover.lost and failover.survivors(without=r):
+            self.event("reducer_lost", r, reason=reason, failover=True,
+                       left=len(failover.survivors(without=r)))
+            self._retire(r, text)
+            return failover.move_off(r, text, self.ledger)
         self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
+        if failover.lost:
+            text = f"every reducer was lost: {failover.reason()}; {text}"
         self.down[r] = (text, reconnect)
         self.ledger.fail_pending_on(r, text)
         if reconnect:
             self.reopen(r, rejoin=True)
+
+    def _retire(self, r: int, text: str) -> None:
+        """Stop using reducer r for this generation: nothing more is read from it or sent to it
+        (its socket stays open, silent, until close), and its shared-memory segment goes."""
+        for old in (self.sockets[r], self.monitors[r]):
+            self.poller.unregister(old)
+            self.index.pop(old, None)
+        self.down[r] = (text, False)
+        self.reopen_at.pop(r, None)
+        self.slots.drop(r)
 
     def refuse(self, r: int, reason: str) -> None:
         """Reducer r came back but cannot be used again: collectives that need it fail with reason."""

@@ -24,6 +24,7 @@ from reduction_server import settings
 from .. import timeline
 from .collective import Collective
 from .connections import Connections
+from .failover import Failover
 from .handshake import Handshake
 from .identity import Identity
 from .ledger import Ledger
@@ -42,7 +43,7 @@ class Engine:
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
                  liveness_timeout: Optional[float] = None, encrypt: bool = False,
                  shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES,
-                 sndbuf: int = 0) -> None:
+                 sndbuf: int = 0, failover: bool = True) -> None:
         if encrypt:
             encryption.check(job_token)
         self.rank = rank
@@ -59,10 +60,14 @@ class Engine:
         # A segment is offered only to a reducer on this host: only it can map one.
         self.slots = Slots(me, [shared and shared_memory.is_local(address) for address in reducers], window,
                            slot_bytes)
-        self.connections = Connections(me, reducers, self.ledger, self.slots, job_token=job_token, encrypt=encrypt,
-                                       heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf, io_threads=io_threads)
+        self.failover = Failover(me, len(reducers), window, failover)
+        if self.failover.enabled:
+            self.ledger.on_result = self.failover.keep
+        self.connections = Connections(me, reducers, self.ledger, self.slots, self.failover, job_token=job_token,
+                                       encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
+                                       io_threads=io_threads)
         self.handshake = Handshake(me, self.connections, self.slots, job_token, connect_timeout)
-        self.pump = Pump(me, self.ledger, self.connections, self.slots, window)
+        self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots)
         self._queue: Deque[Collective] = deque()
         self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
@@ -177,7 +182,10 @@ class Engine:
                 while self._groups:
                     conn.announce(*self._groups.pop(0))
                 while self._queue:
-                    ledger.start(self._queue.popleft())
+                    coll = self._queue.popleft()
+                    ledger.start(coll)
+                    if self.failover.lost:
+                        self.failover.place(coll)
             if self._closing:
                 return self._die("the communicator was closed")
             self.pump.run()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from reduction_server.errors import CollectiveError
 from reduction_server.protocol import Header
@@ -26,6 +26,8 @@ class Ledger:
         # that groups used in different orders by different ranks (send/recv pairs) never wait
         # on one another's window.
         self.inflight: Dict[int, List[int]] = {}
+        #: told of every chunk answered with its result (failover.py keeps a copy), when set
+        self.on_result: Optional[Callable[[Collective, int, int], None]] = None
 
     def start(self, coll: Collective) -> None:
         """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
@@ -38,10 +40,12 @@ class Ledger:
             queue = self.sending[coll.group] = deque()
         queue.append(coll)
 
-    def pending_chunk(self, h: Header) -> Optional[Collective]:
-        """The collective whose sent chunk h answers; None for a late answer (it already failed)."""
+    def pending_chunk(self, h: Header, r: int) -> Optional[Collective]:
+        """The collective whose chunk, sent to reducer r, h answers; None for a late answer (it
+        already failed, or the chunk has moved since) or the answer to a FINAL."""
         coll = self.active.get((h.group, h.seq))
-        if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT:
+        if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT \
+                or coll.chunks[h.chunk].reducer != r:
             return None
         return coll
 
@@ -55,6 +59,8 @@ class Ledger:
             coll.trace.chunk_answered()
         if error is not None:
             coll.errors.append((k, f"chunk {k} on {self.names[r]}: {error}"))
+        elif self.on_result is not None:
+            self.on_result(coll, k, r)
         if coll.answered == len(coll.chunks):
             del self.active[coll.group, coll.seq]
             if coll.errors:

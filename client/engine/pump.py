@@ -16,10 +16,11 @@ from typing import Deque, List
 import zmq
 
 from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, OP_BROADCAST
+from reduction_server.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
 
 from .collective import SENT, Collective
 from .connections import Connections
+from .failover import Failover, Kept
 from .identity import Identity
 from .ledger import Ledger
 from .slots import Slots
@@ -32,16 +33,21 @@ _backend_send = zmq.backend.Socket.send
 class Pump:
     """Sends the ledger's collectives' chunks as their reducers' windows allow."""
 
-    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, window: int) -> None:
+    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, failover: Failover,
+                 window: int) -> None:
         self.me = me
         self.ledger = ledger
         self.connections = connections
         self.slots = slots
+        self.failover = failover
         self.window = window
 
     def run(self) -> None:
-        """Send chunks in each group's order until one's reducer has a full window for that
-        group: a group that waits holds back only its own later collectives."""
+        """Send what a lost reducer left first, then chunks in each group's order until one's
+        reducer has a full window for that group: a group that waits holds back only its own
+        later collectives."""
+        if self.failover.resend:
+            self._resend()
         sending = self.ledger.sending
         for group, queue in list(sending.items()):
             self._run_group(queue, self.ledger.window(group))
@@ -66,6 +72,40 @@ class Pump:
                     return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
                 coll.next += 1
             queue.popleft()
+
+    def _resend(self) -> None:
+        """Chunks a lost reducer had not answered (MOVED) and results it had given this rank
+        (FINAL), each to its chunk's reducer now, outside the window: at most a window of each
+        group per lost reducer, and the collectives in flight wait for them."""
+        failover = self.failover
+        while failover.resend:
+            item = failover.resend.popleft()
+            if isinstance(item, Kept):
+                r = failover.bring(item)
+                if self._send_final(item, r):
+                    continue
+            else:
+                coll, k = item
+                if not failover.still_owed(coll, k):
+                    continue
+                r = coll.chunks[k].reducer
+                if self._send_chunk(coll, k, r, self.ledger.window(coll.group)):
+                    failover.moved_chunks += 1
+                    continue
+                failover.resend.appendleft(item)
+            # Gone too: its chunks, this one among them, move on again.
+            return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
+
+    def _send_final(self, item: Kept, r: int) -> bool:
+        """A kept result to reducer r as a FINAL; False if its connection is gone."""
+        sock = self.connections.sockets[r]
+        try:
+            _backend_send(sock, item.final_header(self.me), _NOBLOCK | _SNDMORE)
+            # Copied: the kept buffer may hold another result before libzmq sends this one.
+            _backend_send(sock, memoryview(item.data)[:item.nbytes], _NOBLOCK, True)
+        except zmq.Again:
+            return False
+        return True
 
     def _startable(self, coll: Collective) -> bool:
         """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
@@ -92,10 +132,12 @@ class Pump:
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         slot = None
-        if payload is not None and coll.op is not OP_BROADCAST:
+        moved = coll.moved[k]
+        if payload is not None and coll.op is not OP_BROADCAST and not moved:  # a moved chunk goes as a frame
             slot = self.slots.take(r, nbytes)
+        mtype = MSG_MOVED if moved else MSG_DATA if slot is None else MSG_DATA_SHM
         header = protocol.data_header(
-            MSG_DATA if slot is None else MSG_DATA_SHM, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
+            mtype, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
             world=self.me.world, job=self.me.job, generation=self.me.generation, seq=coll.seq, chunk=k,
             nchunks=len(coll.chunks), offset=offset, count=count, total=coll.total, nbytes=nbytes,
             aux=coll.root if slot is None else slot, group=coll.group)

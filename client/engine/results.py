@@ -102,7 +102,7 @@ class Results:
             conn.refuse(r, f"{conn.name(r)} came back but refused this worker: {text.decode(errors='replace')}")
 
     def _result(self, r: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
-        coll = self.ledger.pending_chunk(h)
+        coll = self.ledger.pending_chunk(h, r)
         if coll is None:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
@@ -136,7 +136,7 @@ class Results:
                 f"(dtype code {h.dtype}), expected {count} at {offset}")
 
     def _shared_result(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
-        coll = self.ledger.pending_chunk(h)
+        coll = self.ledger.pending_chunk(h, r)
         if coll is None:
             return  # late: its slot is free again all the same
         offset, count, _ = coll.chunks[h.chunk]
@@ -158,7 +158,7 @@ class Results:
             # lost): nothing more can be sent to it. No new handshake: that could take the
             # reducer back from the job that replaced this one.
             return conn.lose(r, f"it no longer admits this worker: {text}", reconnect=False)
-        coll = self.ledger.pending_chunk(h)
+        coll = self.ledger.pending_chunk(h, r)
         if coll is None:
             # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
             conn.event("reducer_error", r, key=h.describe(), reason=text)

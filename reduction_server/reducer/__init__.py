@@ -11,12 +11,14 @@ every rank. A worker on the reducer's own host may send its chunks through share
 - membership.py: the admitted ranks, their heartbeats, their loss;
 - rounds.py: the state of each key and its transitions (open, complete, failed, forgotten);
 - fold.py: loading and folding contributions, finishing results, the memory that takes;
+- delivery.py: results to the ranks (slots or one frame), and the bytes sent;
+- finals.py: moved rounds settled by a result a rank brought from a lost reducer (FINAL);
 - clock.py: the loop's idea of now;
 - outbox.py: every send, non-blocking, with its failure accounting;
 - process.py: `serve`, from configuration and binding to the stop summary.
 
-Each room imports only those below it in this order: clock, outbox, membership, fold, rounds,
-admission, core, process.
+Each room imports only those below it in this order: clock, outbox, membership, fold, delivery,
+finals, rounds, admission, core, process.
 """
 from .admission import FORGET_AFTER_S, MAX_STRIKE_ENTRIES, MAX_STRIKES
 from .core import PROBE_DELAYS, Reducer

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = get_logger("reducer")
 
 _NOBLOCK = int(zmq.NOBLOCK)
+_CONTRIBUTIONS = frozenset((MSG_DATA, MsgType.MOVED, MsgType.FINAL))  # chunks that come as frames
 # After a connection closes, heartbeat peers are probed this many seconds later (the one whose
 # pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
 PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
@@ -219,13 +220,13 @@ class Reducer:
         size = len(payload) if payload is not None else 0
         if size != h.nbytes:
             reason = f"header announces {h.nbytes} payload bytes but {size} arrived"
-            peer = self.members.admitted(identity) if h.type is MsgType.DATA else None
+            peer = self.members.admitted(identity) if h.type in _CONTRIBUTIONS else None
             if peer is not None:
                 # Through _data: a claim of another rank or job, or of a chunk over the size cap,
                 # is answered as such (to the sender) before the payload is looked at.
                 return self._data(identity, peer, h, payload, bad_payload=reason)
             return self.admission.malformed(identity, reason)
-        if h.type is MSG_DATA:  # nearly every message: tested first
+        if h.type in _CONTRIBUTIONS:  # nearly every message: tested first
             self.bytes_in += size
             self._data(identity, self.members.admitted(identity), h, payload)
         elif h.type is MsgType.HELLO:

@@ -18,15 +18,15 @@ import logging
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-import zmq
 
-from .. import protocol
 from ..accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
-from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, OP_BROADCAST, ErrorCode, Header, MsgType
+from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
 from ..round import Round, format_ranks
 from .clock import Clock
-from .fold import Folder, Payload, Result
+from .delivery import Delivery
+from .finals import Finals
+from .fold import Folder, Payload
 from .membership import Membership, Peer
 from .outbox import Outbox, clip
 
@@ -62,8 +62,18 @@ class Rounds:
         self.completed = 0
         self.failed = 0
         self.failed_codes: Dict[str, int] = {}
-        self.bytes_out = 0
-        self.bytes_shared_out = 0
+        self.delivery = Delivery(outbox, members, self.folder, index)
+        self.finals = Finals(self.delivery, self.folder, pool)
+
+    @property
+    def bytes_out(self) -> int:
+        """Payload bytes of results sent (frames and shared-memory slots)."""
+        return self.delivery.bytes_out
+
+    @property
+    def bytes_shared_out(self) -> int:
+        """Of bytes_out, those written into shared-memory slots."""
+        return self.delivery.bytes_shared_out
 
     @property
     def open_count(self) -> int:
@@ -90,22 +100,27 @@ class Rounds:
         rnd, problem = self._round_for(h)
         if rnd is None:  # not one of the group's ranks: it alone hears why, the group's round goes on
             return self.outbox.error(peer.identity, ErrorCode.MISMATCH, f"{self.name}: {problem}", about=h)
-        if h.seq > peer.max_seq.get(h.group, -1):
-            peer.max_seq[h.group] = h.seq
+        if h.type not in MOVED_TYPES and h.seq > peer.max_seq.get(h.group, -1):
+            peer.max_seq[h.group] = h.seq  # a moved chunk is resent out of order: it says nothing of skips
         if rnd.error is not None:
             return self._answer_failed(rnd, h.rank, h)
         if problem is not None:
             return self.fail(rnd, ErrorCode.MISMATCH, problem, extra=h)
+        reason = rnd.disagreement(h)
+        if reason is not None:
+            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
+            return self.fail(rnd, code, reason, extra=h)
+        if rnd.final is not None or h.type is MsgType.FINAL:  # a moved round a rank brought the result of
+            failure = self.finals.contribute(rnd, h, payload)
+            if failure is not None:
+                return self.fail(rnd, *failure, extra=h)
+            return self._forget(h.key) if rnd.complete else None
         lost = self.members.lost
         if lost:
             gone = [rank for rank in lost if rank not in rnd.contributed and rank in rnd.ranks]
             if gone:
                 return self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
                                  + "; ".join(lost[rank] for rank in sorted(gone)[:8]), extra=h)
-        reason = rnd.disagreement(h)
-        if reason is not None:
-            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
-            return self.fail(rnd, code, reason, extra=h)
         arrived = time.monotonic() if self.metrics is not None else 0.0
         try:
             self.folder.fold(rnd, h, payload)
@@ -128,47 +143,12 @@ class Rounds:
             out, buffers = self.folder.result(rnd)
         except PoolExhausted as exc:  # every rank hears it, and the accumulator is freed
             return self.fail(rnd, ErrorCode.TOO_LARGE, f"{h.describe()} cannot be sent: {exc}")
-        frame = self._send_result(rnd, out)
+        frame = self.delivery.result(rnd, out)
         if self.metrics is not None:
             self.metrics.finished(rnd.started)
         self._forget(h.key)
         self.folder.sent(rnd, buffers, frame)
         self.completed += 1
-
-    def _send_result(self, rnd: Round, out: Result) -> Optional[zmq.Frame]:
-        """The result to every rank: into its shared-memory slot, or as a frame (made once, the
-        first time a rank needs it, and returned)."""
-        h, members = rnd.first, self.members
-        nbytes = h.count * rnd.dtype.itemsize
-        header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
-        frame = None
-        # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
-        # after every copy out of its slot.
-        order = rnd.ranks if not rnd.in_slot else [*(r for r in rnd.ranks if r != rnd.owner), rnd.owner]
-        root = h.aux if h.op == OP_BROADCAST else -1  # a broadcast's root holds the data: its answer is bare
-        for rank in order:
-            identity = members.rank_identity.get(rank)
-            if identity is None:
-                event(log, logging.INFO if rank in members.lost else logging.ERROR, "result_undeliverable",
-                      reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
-                continue
-            segment, slot = rnd.slots.get(rank, (None, 0))
-            peer = members.peers.get(identity)
-            if segment is not None and peer is not None and segment is peer.segment:
-                if not (rnd.in_slot and rank == rnd.owner):  # the owner's slot holds the sum already
-                    segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
-                if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
-                    self.bytes_out += nbytes
-                    self.bytes_shared_out += nbytes
-                continue
-            if rank == root:
-                self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT, self.index, 0)])
-                continue
-            if frame is None:
-                frame = self.folder.frame(rnd, out)
-            if self.outbox.send(identity, [header, frame]):
-                self.bytes_out += len(frame)
-        return frame
 
     # -- OPEN -> FAILED -> forgotten ----------------------------------------------------------
     def _fail_contribution(self, h: Header, code: ErrorCode, reason: str) -> None:
@@ -193,7 +173,8 @@ class Rounds:
             return None, problem
         rnd = self.rounds.get(h.key)
         if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=time.monotonic())
+            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=time.monotonic(),
+                                             moved=h.type in MOVED_TYPES)
         return rnd, problem
 
     def fail(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
@@ -210,6 +191,7 @@ class Rounds:
         event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
               code=code.name, reason=reason)
         self.folder.free(rnd)
+        self.finals.release(rnd)
         for rank, h in list(rnd.contributed.items()):
             self._answer_failed(rnd, rank, h)
         if extra is not None:
@@ -236,7 +218,7 @@ class Rounds:
         """Fail every open round `rank` has not contributed to; what it did, for the log line."""
         failed = 0
         for rnd in list(self.rounds.values()):
-            if rnd.error is None and rank not in rnd.contributed and rank in rnd.ranks:
+            if rnd.error is None and rnd.final is None and rank not in rnd.contributed and rank in rnd.ranks:
                 self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: {text}")
                 failed += 1
             elif rnd.error is not None:
@@ -249,7 +231,7 @@ class Rounds:
         later seq here will never contribute to an open round of an earlier one (the collective
         failed on its side, e.g. while a reducer was down): that round fails now, not at RS_TIMEOUT."""
         for rnd in list(self.rounds.values()):
-            if rnd.error is not None or (rnd.first.job, rnd.first.generation) != self.members.job:
+            if rnd.error is not None or rnd.moved or (rnd.first.job, rnd.first.generation) != self.members.job:
                 continue
             skipped = [rank for rank in rnd.missing if self.members.seq_of(rank, rnd.first.group) > rnd.first.seq]
             if skipped:
@@ -265,7 +247,10 @@ class Rounds:
         retain = RETAIN_FAILED_S + 2 * self.round_timeout
         failed = 0
         for key, rnd in list(self.rounds.items()):
-            if rnd.error is None:
+            if rnd.error is None and rnd.final is not None:
+                if now - rnd.started >= self.round_timeout:  # every rank that asked has its answer
+                    self._forget(key)
+            elif rnd.error is None:
                 if now - rnd.started >= self.round_timeout:
                     self.fail(rnd, ErrorCode.STALE, (
                         f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
@@ -284,6 +269,7 @@ class Rounds:
         dropped = len(self.rounds)
         for rnd in self.rounds.values():
             self.folder.free(rnd)
+            self.finals.release(rnd)
         self.rounds.clear()
         self.failed_kept = 0
         return dropped
@@ -292,3 +278,6 @@ class Rounds:
         rnd = self.rounds.pop(key, None)
         if rnd is not None and rnd.error is not None:
             self.failed_kept -= 1
+        elif rnd is not None and rnd.final is not None:
+            self.finals.release(rnd)
+            self.completed += 1

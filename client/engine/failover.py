@@ -1,0 +1,174 @@
+"""Reducer failover on a worker: a lost reducer's chunks move to the reducers left, and the
+collectives in flight complete there with the right result (docs/reliability.md).
+
+A reducer keeps nothing between collectives, and a worker still holds the input of every chunk
+it has not had answered, so when a reducer is lost each rank:
+- moves the lost reducer's chunks of every collective in flight to the first reducer not lost in
+  the chunk's preference order (chunking.preference): every rank computes the same one once it
+  knows of the same losses, and a chunk on a reducer still up never moves;
+- sends again (MOVED) what the lost reducer had not answered;
+- sends the results it had already received from the lost reducer (FINAL), in place of its
+  contribution: the reducer may have died after answering some ranks and not others, and a
+  rank that has the result must still let the others get the same one.
+
+For the last, a rank keeps a copy of each group's last results from each reducer. A rank that
+lacks a chunk's result has the chunk among its unanswered ones on that reducer, at most its
+window per group, plus what was moved there: the reducer answered at most that many of the
+group's rounds after the one this rank lacks, so every rank that got it still keeps it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from reduction_server import protocol
+from reduction_server.protocol import ITEMSIZE, MSG_FINAL, OP_BROADCAST
+
+from ..chunking import preference
+from .collective import SENT, UNSENT, Collective
+from .identity import Identity
+from .ledger import Ledger
+
+
+@dataclass
+class Kept:
+    """A chunk's result as this rank received it, and what its FINAL header says of the chunk."""
+
+    group: int
+    seq: int
+    chunk: int
+    nchunks: int
+    dtype: int
+    op: int
+    root: int
+    offset: int
+    count: int
+    total: int
+    data: bytearray  # at least count x itemsize bytes: a buffer is reused for a smaller chunk
+    reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * ITEMSIZE[self.dtype]
+
+    def final_header(self, me: Identity) -> bytes:
+        """The FINAL that brings this result to the chunk's new reducer."""
+        return protocol.data_header(MSG_FINAL, dtype=self.dtype, op=self.op, rank=me.rank, world=me.world,
+                                    job=me.job, generation=me.generation, seq=self.seq, chunk=self.chunk,
+                                    nchunks=self.nchunks, offset=self.offset, count=self.count, total=self.total,
+                                    nbytes=self.nbytes, aux=self.root, group=self.group)
+
+
+#: what the pump sends before new chunks: a chunk of a collective again (MOVED), or a kept result
+Resend = Union[Tuple[Collective, int], Kept]
+
+
+class Failover:
+    """The reducers this rank has lost, where each chunk goes, the results it keeps, and what it
+    must send again."""
+
+    def __init__(self, me: Identity, num_reducers: int, window: int, enabled: bool) -> None:
+        self.me = me
+        self.num_reducers = num_reducers
+        self.window = window
+        # With one reducer there is nowhere to move to: nothing is kept.
+        self.enabled = enabled and num_reducers > 1
+        self.lost: Dict[int, str] = {}  # reducer -> why it was lost
+        self.kept: Dict[Tuple[int, int], Deque[Kept]] = {}  # (group, reducer) -> its last results here
+        self.spare: List[bytearray] = []  # buffers of results no longer kept
+        self.resend: Deque[Resend] = deque()
+        self.moved_chunks = 0  # chunks sent to a substitute (MOVED and FINAL), for the log and the tests
+        self.finals = 0  # of those, results brought in place of a contribution (FINAL)
+
+    def survivors(self, without: int) -> List[int]:
+        """The reducers not lost, leaving out `without` too."""
+        return [r for r in range(self.num_reducers) if r not in self.lost and r != without]
+
+    def route(self, seq: int, chunk: int) -> int:
+        """The reducer chunk `chunk` of collective `seq` goes to: the first not lost in its preference order."""
+        for r in preference(seq, chunk, self.num_reducers):
+            if r not in self.lost:
+                return r
+        raise AssertionError("route() asked with every reducer lost")
+
+    # -- results kept ------------------------------------------------------------------------
+    def keep(self, coll: Collective, k: int, r: int) -> None:
+        """Chunk k of coll was answered by reducer r: keep a copy of its result."""
+        offset, count, _ = coll.chunks[k]
+        size = ITEMSIZE[coll.dtype]
+        nbytes = count * size
+        data = self._buffer(nbytes)
+        # NumPy copies without the GIL: the training thread runs on meanwhile.
+        np.copyto(np.frombuffer(data, np.uint8, nbytes), np.frombuffer(coll.recv, np.uint8, nbytes, offset * size))
+        self._append(Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op,
+                          coll.root if coll.op is OP_BROADCAST else 0, offset, count, coll.total, data, r))
+
+    def _append(self, item: Kept) -> None:
+        ring = self.kept.get((item.group, item.reducer))
+        if ring is None:
+            ring = self.kept[item.group, item.reducer] = deque()
+        ring.append(item)
+        # A rank's chunks unanswered on one reducer: its window, and those moved there from each loss.
+        while len(ring) > self.window * (1 + len(self.lost)):
+            self.spare.append(ring.popleft().data)
+            del self.spare[:-self.window]
+
+    def _buffer(self, nbytes: int) -> bytearray:
+        for i, data in enumerate(self.spare):
+            if len(data) >= nbytes:
+                return self.spare.pop(i)
+        return bytearray(nbytes)
+
+    # -- a reducer lost ------------------------------------------------------------------------
+    def move_off(self, r: int, reason: str, ledger: Ledger) -> None:
+        """Reducer r is lost: every chunk on it moves to its substitute; what it had not
+        answered, and the results it gave this rank, are queued to be sent there."""
+        self.lost[r] = reason
+        for coll in ledger.active.values():
+            if r not in coll.reducers:
+                continue
+            inflight = ledger.window(coll.group)
+            for k, chunk in enumerate(coll.chunks):
+                if chunk.reducer != r:
+                    continue
+                coll.chunks[k] = chunk._replace(reducer=self.route(coll.seq, k))
+                coll.moved[k] = 1
+                if coll.state[k] == SENT:
+                    inflight[r] -= 1
+                    coll.state[k] = UNSENT
+                    self.resend.append((coll, k))
+            coll.__dict__.pop("reducers", None)  # a cached property: the set changed
+        for (group, holder), ring in list(self.kept.items()):
+            if holder == r:
+                self.resend.extend(self.kept.pop((group, holder)))
+
+    def bring(self, item: Kept) -> int:
+        """Where a kept result goes now (its chunk's reducer), kept there from now on, since that
+        reducer may be lost in turn."""
+        item.reducer = self.route(item.seq, item.chunk)
+        self._append(item)
+        self.moved_chunks += 1
+        self.finals += 1
+        return item.reducer
+
+    def place(self, coll: Collective) -> None:
+        """A collective starting after a loss: its chunks on lost reducers go to their substitutes."""
+        for k, chunk in enumerate(coll.chunks):
+            if chunk.reducer in self.lost:
+                coll.chunks[k] = chunk._replace(reducer=self.route(coll.seq, k))
+                coll.moved[k] = 1
+        coll.__dict__.pop("reducers", None)
+
+    def still_owed(self, coll: Collective, k: int) -> bool:
+        """Whether a queued resend of chunk k is still to be sent (its collective may have failed)."""
+        return coll.state[k] == UNSENT and not coll.future.done()
+
+    def reason(self) -> Optional[str]:
+        """Every lost reducer and why, for the error when none is left."""
+        if not self.lost:
+            return None
+        return "; ".join(self.lost[r] for r in sorted(self.lost))
+

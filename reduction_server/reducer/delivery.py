@@ -1,0 +1,79 @@
+"""How results reach the ranks: a complete round's into each rank's shared-memory slot or as one
+frame for all, and a settled moved round's (finals.py) to each rank as it asks. Counts the bytes
+sent (the metrics and the stop line read them)."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import zmq
+
+from .. import protocol
+from ..log import event, get_logger
+from ..protocol import OP_BROADCAST, Header, MsgType
+from ..round import Round
+from .fold import Folder, Result
+from .membership import Membership
+from .outbox import Outbox
+
+log = get_logger("reducer")
+
+
+class Delivery:
+    """Sends results to the ranks of a round."""
+
+    def __init__(self, outbox: Outbox, members: Membership, folder: Folder, index: int) -> None:
+        self.outbox = outbox
+        self.members = members
+        self.folder = folder
+        self.index = index
+        self.bytes_out = 0
+        self.bytes_shared_out = 0
+
+    def result(self, rnd: Round, out: Result) -> Optional[zmq.Frame]:
+        """The result to every rank: into its shared-memory slot, or as a frame (made once, the
+        first time a rank needs it, and returned)."""
+        h, members = rnd.first, self.members
+        nbytes = h.count * rnd.dtype.itemsize
+        header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
+        frame = None
+        # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
+        # after every copy out of its slot.
+        order = rnd.ranks if not rnd.in_slot else [*(r for r in rnd.ranks if r != rnd.owner), rnd.owner]
+        root = h.aux if h.op == OP_BROADCAST else -1  # a broadcast's root holds the data: its answer is bare
+        for rank in order:
+            identity = members.rank_identity.get(rank)
+            if identity is None:
+                event(log, logging.INFO if rank in members.lost else logging.ERROR, "result_undeliverable",
+                      reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
+                continue
+            segment, slot = rnd.slots.get(rank, (None, 0))
+            peer = members.peers.get(identity)
+            if segment is not None and peer is not None and segment is peer.segment:
+                if not (rnd.in_slot and rank == rnd.owner):  # the owner's slot holds the sum already
+                    segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
+                if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
+                    self.bytes_out += nbytes
+                    self.bytes_shared_out += nbytes
+                continue
+            if rank == root:
+                self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT, self.index, 0)])
+                continue
+            if frame is None:
+                frame = self.folder.frame(rnd, out)
+            if self.outbox.send(identity, [header, frame]):
+                self.bytes_out += len(frame)
+        return frame
+
+    def settled(self, rnd: Round, h: Header) -> None:
+        """Answer h's sender from a settled moved round: its result, or a bare RESULT to a
+        FINAL's sender (it has the data) and to a broadcast's root."""
+        identity = self.members.rank_identity.get(h.rank)
+        if identity is None:
+            return
+        if h.type is MsgType.FINAL or (h.op == OP_BROADCAST and h.rank == h.aux):
+            self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT, self.index, 0)])
+            return
+        nbytes = len(rnd.final)
+        if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT, self.index, nbytes), rnd.final]):
+            self.bytes_out += nbytes

@@ -1,0 +1,247 @@
+"""Reducer failover with real processes: W=4 workers train for STEPS steps on R=3 reducers while
+reducers are SIGKILLed at random points (a property test over the kill point, seeded and
+reproducible: RS_FAILOVER_SEED); every run must finish, every step's collectives must be right
+(each worker checks them against a NumPy reference), and in deterministic mode the final weights
+must be bitwise equal to an undisturbed run's. RS_FAILOVER_RUNS sets how many runs of each kind
+(longer campaigns); the default keeps CI to a few minutes."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers
+
+W, R = 4, 3
+STEPS = 200
+RUNS = int(os.environ.get("RS_FAILOVER_RUNS", "8"))
+SEED = int(os.environ.get("RS_FAILOVER_SEED", "20261124"))
+FAST = {"RS_HEARTBEAT_INTERVAL": "0.5", "RS_LIVENESS_TIMEOUT": "2", "RS_TIMEOUT": "60"}
+
+pytestmark = pytest.mark.timeout(60 + 60 * RUNS)
+
+#: a kill plan: (step of rank 0 after which to kill, seconds to wait after it, the reducers killed together)
+Plan = List[Tuple[int, float, Tuple[int, ...]]]
+
+
+class Run:
+    """W worker processes of failover_worker.py; rank 0's progress is followed line by line."""
+
+    def __init__(self, group: Reducers, exact: bool) -> None:
+        self.step = -1
+        self.progress = threading.Condition()
+        self.outputs: Dict[int, List[str]] = {r: [] for r in range(W)}
+        self.procs = []
+        for rank in range(W):
+            env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(W),
+                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST})
+            self.procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "failover_worker.py"), str(STEPS),
+                                                "1" if exact else "0"], env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True))
+        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(W)]
+        for t in self.readers:
+            t.start()
+
+    def _read(self, rank: int) -> None:
+        for line in self.procs[rank].stdout:
+            self.outputs[rank].append(line.rstrip("\n"))
+            if rank == 0 and line.startswith("STEP "):
+                with self.progress:
+                    self.step = int(line.split()[1])
+                    self.progress.notify_all()
+
+    def wait_for_step(self, step: int, timeout: float = 60) -> None:
+        with self.progress:
+            assert self.progress.wait_for(lambda: self.step >= step or self.procs[0].poll() is not None, timeout), \
+                f"rank 0 did not reach step {step} in {timeout} s: {self.outputs[0][-5:]}"
+
+    def finish(self, timeout: float = 120) -> List[dict]:
+        results = []
+        try:
+            for rank, proc in enumerate(self.procs):
+                proc.wait(timeout)
+                self.readers[rank].join(10)
+                lines = self.outputs[rank]
+                assert proc.returncode == 0 and lines and lines[-1].startswith("{"), \
+                    f"rank {rank} failed ({proc.returncode}):\n" + "\n".join(lines[-30:])
+                results.append(json.loads(lines[-1]))
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return results
+
+
+def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL) -> Tuple[List[dict], float]:
+    """One training run on fresh reducers, signalling reducers (`sig`) as `plan` says; the
+    ranks' results and the run's wall time."""
+    started = time.monotonic()
+    victims = sorted({v for _, _, together in plan for v in together})
+    with reducers(R, extra_env={"RS_DETERMINISTIC": "1" if exact else "0", **FAST}) as group:
+        job = Run(group, exact)
+        try:
+            for step, delay, together in plan:
+                job.wait_for_step(step)
+                time.sleep(delay)  # anywhere inside the next step: sending, summing, or answering
+                for victim in together:
+                    group.procs[victim].send_signal(sig)
+            results = job.finish()
+        finally:
+            if sig == signal.SIGSTOP:
+                for victim in victims:
+                    group.procs[victim].send_signal(signal.SIGCONT)
+        if sig == signal.SIGKILL:
+            assert all(group.procs[v].wait(5) == -signal.SIGKILL for v in victims)
+        assert all(group.procs[i].poll() is None for i in range(R) if i not in victims)
+    return results, time.monotonic() - started
+
+
+def random_plan(rng: random.Random, together: bool) -> Plan:
+    """Two of the three reducers killed: one after the other at two random steps, or both at once."""
+    victims = rng.sample(range(R), 2)
+    if together:
+        return [(rng.randrange(2, STEPS - 2), rng.uniform(0, 0.03), tuple(victims))]
+    steps = sorted(rng.sample(range(2, STEPS - 2), 2))
+    return [(steps[0], rng.uniform(0, 0.03), (victims[0],)), (steps[1], rng.uniform(0, 0.03), (victims[1],))]
+
+
+def check(results: Sequence[dict], plan: Plan, reference: Optional[str]) -> None:
+    lost = sorted(v for _, _, victims in plan for v in victims)
+    for res in results:
+        assert res["mismatch_count"] == 0, res
+        assert res["lost"] == lost, res
+        assert res["moved"] > 0, res
+        if reference is not None:
+            assert res["digest"] == reference, res
+    assert len({res["digest"] for res in results}) == 1, results
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> str:
+    results, took = run([])
+    print(f"undisturbed run: {took:.1f} s")
+    assert all(res["mismatch_count"] == 0 and res["lost"] == [] and res["moved"] == 0 for res in results), results
+    assert len({res["digest"] for res in results}) == 1
+    return results[0]["digest"]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-after-another", "two-at-once"])
+def test_reducers_killed_at_random_points_leave_every_step_right_and_the_weights_bitwise_equal(
+        undisturbed: str, together: bool):
+    """RUNS runs of each kind, two kills each: 4 x RUNS kill points in all (32 by default)."""
+    rng = random.Random(SEED + together)
+    for i in range(RUNS):
+        plan = random_plan(rng, together)
+        results, took = run(plan)
+        print(f"run {i}: kills {plan}: {took:.1f} s, chunks moved per rank {[res['moved'] for res in results]}, "
+              f"of them results brought (FINAL) {[res['finals'] for res in results]}")
+        check(results, plan, undisturbed)
+
+
+def test_failover_in_the_default_mode_keeps_every_step_right():
+    """Arrival-order sums: checked to float32 rounding (int32 and broadcasts bitwise), and every
+    rank ends with the same weights."""
+    rng = random.Random(SEED + 7)
+    plan = random_plan(rng, together=False)
+    results, took = run(plan, exact=False)
+    print(f"kills {plan}: {took:.1f} s")
+    check(results, plan, None)
+
+
+def test_a_stopped_reducer_is_moved_off_after_the_liveness_timeout(undisturbed: str):
+    """SIGSTOP: nothing closes; each rank's connection goes silent and libzmq closes it after
+    RS_LIVENESS_TIMEOUT (2 s here), at a slightly different moment on each rank."""
+    plan = [(60, 0.01, (1,))]
+    results, took = run(plan, sig=signal.SIGSTOP)
+    print(f"stopped reducer 1 at step 60: {took:.1f} s")
+    check(results, plan, undisturbed)
+
+
+def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute():
+    """Reducer 0 answers a chunk and dies; the other rank (a hand-driven peer here) says it never
+    got the answer and resends its contribution to the chunk's substitute, reducer 1: it gets the
+    result rank 0 already has (brought as a FINAL), not a new sum of other inputs. Then a chunk
+    whose reducer is lost goes to the substitute from the start (MOVED)."""
+    import numpy as np
+
+    import reduction_server.client as rs
+    from reduction_server.protocol import MsgType
+
+    from helpers.peers import Peer, data
+
+    n = 1000
+    with reducers(2, extra_env=FAST) as group:
+        peers = [Peer(address) for address in group.addresses]
+        for p in peers:
+            p.handshake(1, 2)
+        comm = rs.Communicator(group.addresses, 0, 2, job_token=TOKEN, timeout=20, connect_timeout=10,
+                               chunk_bytes=1 << 20)
+        try:
+            mine, theirs = np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
+            handle = comm.all_reduce_async(mine)  # seq 0: one chunk, on reducer 0
+            peers[0].send(data(1, 2, seq=0, count=n), theirs.tobytes())
+            assert np.array_equal(handle.wait(5), mine + theirs)
+            group.procs[0].send_signal(signal.SIGKILL)
+            group.procs[0].wait(5)
+            # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
+            peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())
+            header, payload = peers[1].recv(10)
+            assert header.type is MsgType.RESULT and np.array_equal(np.frombuffer(payload, np.float32), mine + theirs)
+            # seq 1 lives on reducer 1 anyway; seq 2's chunk (reducer 0's) is moved to reducer 1.
+            for seq, mtype in ((1, MsgType.DATA), (2, MsgType.MOVED)):
+                handle = comm.all_reduce_async(mine * seq)
+                peers[1].send(data(1, 2, seq=seq, count=n, mtype=mtype), theirs.tobytes())
+                assert np.array_equal(handle.wait(10), mine * seq + theirs)
+                header, payload = peers[1].recv(5)
+                assert header.type is MsgType.RESULT and header.seq == seq
+            assert sorted(comm._engine.failover.lost) == [0] and comm._engine.failover.finals == 1
+        finally:
+            comm.close()
+            for p in peers:
+                p.close()
+
+
+def test_a_pool_with_no_reducer_left_fails_naming_every_reducer(monkeypatch):
+    import numpy as np
+
+    import reduction_server.client as rs
+    from reduction_server import CollectiveError
+
+    from helpers.jobs import connect, new_job, parallel
+
+    with reducers(2, extra_env=FAST) as group:
+        job = new_job()
+        comms = [None, None]
+        monkeypatch.setenv("RS_LIVENESS_TIMEOUT", "1")
+        monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
+
+        def open_rank(rank: int):
+            comms[rank] = connect(group, rank, 2, job)
+
+        assert all(kind == "ok" for kind, _ in parallel(lambda: open_rank(0), lambda: open_rank(1)))
+        try:
+            for proc in group.procs:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(5)
+            started = time.monotonic()
+            outcomes = parallel(*(lambda c=c: c.all_reduce(np.ones(1000, np.float32)) for c in comms), timeout=20)
+            took = time.monotonic() - started
+            for kind, error in outcomes:
+                assert kind == "error" and isinstance(error, CollectiveError), (kind, error)
+                text = str(error)
+                assert "every reducer was lost" in text, text
+                assert all(address in text for address in group.addresses), text
+            assert took < 1.0 + 3, took  # within the liveness timeout (and a margin for this machine)
+        finally:
+            for c in comms:
+                if isinstance(c, rs.Communicator):
+                    c.close()
