@@ -32,6 +32,10 @@ HEADER_SIZE = HEADER.size  # 88 bytes
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_TEXT_PAYLOAD = 64 * 1024  # handshake JSON and error text
+#: a reducer that comes back is used from this many collectives past the furthest a rank of the
+#: group had started when it reported (PROGRESS); a rank starts none beyond its own report plus
+#: this before it knows (JOIN)
+REJOIN_LEAD = 32
 
 
 class MsgType(enum.IntEnum):
@@ -52,6 +56,9 @@ class MsgType(enum.IntEnum):
     # Failover (client/engine/failover.py): a chunk whose reducer was lost, sent to its substitute.
     MOVED = 14  # worker -> reducer: DATA of a moved chunk (always a frame)
     FINAL = 15  # worker -> reducer: a moved chunk's result, which this rank received from the lost reducer
+    # A lost reducer that comes back (reducer/rejoin.py): from which collective of each group it is used again.
+    PROGRESS = 16  # worker -> reducer: per group, the seq of the next collective this rank will start
+    JOIN = 17  # reducer -> worker: per group, the seq from which every rank uses this reducer again
 
 
 class ErrorCode(enum.IntEnum):
@@ -151,6 +158,9 @@ _FROM_NUMPY: dict = {}  # numpy dtype -> DType, filled by DType.from_numpy
 
 # Code -> member, for the per-message paths: calling an IntEnum costs about 1 us, a dict lookup 30 ns.
 MSG_TYPES: Dict[int, MsgType] = {int(m): m for m in MsgType}
+#: the largest payload of a message that is neither a chunk nor text: GROUP's ranks, PROGRESS's and
+#: JOIN's (group, seq) pairs (at most a reducer's 65,536 groups and group 0)
+_PAYLOAD_LIMITS = {MsgType.GROUP: 4 * MAX_WORLD_SIZE, MsgType.PROGRESS: 16 * 65537, MsgType.JOIN: 16 * 65537}
 DTYPES: Dict[int, DType] = {int(m): m for m in DType}
 OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 
@@ -233,7 +243,7 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
                     offset, count, total, nbytes)
     if mtype in DATA_TYPES:
         validate_data(header)
-    elif nbytes > (4 * MAX_WORLD_SIZE if mtype is MsgType.GROUP else MAX_TEXT_PAYLOAD):
+    elif nbytes > _PAYLOAD_LIMITS.get(mtype, MAX_TEXT_PAYLOAD):
         raise ProtocolError(f"{mtype.name} payload of {nbytes} bytes is over its limit")
     return header
 
@@ -315,6 +325,22 @@ def group_ranks(payload: bytes, world: int) -> tuple:
     if ranks.size == 0 or (ranks.size > 1 and not (np.diff(ranks.astype(np.int64)) > 0).all()) or ranks[-1] >= world:
         raise ProtocolError(f"a GROUP must list distinct ranks in ascending order below the world size {world}")
     return tuple(int(r) for r in ranks)
+
+
+def seq_pairs_payload(pairs) -> bytes:
+    """A PROGRESS or JOIN payload: (group, seq) pairs as little-endian uint64."""
+    return np.asarray(sorted(pairs), "<u8").reshape(-1).tobytes()
+
+
+def seq_pairs(payload: bytes) -> Dict[int, int]:
+    """The group -> seq pairs of a PROGRESS or JOIN payload; ProtocolError unless whole pairs of distinct groups."""
+    if len(payload) % 16 or len(payload) > _PAYLOAD_LIMITS[MsgType.PROGRESS]:
+        raise ProtocolError(f"a payload of {len(payload)} bytes is not a list of (group, seq) uint64 pairs")
+    words = np.frombuffer(payload, "<u8").reshape(-1, 2)
+    pairs = {int(group): int(seq) for group, seq in words}
+    if len(pairs) != len(words):
+        raise ProtocolError("a (group, seq) list names a group twice")
+    return pairs
 
 
 def set_heartbeats(socket: zmq.Socket, interval: float, timeout: float) -> None:

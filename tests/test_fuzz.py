@@ -52,7 +52,7 @@ u8, u32, u64 = st.integers(0, 0xFF), st.integers(0, 0xFFFFFFFF), st.integers(0, 
 small = st.integers(0, 8)
 # A header whose every field is either plausible or anything at all.
 headers = st.tuples(
-    st.one_of(st.just(protocol.MAGIC), u32), st.one_of(st.just(protocol.VERSION), u8), st.integers(0, 15),
+    st.one_of(st.just(protocol.MAGIC), u32), st.one_of(st.just(protocol.VERSION), u8), st.integers(0, 17),
     st.one_of(st.integers(0, 9), u8), st.one_of(st.sampled_from([int(op) for op in ReduceOp]), u8),
     st.one_of(small, u32), st.one_of(st.just(2), u32), st.one_of(st.just(0), u32), st.one_of(small, u32),
     st.one_of(small, u32), st.one_of(small, u32), st.one_of(st.just(JOB), u64), st.one_of(st.just(0), u64),

@@ -118,7 +118,7 @@ def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 
 
-@pytest.mark.parametrize("mtype", [0, 16, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 18, 99, 255])
 def test_unknown_message_type(mtype):
     rejects(raw(mtype=mtype), "message type", str(mtype))
 
@@ -206,7 +206,8 @@ def test_only_broadcasts_and_bare_results_may_omit_the_payload():
     assert protocol.unpack(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.SUM), nbytes=0)).nbytes == 0
 
 
-@pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES and t is not MsgType.GROUP])
+@pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES
+                                   and t not in (MsgType.GROUP, MsgType.PROGRESS, MsgType.JOIN)])
 def test_text_payload_limit(mtype):
     ok = Header(mtype, nbytes=MAX_TEXT_PAYLOAD)
     assert protocol.unpack(ok.pack()).nbytes == MAX_TEXT_PAYLOAD
@@ -325,3 +326,15 @@ def test_single_byte_types_have_no_byte_order():
     # numpy reports '|' for 1-byte types: they are the same in either order and stay supported
     assert DType.from_numpy(np.dtype(">i1")) is DType.INT8
     assert DType.from_numpy(np.dtype(">u1")) is DType.UINT8
+
+
+@pytest.mark.parametrize("mtype", [MsgType.PROGRESS, MsgType.JOIN])
+def test_progress_and_join_carry_a_seq_for_each_group_of_a_job(mtype):
+    most = 16 * 65537  # a reducer's 65,536 groups and group 0
+    assert protocol.unpack(Header(mtype, nbytes=most).pack()).nbytes == most
+    rejects(Header(mtype, nbytes=most + 1).pack(), mtype.name, str(most + 1))
+    pairs = {0: 7, 0xFFFFFFFFFFFFFFFF: 1 << 40}
+    assert protocol.seq_pairs(protocol.seq_pairs_payload(pairs.items())) == pairs
+    for bad, words in ((b"\0" * 15, "pairs"), (protocol.seq_pairs_payload([(1, 2)]) * 2, "twice")):
+        with pytest.raises(ProtocolError, match=words):
+            protocol.seq_pairs(bad)

@@ -222,33 +222,25 @@ class Connections:
         self.reopen_at[r] = time.monotonic() + RECONNECT_S
 
     def lose(self, r: int, reason: str, *, reconnect: bool) -> None:
-        """Reducer r is gone. With failover and another reducer left, its chunks move there
-        (failover.py) and it is not used again in this generation; otherwise every pending
-        collective that needs it fails now, naming it (and every reducer lost before it)."""
+        """Reducer r is gone. With failover and another reducer in use, its chunks move there
+        (failover.py) until it comes back and every rank agrees from when to use it again;
+        otherwise every pending collective that needs it fails now, naming it (and every
+        reducer lost before it). Either way, a new connection is tried when `reconnect`."""
         text = f"{self.name(r)} was lost: {reason}"
         failover = self.failover
-        if failover.enabled and r not in failover.lost and failover.survivors(without=r):
-            self.event("reducer_lost", r, reason=reason, failover=True,
-                       left=len(failover.survivors(without=r)))
-            self._retire(r, text)
-            return failover.move_off(r, text, self.ledger)
-        self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
-        if failover.lost:
-            text = f"every reducer was lost: {failover.reason()}; {text}"
         self.down[r] = (text, reconnect)
-        self.ledger.fail_pending_on(r, text)
+        if failover.enabled and failover.survivors(without=r):
+            self.event("reducer_lost", r, reason=reason, failover=True, left=len(failover.survivors(without=r)))
+            for coll in failover.move_off(r, text, self.ledger):
+                self.ledger.give_up(coll, f"no reducer is left for one of its chunks: {failover.reason()}")
+        else:
+            self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
+            if failover.lost:
+                text = f"every reducer was lost: {failover.reason()}; {text}"
+                self.down[r] = (text, reconnect)
+            self.ledger.fail_pending_on(r, text)
         if reconnect:
             self.reopen(r, rejoin=True)
-
-    def _retire(self, r: int, text: str) -> None:
-        """Stop using reducer r for this generation: nothing more is read from it or sent to it
-        (its socket stays open, silent, until close), and its shared-memory segment goes."""
-        for old in (self.sockets[r], self.monitors[r]):
-            self.poller.unregister(old)
-            self.index.pop(old, None)
-        self.down[r] = (text, False)
-        self.reopen_at.pop(r, None)
-        self.slots.drop(r)
 
     def refuse(self, r: int, reason: str) -> None:
         """Reducer r came back but cannot be used again: collectives that need it fail with reason."""
@@ -275,6 +267,17 @@ class Connections:
             self.sockets[r].send(self.me.header(MsgType.PING), zmq.NOBLOCK)
         except zmq.Again:
             pass
+        progress = self.failover.readmitted(r, {group: self.ledger.next_seq.get(group, 0) for group in [0, *self.groups]})
+        if progress:
+            self.report(r, progress)
+
+    def report(self, r: int, progress: Dict[int, int]) -> None:
+        """Tell lost reducer r, back now, where this rank is in these groups (PROGRESS)."""
+        payload = protocol.seq_pairs_payload(progress.items())
+        try:
+            self.sockets[r].send_multipart([self.me.header(MsgType.PROGRESS, payload), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its connection is gone again: the next readmission reports anew
 
     def heartbeat_all(self) -> None:
         """Send a PING to every reducer not down, without blocking; a full queue or a gone connection skips it."""

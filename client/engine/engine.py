@@ -68,7 +68,7 @@ class Engine:
                                        io_threads=io_threads)
         self.handshake = Handshake(me, self.connections, self.slots, job_token, connect_timeout)
         self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
-        self.results = Results(self.ledger, self.connections, self.handshake, self.slots)
+        self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
         self._queue: Deque[Collective] = deque()
         self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
         self._lock = threading.Lock()
@@ -181,11 +181,13 @@ class Engine:
             with self._lock:
                 while self._groups:
                     conn.announce(*self._groups.pop(0))
-                while self._queue:
+                while self._queue and not self._held(self._queue[0]):
                     coll = self._queue.popleft()
+                    if coll.future.done():
+                        continue  # it failed while it waited (_held)
                     ledger.start(coll)
-                    if self.failover.lost:
-                        self.failover.place(coll)
+                    if self.failover.lost and not self.failover.place(coll):
+                        ledger.give_up(coll, f"no reducer is left for one of its chunks: {self.failover.reason()}")
             if self._closing:
                 return self._die("the communicator was closed")
             self.pump.run()
@@ -211,6 +213,30 @@ class Engine:
                 next_heartbeat = now + heartbeat
             if ledger.active:
                 ledger.expire(now, self.backstop, self.timeout)
+
+    def _held(self, coll: Collective) -> bool:
+        """Whether coll waits to start until a lost reducer that came back names the collective
+        from which it is used again (failover.py); past RS_TIMEOUT it fails instead."""
+        failover = self.failover
+        if not failover.rejoining:
+            return False
+        held, reports = failover.hold(coll)
+        for r, progress in reports.items():
+            self.connections.report(r, progress)
+        now = time.monotonic()
+        if not held:
+            failover.held_since = None
+            return False
+        if failover.held_since is None:
+            failover.held_since = now
+        if now - failover.held_since < self.timeout:
+            return True
+        waiting = [self.connections.name(r) for r in failover.rejoining if coll.group not in failover.since.get(r, {})]
+        failover.held_since = None
+        self.ledger.fail(coll, f"it waited {self.timeout:g} s (RS_TIMEOUT) for {', '.join(waiting)}, which came back "
+                               "after it was lost, to name the collective from which every rank uses it again "
+                               "(some rank of the group did not rejoin it)")
+        return False
 
     def _die(self, reason: str) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ from typing import Deque, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_FINAL, OP_BROADCAST
+from reduction_server.protocol import ITEMSIZE, MSG_FINAL, OP_BROADCAST, REJOIN_LEAD
 
 from ..chunking import preference
 from .collective import SENT, UNSENT, Collective
@@ -62,13 +62,15 @@ class Kept:
                                     nbytes=self.nbytes, aux=self.root, group=self.group)
 
 
+_NEVER = float("inf")
+
 #: what the pump sends before new chunks: a chunk of a collective again (MOVED), or a kept result
 Resend = Union[Tuple[Collective, int], Kept]
 
 
 class Failover:
-    """The reducers this rank has lost, where each chunk goes, the results it keeps, and what it
-    must send again."""
+    """The reducers this rank has lost, where each chunk goes, the results it keeps, what it
+    must send again, and the lost reducers that come back."""
 
     def __init__(self, me: Identity, num_reducers: int, window: int, enabled: bool) -> None:
         self.me = me
@@ -77,26 +79,41 @@ class Failover:
         # With one reducer there is nowhere to move to: nothing is kept.
         self.enabled = enabled and num_reducers > 1
         self.lost: Dict[int, str] = {}  # reducer -> why it was lost
+        self.losses = 0  # reducers lost so far, one lost twice counted twice
+        # A lost reducer that came back: the groups this rank reported to it (PROGRESS: the next
+        # seq it would start), and each group's seq from which it is used again (JOIN).
+        self.rejoining: Dict[int, Dict[int, int]] = {}
+        self.since: Dict[int, Dict[int, int]] = {}
+        self.held_since: Optional[float] = None  # when the collective waiting for a JOIN began to
         self.kept: Dict[Tuple[int, int], Deque[Kept]] = {}  # (group, reducer) -> its last results here
         self.spare: List[bytearray] = []  # buffers of results no longer kept
         self.resend: Deque[Resend] = deque()
         self.moved_chunks = 0  # chunks sent to a substitute (MOVED and FINAL), for the log and the tests
         self.finals = 0  # of those, results brought in place of a contribution (FINAL)
+        self.joins = 0  # groups in which a lost reducer is used again (JOIN)
+        self.rejoined_chunks = 0  # chunks answered by a reducer that came back
+
+    def usable(self, r: int, group: int, seq: int) -> bool:
+        """Whether reducer r takes chunks of collective seq of group: never lost, or back from that seq."""
+        return r not in self.lost or seq >= self.since.get(r, {}).get(group, _NEVER)
 
     def survivors(self, without: int) -> List[int]:
-        """The reducers not lost, leaving out `without` too."""
-        return [r for r in range(self.num_reducers) if r not in self.lost and r != without]
+        """The reducers in use (not lost, or back in some group), leaving out `without`."""
+        return [r for r in range(self.num_reducers) if r != without and (r not in self.lost or self.since.get(r))]
 
-    def route(self, seq: int, chunk: int) -> int:
-        """The reducer chunk `chunk` of collective `seq` goes to: the first not lost in its preference order."""
+    def route(self, seq: int, chunk: int, group: int) -> Optional[int]:
+        """The reducer chunk `chunk` of collective `seq` of `group` goes to: the first usable one
+        in its preference order (None: none is)."""
         for r in preference(seq, chunk, self.num_reducers):
-            if r not in self.lost:
+            if self.usable(r, group, seq):
                 return r
-        raise AssertionError("route() asked with every reducer lost")
+        return None
 
     # -- results kept ------------------------------------------------------------------------
     def keep(self, coll: Collective, k: int, r: int) -> None:
         """Chunk k of coll was answered by reducer r: keep a copy of its result."""
+        if r in self.since:
+            self.rejoined_chunks += 1
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
         nbytes = count * size
@@ -112,7 +129,7 @@ class Failover:
             ring = self.kept[item.group, item.reducer] = deque()
         ring.append(item)
         # A rank's chunks unanswered on one reducer: its window, and those moved there from each loss.
-        while len(ring) > self.window * (1 + len(self.lost)):
+        while len(ring) > self.window * (1 + self.losses):
             self.spare.append(ring.popleft().data)
             del self.spare[:-self.window]
 
@@ -123,10 +140,15 @@ class Failover:
         return bytearray(nbytes)
 
     # -- a reducer lost ------------------------------------------------------------------------
-    def move_off(self, r: int, reason: str, ledger: Ledger) -> None:
+    def move_off(self, r: int, reason: str, ledger: Ledger) -> List[Collective]:
         """Reducer r is lost: every chunk on it moves to its substitute; what it had not
-        answered, and the results it gave this rank, are queued to be sent there."""
+        answered, and the results it gave this rank, are queued to be sent there. Returns the
+        collectives left with no reducer for a chunk (the caller fails them)."""
         self.lost[r] = reason
+        self.losses += 1
+        self.since.pop(r, None)
+        self.rejoining.pop(r, None)
+        stranded = []
         for coll in ledger.active.values():
             if r not in coll.reducers:
                 continue
@@ -134,33 +156,47 @@ class Failover:
             for k, chunk in enumerate(coll.chunks):
                 if chunk.reducer != r:
                     continue
-                coll.chunks[k] = chunk._replace(reducer=self.route(coll.seq, k))
-                coll.moved[k] = 1
                 if coll.state[k] == SENT:
                     inflight[r] -= 1
                     coll.state[k] = UNSENT
                     self.resend.append((coll, k))
+                if not self._reroute(coll, k):
+                    stranded.append(coll)
+                    break
             coll.__dict__.pop("reducers", None)  # a cached property: the set changed
         for (group, holder), ring in list(self.kept.items()):
             if holder == r:
                 self.resend.extend(self.kept.pop((group, holder)))
+        return stranded
 
-    def bring(self, item: Kept) -> int:
-        """Where a kept result goes now (its chunk's reducer), kept there from now on, since that
-        reducer may be lost in turn."""
-        item.reducer = self.route(item.seq, item.chunk)
-        self._append(item)
-        self.moved_chunks += 1
-        self.finals += 1
-        return item.reducer
-
-    def place(self, coll: Collective) -> None:
-        """A collective starting after a loss: its chunks on lost reducers go to their substitutes."""
+    def place(self, coll: Collective) -> bool:
+        """A collective starting after a loss: its chunks on reducers not usable go to their
+        substitutes. False: some chunk has none (the caller fails it)."""
         for k, chunk in enumerate(coll.chunks):
-            if chunk.reducer in self.lost:
-                coll.chunks[k] = chunk._replace(reducer=self.route(coll.seq, k))
-                coll.moved[k] = 1
+            if not self.usable(chunk.reducer, coll.group, coll.seq) and not self._reroute(coll, k):
+                return False
         coll.__dict__.pop("reducers", None)
+        return True
+
+    def _reroute(self, coll: Collective, k: int) -> bool:
+        """Chunk k of coll to its first usable reducer, marked moved unless that is its own."""
+        r = self.route(coll.seq, k, coll.group)
+        if r is None:
+            return False
+        coll.chunks[k] = coll.chunks[k]._replace(reducer=r)
+        coll.moved[k] = r != preference(coll.seq, k, self.num_reducers)[0]
+        return True
+
+    def bring(self, item: Kept) -> Optional[int]:
+        """Where a kept result goes now (its chunk's reducer; None: nowhere), kept there from
+        now on, since that reducer may be lost in turn."""
+        r = self.route(item.seq, item.chunk, item.group)
+        if r is not None:
+            item.reducer = r
+            self._append(item)
+            self.moved_chunks += 1
+            self.finals += 1
+        return r
 
     def still_owed(self, coll: Collective, k: int) -> bool:
         """Whether a queued resend of chunk k is still to be sent (its collective may have failed)."""
@@ -172,3 +208,32 @@ class Failover:
             return None
         return "; ".join(self.lost[r] for r in sorted(self.lost))
 
+    # -- a lost reducer that comes back --------------------------------------------------------
+    def readmitted(self, r: int, next_seqs: Dict[int, int]) -> Optional[Dict[int, int]]:
+        """Lost reducer r admitted this rank again: what to report to it (PROGRESS: each
+        group's next seq), or None when r was not lost (nothing to agree on)."""
+        if r not in self.lost:
+            return None
+        self.rejoining[r] = dict(next_seqs)
+        self.since.pop(r, None)
+        return self.rejoining[r]
+
+    def joined(self, r: int, boundaries: Dict[int, int]) -> None:
+        """r's JOIN: from these seqs of these groups on, every rank uses it again."""
+        if r in self.rejoining:
+            self.since.setdefault(r, {}).update(boundaries)
+            self.joins += len(boundaries)
+
+    def hold(self, coll: Collective) -> Tuple[bool, Dict[int, Dict[int, int]]]:
+        """Whether coll must wait before it starts, since a reducer coming back may take some of
+        its chunks from a seq not known yet (JOIN); and the first reports of coll's group to
+        make to such reducers (PROGRESS), by reducer."""
+        held, reports = False, {}
+        for r, reported in self.rejoining.items():
+            if coll.group in self.since.get(r, {}):
+                continue
+            if coll.group not in reported:
+                reported[coll.group] = coll.seq
+                reports[r] = {coll.group: coll.seq}
+            held = held or coll.seq >= reported[coll.group] + REJOIN_LEAD
+        return held, reports

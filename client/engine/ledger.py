@@ -26,6 +26,7 @@ class Ledger:
         # that groups used in different orders by different ranks (send/recv pairs) never wait
         # on one another's window.
         self.inflight: Dict[int, List[int]] = {}
+        self.next_seq: Dict[int, int] = {}  # by group: the seq of the next collective to start
         #: told of every chunk answered with its result (failover.py keeps a copy), when set
         self.on_result: Optional[Callable[[Collective, int, int], None]] = None
 
@@ -35,6 +36,7 @@ class Ledger:
         if coll.time_limit is not None:
             coll.deadline = coll.last_progress + coll.time_limit
         self.active[coll.group, coll.seq] = coll
+        self.next_seq[coll.group] = coll.seq + 1
         queue = self.sending.get(coll.group)
         if queue is None:
             queue = self.sending[coll.group] = deque()

@@ -82,8 +82,8 @@ class Pump:
             item = failover.resend.popleft()
             if isinstance(item, Kept):
                 r = failover.bring(item)
-                if self._send_final(item, r):
-                    continue
+                if r is None or self._send_final(item, r):
+                    continue  # sent, or nowhere to go (every reducer is lost: nobody needs it)
             else:
                 coll, k = item
                 if not failover.still_owed(coll, k):

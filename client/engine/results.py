@@ -20,6 +20,7 @@ from reduction_server.protocol import (ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT
 
 from .collective import Collective
 from .connections import CHALLENGED, Connections
+from .failover import Failover
 from .handshake import Handshake
 from .ledger import Ledger
 from .slots import Slots
@@ -37,9 +38,11 @@ def _skip(sock: zmq.Socket, more: int) -> None:
 class Results:
     """Reads what each reducer sends and settles the chunks it answers."""
 
-    def __init__(self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots) -> None:
+    def __init__(self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots,
+                 failover: Failover) -> None:
         self.ledger = ledger
         self.connections = connections
+        self.failover = failover
         self.handshake = handshake
         self.slots = slots
 
@@ -75,6 +78,10 @@ class Results:
                 self._error(r, h, text)
             elif mtype is MSG_PING:
                 _skip(sock, more)
+            elif mtype is MsgType.JOIN:
+                text = sock.recv() if more else b""
+                _skip(sock, sock.getsockopt(_RCVMORE))
+                self._join(r, text)
             elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in conn.down:
                 text = sock.recv() if more else b""
                 _skip(sock, sock.getsockopt(_RCVMORE))
@@ -82,6 +89,13 @@ class Results:
             else:
                 conn.event("unexpected_message", r, type=mtype.name)
                 _skip(sock, more)
+
+    def _join(self, r: int, payload: bytes) -> None:
+        """A lost reducer that came back names the seqs from which every rank uses it again."""
+        try:
+            self.failover.joined(r, protocol.seq_pairs(payload))
+        except ProtocolError as exc:
+            self.connections.event("unexpected_message", r, type="JOIN", reason=str(exc))
 
     def _rejoin(self, r: int, h: protocol.Header, text: bytes) -> None:
         """The handshake of a reducer that was lost and answers a new connection."""

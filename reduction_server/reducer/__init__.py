@@ -8,7 +8,8 @@ every rank. A worker on the reducer's own host may send its chunks through share
 
 - core.py: `Reducer`, the socket and its event loop, each message handed to its room;
 - admission.py: the handshake and the job token both ways, the job served, strangers;
-- membership.py: the admitted ranks, their heartbeats, their loss;
+- membership.py: the admitted ranks, their heartbeats, their loss, their groups;
+- rejoin.py: from which collective of each group workers that lost this reducer use it again;
 - rounds.py: the state of each key and its transitions (open, complete, failed, forgotten);
 - fold.py: loading and folding contributions, finishing results, the memory that takes;
 - delivery.py: results to the ranks (slots or one frame), and the bytes sent;
@@ -17,7 +18,7 @@ every rank. A worker on the reducer's own host may send its chunks through share
 - outbox.py: every send, non-blocking, with its failure accounting;
 - process.py: `serve`, from configuration and binding to the stop summary.
 
-Each room imports only those below it in this order: clock, outbox, membership, fold, delivery,
+Each room imports only those below it in this order: clock, outbox, rejoin, membership, fold, delivery,
 finals, rounds, admission, core, process.
 """
 from .admission import FORGET_AFTER_S, MAX_STRIKE_ENTRIES, MAX_STRIKES

@@ -235,6 +235,8 @@ class Reducer:
             self.admission.auth(identity, payload)
         elif h.type is MsgType.GROUP:
             self._group(identity, h, payload)
+        elif h.type is MsgType.PROGRESS:
+            self._progress(identity, h, payload)
         elif h.type is MsgType.BYE:
             self.members.leave(identity)
         elif h.type is MsgType.PING:
@@ -253,6 +255,20 @@ class Reducer:
         except ProtocolError as exc:
             return self.admission.malformed(identity, str(exc))
         refused = self.members.announce(peer, h.group, ranks)
+        if refused is not None:
+            self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {refused}", about=h)
+
+    def _progress(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        """A PROGRESS: an admitted member that lost this reducer and came back says where it is."""
+        peer = self.members.holder(identity)
+        if peer is None:
+            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
+                                     f"{self.name}: PROGRESS from a peer that has not completed the handshake", about=h)
+        try:
+            progress = protocol.seq_pairs(payload.bytes if payload is not None else b"")
+        except ProtocolError as exc:
+            return self.admission.malformed(identity, str(exc))
+        refused = self.members.progress(peer, progress)
         if refused is not None:
             self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {refused}", about=h)
 

@@ -16,6 +16,7 @@ from ..log import event, get_logger
 from ..protocol import MsgType
 from ..round import format_ranks
 from .outbox import Outbox
+from .rejoin import Rejoin
 
 log = get_logger("reducer")
 
@@ -67,6 +68,7 @@ class Membership:
         self.groups: Dict[int, Tuple[int, ...]] = {}
         self.group_errors: Dict[int, str] = {}  # a group announced two ways: why its rounds fail
         self.group_ranks = 0  # ranks kept over all groups (bounded: MAX_GROUP_RANKS)
+        self.rejoin = Rejoin(outbox, index)  # workers that lost this reducer and use it again
 
     def admitted(self, identity: bytes) -> Optional[Peer]:
         """The peer at `identity` if it is admitted, else None."""
@@ -171,10 +173,20 @@ class Membership:
         return None
 
     def forget_groups(self) -> None:
-        """Drop every group (a new job or generation, or every rank has left)."""
+        """Drop every group (a new job or generation, or every rank has left), and what their
+        ranks reported on coming back (rejoin.py)."""
         self.groups.clear()
         self.group_errors.clear()
         self.group_ranks = 0
+        self.rejoin.clear()
+
+    def progress(self, peer: Peer, progress: Dict[int, int]) -> Optional[str]:
+        """A PROGRESS from an admitted member (rejoin.py); why it cannot count, if it cannot."""
+        def ranks_of(group: int) -> Sequence[int]:
+            return range(self.world or 0) if group == 0 else self.groups.get(group, ())
+
+        return self.rejoin.report(peer.rank, progress, ranks_of, self.rank_identity.get,
+                                  {"world": self.world or 0, "job": peer.job, "generation": peer.generation})
 
     def ranks_of(self, h: protocol.Header) -> Tuple[Sequence[int], Optional[str]]:
         """The ranks of h's group, and why h cannot be one of its contributions (None: it can)."""

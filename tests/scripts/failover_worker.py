@@ -57,7 +57,8 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(p.tobytes() for p in params)).hexdigest()
         print(json.dumps({"rank": rank, "mismatches": mismatches[:5], "mismatch_count": len(mismatches),
                           "digest": digest, "lost": sorted(failover.lost), "moved": failover.moved_chunks,
-                          "finals": failover.finals}),
+                          "finals": failover.finals, "joins": failover.joins,
+                          "rejoined_chunks": failover.rejoined_chunks}),
               flush=True)
 
 

@@ -1,8 +1,10 @@
-"""A reducer's rounds of chunks moved to it from a lost reducer (MOVED, FINAL: docs/protocol.md,
-"Failover"), driven by hand-made peers against a real reducer process: a FINAL settles the round
-with the result it brings, every rank gets exactly that result whatever the order of arrival,
-FINALs that differ fail the round, moved rounds are exempt from the skipped-collective rule, and
-a settled round nobody else asks for goes away quietly at RS_TIMEOUT."""
+"""A reducer's side of failover (docs/protocol.md, "Failover"), driven by hand-made peers against
+a real reducer process. Rounds of chunks moved to it from a lost reducer (MOVED, FINAL): a FINAL
+settles the round with the result it brings, every rank gets exactly that result whatever the
+order of arrival, FINALs that differ fail the round, moved rounds are exempt from the
+skipped-collective rule, and a settled round nobody else asks for goes away quietly at
+RS_TIMEOUT. A reducer that comes back (PROGRESS, JOIN): once every member of a group has said
+where it is, each hears the same boundary, past anything any of them had started."""
 from __future__ import annotations
 
 from typing import List
@@ -10,10 +12,11 @@ from typing import List
 import numpy as np
 import pytest
 
-from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+from reduction_server import protocol
+from reduction_server.protocol import REJOIN_LEAD, DType, ErrorCode, MsgType, ReduceOp
 
 from helpers.cluster import reducers
-from helpers.peers import Peer, data
+from helpers.peers import JOB, Peer, data
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,3 +153,46 @@ def test_float16_final_passes_through_unrounded(peers):
                          np.ones(100, np.float16).tobytes())
         header, payload = peers[rank].recv()
         assert header.type is MsgType.RESULT and payload == final.tobytes()
+
+
+def progress(peer: Peer, rank: int, pairs: dict) -> None:
+    payload = protocol.seq_pairs_payload(pairs.items())
+    peer.send(protocol.text_header(MsgType.PROGRESS, payload, rank=rank, world=W, job=JOB), payload)
+
+
+def join(peer: Peer) -> dict:
+    reply = peer.recv()
+    assert reply is not None and reply[0].type is MsgType.JOIN, reply
+    return protocol.seq_pairs(reply[1])
+
+
+def test_every_member_hears_one_boundary_past_what_any_had_started(peers):
+    progress(peers[0], 0, {0: 40})
+    progress(peers[1], 1, {0: 44})
+    for p in peers[:2]:
+        p.expect_silence(0.3)  # rank 2 has not said where it is
+    progress(peers[2], 2, {0: 41})
+    for p in peers:
+        assert join(p) == {0: 44 + REJOIN_LEAD}
+    progress(peers[1], 1, {0: 50})  # reconnected: it hears the boundary already chosen
+    assert join(peers[1]) == {0: 44 + REJOIN_LEAD}
+    peers[0].expect_silence(0.2)
+
+
+def test_a_group_s_boundary_waits_for_its_members_only(peers):
+    ranks = protocol.group_payload([0, 2])
+    group = 0x1234
+    for rank in (0, 2):
+        peers[rank].send(protocol.text_header(MsgType.GROUP, ranks, rank=rank, world=W, job=JOB, group=group), ranks)
+    progress(peers[0], 0, {group: 3})
+    progress(peers[2], 2, {group: 7})
+    for rank in (0, 2):
+        assert join(peers[rank]) == {group: 7 + REJOIN_LEAD}
+    peers[1].expect_silence(0.2)
+    progress(peers[1], 1, {group: 1})
+    peers[1].expect_error(ErrorCode.MISMATCH, "not a member")
+
+
+def test_a_malformed_progress_is_refused(peers):
+    peers[0].send(protocol.text_header(MsgType.PROGRESS, b"x" * 10, rank=0, world=W, job=JOB), b"x" * 10)
+    peers[0].expect_error(ErrorCode.MALFORMED, "(group, seq)")
