@@ -287,9 +287,11 @@ def variant_runs(variants: Sequence[Dict[str, str]]) -> List[Tuple[str, Dict[str
 
 
 def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: str, args: Sequence[str],
-                         marker: str, timeout: float = 600, settings: Optional[Dict[str, str]] = None) -> List[Dict]:
+                         marker: str, timeout: float = 600, settings: Optional[Dict[str, str]] = None,
+                         victim: Optional[int] = None) -> List[Dict]:
     """`python -m JOB rs ARGS` on hosts 0..W-1 with reducers on hosts W..W+R-1, all of them with
-    `settings` (TUNING variables) in their environment; rank 0's JSON lines that start with `marker`."""
+    `settings` (TUNING variables) in their environment; rank 0's JSON lines that start with `marker`.
+    `victim`: a reducer whose pid the job is told (`--victim-pid`), for a job that kills it."""
     token = os.urandom(16).hex()
     settings = settings or {}
     addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
@@ -301,6 +303,8 @@ def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: s
             line = proc.stdout.readline()
             if "listening on" not in line:
                 raise RuntimeError(f"reducer {j} did not start: {line}{proc.stdout.read()}")
+        if victim is not None:  # `ip netns exec` execs the command: the process is the reducer
+            args = [*args, "--victim-pid", str(servers[victim].pid)]
         workers = [net.spawn(i, [_PYTHON, "-m", job, "rs", *args],
                              _env({"RS_JOB_TOKEN": token, "RS_REDUCERS": ",".join(addresses), "RS_RANK": str(i),
                                    "RS_WORLD_SIZE": str(world), **settings})) for i in range(world)]

@@ -11,7 +11,7 @@ from reduction_server.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
@@ -20,7 +20,8 @@ _ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_
             "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
             "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
             "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-            "reducer": {"worlds", "sizes_mib"}}
+            "reducer": {"worlds", "sizes_mib"},
+            "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"}}
 
 
 def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,6 +119,17 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
                  report.bars([f"W={r['W']} {r['mib']:g} MiB" for r in rows], [r["vs_limit"] for r in rows],
                              xlabel="reducer CPU per GiB / copy limit (same run)", reference=1.0,
                              title="one reducer over tcp: CPU per GiB of incoming gradient", path=out / "reducer.png")]
+    elif suite == "failover":
+        from . import failover
+
+        rows = failover.run(**_configure(suite, {"worlds": (2,), "reducers": (2,), "rates_mbit": (400,),
+                                                 "sizes_mib": (1,), "steps": 12} if quick else {}, sweep))
+        print(report.table(rows, failover.COLUMNS))
+        files = [report.save(rows, suite, out, command),
+                 report.bars([row["run"] for row in rows], [row["vs_undisturbed"] for row in rows],
+                             xlabel="step time / undisturbed step (same run; failover: the step of the loss)",
+                             reference=1.0, title="losing a reducer on the emulated network",
+                             path=out / "failover.png")]
     for path in files:
         print(f"wrote {path}", file=sys.stderr)
     return files

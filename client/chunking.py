@@ -50,7 +50,8 @@ def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
 def preference(seq: int, chunk: int, num_reducers: int) -> List[int]:
     """The reducers that may sum chunk `chunk` of collective `seq`, in order: its own
     (reducer_of), then the others, starting one further along for each turn the position comes
-    round, so that a lost reducer's chunks spread evenly over the rest. The first reducer not lost
+    round, so that a lost reducer's chunks spread over the rest (evenly, over many
+    collectives). The first reducer not lost
     is the chunk's; a chunk on a reducer still up never moves when another one is lost."""
     position = seq + chunk
     own = position % num_reducers

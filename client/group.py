@@ -63,7 +63,9 @@ class Group(Communicator):
 
     def close(self) -> None:
         """The group takes no more collectives; the engine stays its parent's."""
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._engine.remove_group(self.group_id)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank} of ranks {list(self.ranks)})"

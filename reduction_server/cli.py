@@ -187,27 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
         "reduction-server bench loopback --quick", [BENCH],
         "The emulated hosts of netem and ddp inherit these; --variant NAME=VALUE runs this project once more "
         "with others, in the same turns.")
-    bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer"],
+    bench.add_argument("suite", choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover"],
                        help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
                             "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
                             "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
                             "collectives: reduce_scatter and all_gather vs Gloo on loopback and that network "
                             "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
-                            "measured in the same run, and its busiest thread's share")
+                            "measured in the same run, and its busiest thread's share; failover: the step in which a "
+                            "reducer is killed and the steps after it vs undisturbed runs on that network (needs root)")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
     bench.add_argument("--rounds", type=int, default=1,
-                       help="netem, ddp and collectives: run the peers in turns this many times on the same network "
+                       help="netem, ddp, collectives and failover: run the peers in turns this many times on the same network "
                             "and report medians (default 1; a shared machine's noise needs 3 or more)")
     sweep = "replaces the suite's (or --quick's) configuration"
     bench.add_argument("--workers", type=_positive_list(int), default=None, dest="worlds", metavar="W,...",
-                       help=f"worker counts W to sweep (loopback, netem, ddp, collectives); {sweep}")
+                       help=f"worker counts W to sweep (loopback, netem, ddp, collectives, failover); {sweep}")
     bench.add_argument("--reducers", type=_positive_list(int), default=None, metavar="R,...",
-                       help=f"reducer counts R to sweep (loopback, netem, ddp, collectives; default R = W on the emulated network); {sweep}")
+                       help=f"reducer counts R to sweep (loopback, netem, ddp, collectives, failover; default R = W on the emulated "
+                            f"network, 3 for failover); {sweep}")
     bench.add_argument("--rate-mbit", type=_positive_list(float), default=None, dest="rates_mbit", metavar="MBIT,...",
-                       help=f"link rates to sweep, Mbit/s each way (netem, ddp, collectives); {sweep}")
+                       help=f"link rates to sweep, Mbit/s each way (netem, ddp, collectives, failover); {sweep}")
     bench.add_argument("--mib", type=_positive_list(float), default=None, dest="sizes_mib", metavar="MIB,...",
-                       help=f"all-reduce sizes (kernels: accumulator sizes; collectives: full tensors) to sweep, MiB (kernels, loopback, netem, collectives); {sweep}")
+                       help=f"all-reduce sizes (kernels: accumulator sizes; collectives: full tensors) to sweep, MiB (kernels, loopback, netem, collectives, reducer, failover); {sweep}")
     bench.add_argument("--delay-ms", type=float, default=None, metavar="MS",
                        help="netem, ddp: delay each direction of each link this long (a round trip between two hosts "
                             "crosses it four times; needs the kernel's netem qdisc; default 0)")

@@ -211,6 +211,33 @@ def test_reducer_suite(tmp_path):
 
 
 @needs_root
+def test_failover_suite(tmp_path):
+    """Four runs on one emulated network: R reducers undisturbed, without kept results, R-1 from
+    the start, and R with one SIGKILLed mid-step (each job checks every sum, so the failover run
+    completing is itself the check that failover worked on shaped links)."""
+    from reduction_server.bench import failover
+
+    before = _bench_namespaces()
+    table, rows = run_suite("failover", tmp_path)
+    assert [(r["run"], r["R"]) for r in rows] == [
+        ("undisturbed", 2), ("RS_FAILOVER=0", 2), ("fewer", 1), ("failover (reducer 1 killed in step 4)", "2->1")]
+    undisturbed = rows[0]["step_ms"]
+    for row in rows:
+        assert set(failover.COLUMNS) <= set(row) and (row["W"], row["mbit"], row["mib"]) == (2, 400, 1)
+        assert row["step_ms"] > 0
+    *plain, lost = rows
+    for row in plain:
+        assert row["vs_undisturbed"] == pytest.approx(row["step_ms"] / undisturbed)
+    assert lost["vs_undisturbed"] == pytest.approx(lost["loss_step_ms"] / undisturbed)
+    assert lost["after_vs_fewer"] == pytest.approx(lost["after_ms"] / rows[2]["step_ms"])
+    # one reducer left carries both workers' sums over one link: the steps after the loss are
+    # bounded by the wire, as R-1 from the start is (a shaped link is the limit, not the CPU)
+    assert lost["after_ms"] > 1.5 * undisturbed and rows[2]["step_ms"] > 1.5 * undisturbed
+    assert table.splitlines()[0].split() == failover.COLUMNS
+    assert _bench_namespaces() == before
+
+
+@needs_root
 def test_netem_cleans_up_when_interrupted(tmp_path):
     # SIGINT as a terminal sends it: not inherited as ignored, as it is when the tests themselves
     # run in the background of a non-interactive shell (Python then never raises KeyboardInterrupt).
@@ -297,14 +324,14 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["kernels", "--rounds", "3"], "--rounds is for the netem, ddp and collectives suites, not kernels"),
+    (["kernels", "--rounds", "3"], "--rounds is for the netem, ddp, collectives and failover suites, not kernels"),
     (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
     (["kernels", "--workers", "2"],
-     "--workers is for the loopback, netem, ddp, collectives and reducer suites, not kernels"),
-    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem, ddp and collectives suites, not loopback"),
+     "--workers is for the loopback, netem, ddp, collectives, reducer and failover suites, not kernels"),
+    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem, ddp, collectives and failover suites, not loopback"),
     (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
     (["ddp", "--mib", "4"],
-     "--mib is for the kernels, loopback, netem, collectives and reducer suites, not ddp"),
+     "--mib is for the kernels, loopback, netem, collectives, reducer and failover suites, not ddp"),
     (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
     (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
     (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),

@@ -6,6 +6,7 @@ Rooms (each a module), in the order they may import each other:
 - ledger.py: the collectives in flight, and every way one ends;
 - slots.py: shared-memory slots with reducers on this host;
 - failover.py: the reducers lost, where each chunk goes now, the results kept, what to resend;
+- watch.py: what each connection's monitor says: how far its handshake got, failed security handshakes;
 - connections.py: a socket per reducer, one connection each, lost and opened again;
 - handshake.py: the proofs of the job token both ways, and the first wait for every reducer;
 - pump.py: chunks out in one global order within each reducer's window;

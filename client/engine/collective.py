@@ -68,6 +68,12 @@ class Collective:
                                        "count": self.total, "bytes": self.total * self.dtype.itemsize,
                                        "chunks": len(self.chunks)}
 
+    def move(self, k: int, reducer: int, moved: bool) -> None:
+        """Chunk k goes to `reducer` from now on (failover.py); `moved`: not its own reducer."""
+        self.chunks[k] = self.chunks[k]._replace(reducer=reducer)
+        self.moved[k] = moved
+        self.__dict__.pop("reducers", None)  # the cached set of reducers changed
+
     def pending_on(self, r: int) -> bool:
         """Whether a chunk of this collective on reducer r is not answered yet (sent or not)."""
         return r in self.reducers and any(s != ANSWERED and c.reducer == r for c, s in zip(self.chunks, self.state))

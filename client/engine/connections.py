@@ -20,7 +20,6 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from reduction_server import __version__, auth, encryption, protocol
 from reduction_server.log import event, get_logger
@@ -30,21 +29,13 @@ from .failover import Failover
 from .identity import Identity
 from .ledger import Ledger
 from .slots import Slots
+from .watch import CONNECTING, REFUSED, Watch
 
 log = get_logger("client")
 
 #: seconds before the engine opens a new connection to a reducer whose last one failed (libzmq's
 #: own reconnect interval, which it does not use)
 RECONNECT_S = 0.1
-# How far a reducer's handshake got: no connection, no connection and refused, connected, proved.
-CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3
-PROGRESS = {
-    CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
-    REFUSED: "connection refused: nothing listens there (is `reduction-server serve` running there, and the "
-             "port in RS_REDUCERS right?)",
-    CONNECTED: "connected, but no answer to HELLO yet (is it a reducer?)",
-    CHALLENGED: "it proved the job token; waiting for its WELCOME",
-}
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | encryption.HANDSHAKE_FAILED
 
 
@@ -75,8 +66,8 @@ class Connections:
         # Per reducer: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(addresses)
-        self.progress: List[int] = [CONNECTING] * len(addresses)
-        self.handshake_failures: List[Tuple[int, float]] = [(0, 0.0)] * len(addresses)
+        self.watch = Watch(len(addresses), encrypt)
+        self.progress = self.watch.progress
         self.context: Optional[zmq.Context] = None
         self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every reducer that admits us
 
@@ -178,29 +169,9 @@ class Connections:
                 self.reopen(r, rejoin)
 
     def monitor_events(self, r: int) -> Tuple[bool, Optional[str]]:
-        """Drain reducer r's monitor: whether its connection closed, and why to give up on it if
-        its security handshake failed for good (an encryption mismatch, or encrypted handshakes
-        failing in a row for GIVE_UP_AFTER_S)."""
-        closed, final = False, None
-        while self.monitors[r].poll(0):
-            frames = self.monitors[r].recv_multipart()
-            kind = parse_monitor_message(frames)["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                self.progress[r] = max(self.progress[r], CONNECTED)
-            elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
-                closed = True
-                if kind == zmq.EVENT_CLOSED and self.progress[r] < CONNECTED:  # the connect itself failed
-                    self.progress[r] = REFUSED
-            failure = encryption.handshake_failure(frames, self.encrypt) if kind & encryption.HANDSHAKE_FAILED else None
-            if failure is not None:
-                count, since = self.handshake_failures[r]
-                now = time.monotonic()
-                count, since = count + 1, since if count else now
-                self.handshake_failures[r] = (count, since)
-                if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
-                                  and now - since >= encryption.GIVE_UP_AFTER_S):
-                    final = failure[0]
-        return closed, final
+        """Drain reducer r's monitor (watch.py): whether its connection closed, and why to give
+        up on it if its security handshake failed for good."""
+        return self.watch.drain(r, self.monitors[r])
 
     def on_monitor(self, r: int) -> None:
         """Reducer r's monitor spoke (after the first handshake): a lost or refused connection."""
@@ -237,7 +208,10 @@ class Connections:
             self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
             if failover.lost:
                 text = f"every reducer was lost: {failover.reason()}; {text}"
-                self.down[r] = (text, reconnect)
+                for other in [r, *failover.lost]:  # what a collective waiting for any of them hears
+                    if other in self.down:
+                        self.down[other] = (text, self.down[other][1])
+                failover.reset()
             self.ledger.fail_pending_on(r, text)
         if reconnect:
             self.reopen(r, rejoin=True)
@@ -250,7 +224,7 @@ class Connections:
 
     def admitted(self, r: int, welcome: dict) -> None:
         """Reducer r's WELCOME: its handshake holds, and its shared-memory answer is known."""
-        self.handshake_failures[r] = (0, 0.0)
+        self.watch.failures[r] = (0, 0.0)
         self.slots.welcomed(r, welcome)
         self._tell_groups(r, list(self.groups))
 

@@ -71,6 +71,7 @@ class Engine:
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
         self._queue: Deque[Collective] = deque()
         self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
+        self._closed_groups: List[int] = []  # groups whose kept results (failover.py) can go
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -130,6 +131,14 @@ class Engine:
             self._groups.append((group, tuple(ranks)))
             self._wake()
 
+    def remove_group(self, group: int) -> None:
+        """`group` takes no more collectives: the results kept for it can go."""
+        with self._lock:
+            if self._closing:  # the engine, and what it keeps, is gone or going
+                return
+            self._closed_groups.append(group)
+            self._wake()
+
     def close(self) -> None:
         """Fail what is pending, say BYE, close the sockets; waits for the engine thread."""
         with self._lock:
@@ -181,6 +190,8 @@ class Engine:
             with self._lock:
                 while self._groups:
                     conn.announce(*self._groups.pop(0))
+                while self._closed_groups:
+                    self.failover.forget_group(self._closed_groups.pop())
                 while self._queue and not self._held(self._queue[0]):
                     coll = self._queue.popleft()
                     if coll.future.done():

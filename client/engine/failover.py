@@ -25,7 +25,7 @@ from typing import Deque, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_FINAL, OP_BROADCAST, REJOIN_LEAD
+from reduction_server.protocol import ITEMSIZE, MSG_FINAL, REJOIN_LEAD
 
 from ..chunking import preference
 from .collective import SENT, UNSENT, Collective
@@ -52,6 +52,7 @@ class Kept:
 
     @property
     def nbytes(self) -> int:
+        """The result's size in bytes (its buffer may be larger)."""
         return self.count * ITEMSIZE[self.dtype]
 
     def final_header(self, me: Identity) -> bytes:
@@ -86,10 +87,13 @@ class Failover:
         self.since: Dict[int, Dict[int, int]] = {}
         self.held_since: Optional[float] = None  # when the collective waiting for a JOIN began to
         self.kept: Dict[Tuple[int, int], Deque[Kept]] = {}  # (group, reducer) -> its last results here
+        # (group, reducer) -> results brought there as FINAL: kept for the generation, since a rank
+        # that lacks one is not bounded by any window there (a substitute lost in turn needs them again)
+        self.brought: Dict[Tuple[int, int], List[Kept]] = {}
         self.spare: List[bytearray] = []  # buffers of results no longer kept
         self.resend: Deque[Resend] = deque()
-        self.moved_chunks = 0  # chunks sent to a substitute (MOVED and FINAL), for the log and the tests
-        self.finals = 0  # of those, results brought in place of a contribution (FINAL)
+        self.moved_chunks = 0  # chunks sent to a substitute as MOVED (the tests read these counts)
+        self.finals = 0  # results brought to a substitute in place of a contribution (FINAL)
         self.joins = 0  # groups in which a lost reducer is used again (JOIN)
         self.rejoined_chunks = 0  # chunks answered by a reducer that came back
 
@@ -120,16 +124,18 @@ class Failover:
         data = self._buffer(nbytes)
         # NumPy copies without the GIL: the training thread runs on meanwhile.
         np.copyto(np.frombuffer(data, np.uint8, nbytes), np.frombuffer(coll.recv, np.uint8, nbytes, offset * size))
-        self._append(Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op,
-                          coll.root if coll.op is OP_BROADCAST else 0, offset, count, coll.total, data, r))
+        self._append(Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
+                          coll.total, data, r))
 
     def _append(self, item: Kept) -> None:
         ring = self.kept.get((item.group, item.reducer))
         if ring is None:
             ring = self.kept[item.group, item.reducer] = deque()
         ring.append(item)
-        # A rank's chunks unanswered on one reducer: its window, and those moved there from each loss.
-        while len(ring) > self.window * (1 + self.losses):
+        # After the result a rank lacks, the reducer answered at most: that rank's window, plus
+        # what it resent there after each loss, plus this rank's own resends there (rounds that
+        # a FINAL settled without the lacking rank).
+        while len(ring) > self.window * (1 + 2 * self.losses):
             self.spare.append(ring.popleft().data)
             del self.spare[:-self.window]
 
@@ -163,28 +169,23 @@ class Failover:
                 if not self._reroute(coll, k):
                     stranded.append(coll)
                     break
-            coll.__dict__.pop("reducers", None)  # a cached property: the set changed
-        for (group, holder), ring in list(self.kept.items()):
-            if holder == r:
-                self.resend.extend(self.kept.pop((group, holder)))
+        for store in (self.kept, self.brought):
+            for key in [key for key in store if key[1] == r]:
+                self.resend.extend(store.pop(key))
         return stranded
 
     def place(self, coll: Collective) -> bool:
         """A collective starting after a loss: its chunks on reducers not usable go to their
         substitutes. False: some chunk has none (the caller fails it)."""
-        for k, chunk in enumerate(coll.chunks):
-            if not self.usable(chunk.reducer, coll.group, coll.seq) and not self._reroute(coll, k):
-                return False
-        coll.__dict__.pop("reducers", None)
-        return True
+        return all(self.usable(chunk.reducer, coll.group, coll.seq) or self._reroute(coll, k)
+                   for k, chunk in enumerate(coll.chunks))
 
     def _reroute(self, coll: Collective, k: int) -> bool:
         """Chunk k of coll to its first usable reducer, marked moved unless that is its own."""
         r = self.route(coll.seq, k, coll.group)
         if r is None:
             return False
-        coll.chunks[k] = coll.chunks[k]._replace(reducer=r)
-        coll.moved[k] = r != preference(coll.seq, k, self.num_reducers)[0]
+        coll.move(k, r, r != preference(coll.seq, k, self.num_reducers)[0])
         return True
 
     def bring(self, item: Kept) -> Optional[int]:
@@ -193,10 +194,26 @@ class Failover:
         r = self.route(item.seq, item.chunk, item.group)
         if r is not None:
             item.reducer = r
-            self._append(item)
-            self.moved_chunks += 1
-            self.finals += 1
+            self.brought.setdefault((item.group, r), []).append(item)
         return r
+
+    def forget_group(self, group: int) -> None:
+        """A closed group's results are kept no longer."""
+        for store in (self.kept, self.brought):
+            for key in [key for key in store if key[0] == group]:
+                self.spare.extend(item.data for item in store.pop(key))
+        del self.spare[:-self.window]
+
+    def reset(self) -> None:
+        """No reducer is left: forget every loss, so that the reducers, once back, are used as
+        planned by every rank alike (each rank may have lost them in another order)."""
+        self.lost.clear()
+        self.since.clear()
+        self.rejoining.clear()
+        self.resend.clear()
+        self.kept.clear()
+        self.brought.clear()
+        self.held_since = None
 
     def still_owed(self, coll: Collective, k: int) -> bool:
         """Whether a queued resend of chunk k is still to be sent (its collective may have failed)."""

@@ -18,7 +18,8 @@ from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import NOTICE, event, get_logger
 from reduction_server.protocol import MsgType
 
-from .connections import CHALLENGED, PROGRESS, Connections
+from .connections import Connections
+from .watch import CHALLENGED, PROGRESS
 from .identity import Identity
 from .slots import Slots
 

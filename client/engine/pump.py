@@ -75,22 +75,25 @@ class Pump:
 
     def _resend(self) -> None:
         """Chunks a lost reducer had not answered (MOVED) and results it had given this rank
-        (FINAL), each to its chunk's reducer now, outside the window: at most a window of each
-        group per lost reducer, and the collectives in flight wait for them."""
+        (FINAL), each to its chunk's reducer now, outside the window: they are few (a window of
+        each group, and what earlier losses moved there), and the collectives in flight wait
+        for them."""
         failover = self.failover
         while failover.resend:
             item = failover.resend.popleft()
             if isinstance(item, Kept):
                 r = failover.bring(item)
-                if r is None or self._send_final(item, r):
-                    continue  # sent, or nowhere to go (every reducer is lost: nobody needs it)
+                if r is None:
+                    continue  # every reducer is lost: nobody can ask for it
+                if self._send_final(item, r):
+                    failover.finals += 1
+                    continue
             else:
                 coll, k = item
                 if not failover.still_owed(coll, k):
                     continue
                 r = coll.chunks[k].reducer
                 if self._send_chunk(coll, k, r, self.ledger.window(coll.group)):
-                    failover.moved_chunks += 1
                     continue
                 failover.resend.appendleft(item)
             # Gone too: its chunks, this one among them, move on again.
@@ -154,6 +157,8 @@ class Pump:
             return False
         if slot is not None:
             self.slots.put(r, slot, coll.group, coll.seq, k)
+        if moved:
+            self.failover.moved_chunks += 1
         coll.state[k] = SENT
         inflight[r] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue

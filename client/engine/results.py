@@ -19,11 +19,12 @@ from reduction_server.protocol import (ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT
                                       MsgType)
 
 from .collective import Collective
-from .connections import CHALLENGED, Connections
+from .connections import Connections
 from .failover import Failover
 from .handshake import Handshake
 from .ledger import Ledger
 from .slots import Slots
+from .watch import CHALLENGED
 
 _NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 

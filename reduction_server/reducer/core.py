@@ -17,7 +17,7 @@ from .. import encryption, protocol
 from ..accumulator import AccumulatorPool
 from ..errors import ProtocolError
 from ..log import event, get_logger
-from ..protocol import MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
+from ..protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
 from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
                         DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
 from .admission import Admission
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = get_logger("reducer")
 
 _NOBLOCK = int(zmq.NOBLOCK)
-_CONTRIBUTIONS = frozenset((MSG_DATA, MsgType.MOVED, MsgType.FINAL))  # chunks that come as frames
+_CONTRIBUTIONS = frozenset((MSG_DATA, *MOVED_TYPES))  # chunks that come as frames
 # After a connection closes, heartbeat peers are probed this many seconds later (the one whose
 # pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
 PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)

@@ -12,6 +12,7 @@ answered, and ranks that already had the result may never ask.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional, Tuple
 
 from ..accumulator import AccumulatorPool, PoolExhausted
@@ -32,6 +33,9 @@ class Finals:
     def contribute(self, rnd: Round, h: Header, payload: Payload) -> Optional[Tuple[ErrorCode, str]]:
         """h (a FINAL, or any contribution once rnd is settled) joins rnd and is answered; the
         failure of the round it causes, if any (the caller fails the round)."""
+        reason = rnd.disagreement(h)
+        if reason is not None:
+            return (ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH), reason
         if h.type is MsgType.FINAL:
             if rnd.final is None:
                 try:
@@ -53,9 +57,10 @@ class Finals:
         if payload is None or isinstance(payload, memoryview):
             raise ValueError("a FINAL carries the result as a frame")
         data = payload if len(payload) >= BATCHED_RECV_BYTES else payload.bytes  # see fold.BATCHED_RECV_BYTES
+        self.folder.free(rnd)  # first: its memory makes room under the budgets
         self.pool.hold(len(data), h.rank)
-        self.folder.free(rnd)
         rnd.final, rnd.final_owner = data, h.rank
+        rnd.started = time.monotonic()  # RS_TIMEOUT counts from here: late ranks are still answered
         for contribution in rnd.contributed.values():
             self.delivery.settled(rnd, contribution)
 

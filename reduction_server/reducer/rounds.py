@@ -106,10 +106,6 @@ class Rounds:
             return self._answer_failed(rnd, h.rank, h)
         if problem is not None:
             return self.fail(rnd, ErrorCode.MISMATCH, problem, extra=h)
-        reason = rnd.disagreement(h)
-        if reason is not None:
-            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
-            return self.fail(rnd, code, reason, extra=h)
         if rnd.final is not None or h.type is MsgType.FINAL:  # a moved round a rank brought the result of
             failure = self.finals.contribute(rnd, h, payload)
             if failure is not None:
@@ -121,6 +117,10 @@ class Rounds:
             if gone:
                 return self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
                                  + "; ".join(lost[rank] for rank in sorted(gone)[:8]), extra=h)
+        reason = rnd.disagreement(h)
+        if reason is not None:
+            code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
+            return self.fail(rnd, code, reason, extra=h)
         arrived = time.monotonic() if self.metrics is not None else 0.0
         try:
             self.folder.fold(rnd, h, payload)

@@ -1,0 +1,55 @@
+"""What each reducer connection's socket monitor says: how far its handshake got (for the
+report of a worker still waiting), and its failed security handshakes in a row (when to give up:
+an encryption mismatch, or encrypted handshakes failing for GIVE_UP_AFTER_S)."""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from reduction_server import encryption
+
+# How far a reducer's handshake got: no connection, no connection and refused, connected, proved.
+CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3
+PROGRESS = {
+    CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
+    REFUSED: "connection refused: nothing listens there (is `reduction-server serve` running there, and the "
+             "port in RS_REDUCERS right?)",
+    CONNECTED: "connected, but no answer to HELLO yet (is it a reducer?)",
+    CHALLENGED: "it proved the job token; waiting for its WELCOME",
+}
+
+
+class Watch:
+    """Per reducer: how far its handshake got, and its failed security handshakes in a row."""
+
+    def __init__(self, count: int, encrypt: bool) -> None:
+        self.encrypt = encrypt
+        self.progress: List[int] = [CONNECTING] * count
+        self.failures: List[Tuple[int, float]] = [(0, 0.0)] * count  # (in a row, since when)
+
+    def drain(self, r: int, monitor: zmq.Socket) -> Tuple[bool, Optional[str]]:
+        """Read reducer r's monitor: whether its connection closed, and why to give up on it if
+        its security handshake failed for good."""
+        closed, final = False, None
+        while monitor.poll(0):
+            frames = monitor.recv_multipart()
+            kind = parse_monitor_message(frames)["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.progress[r] = max(self.progress[r], CONNECTED)
+            elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
+                closed = True
+                if kind == zmq.EVENT_CLOSED and self.progress[r] < CONNECTED:  # the connect itself failed
+                    self.progress[r] = REFUSED
+            failure = encryption.handshake_failure(frames, self.encrypt) if kind & encryption.HANDSHAKE_FAILED else None
+            if failure is not None:
+                count, since = self.failures[r]
+                now = time.monotonic()
+                count, since = count + 1, since if count else now
+                self.failures[r] = (count, since)
+                if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
+                                  and now - since >= encryption.GIVE_UP_AFTER_S):
+                    final = failure[0]
+        return closed, final
