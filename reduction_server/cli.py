@@ -25,7 +25,8 @@ def _run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
-                   host=args.host, metrics_port=args.metrics_port, max_restarts=args.max_restarts)
+                   host=args.host, metrics_port=args.metrics_port, max_restarts=args.max_restarts,
+                   min_np=args.min_np, max_np=args.max_np, discovery=args.host_discovery_script)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0,
                      help="start the worker group again (same reducers, next RS_GENERATION, "
                           "TORCHELASTIC_RESTART_COUNT) when a worker fails, up to this many times (default 0)")
+    run.add_argument("--min-np", type=int, default=None,
+                     help="elastic Horovod: go on without failed workers while at least this many run")
+    run.add_argument("--max-np", type=int, default=None,
+                     help="elastic Horovod: start new workers up to this many as the discovery script reports slots")
+    run.add_argument("--host-discovery-script", default=None, metavar="PATH",
+                     help="elastic Horovod: prints host:slots lines (this machine's names only); run every second")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(func=_run)
 

@@ -29,6 +29,7 @@ from .children import (POLL_S, Child, close_all, copy_output, describe, die_with
                        signal_name, stop_all, wait_briefly)
 from . import settings
 from .cluster_spec import join_address
+from .elastic_launch import Elastic
 from .settings import ONE_HOST_PIPELINE_DEPTH
 
 _PREFIX = "reduction-server run:"
@@ -60,6 +61,7 @@ class _Job:
     command: List[str]
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
     max_restarts: int = 0
+    elastic: Optional[Elastic] = None  # --min-np/--max-np: workers come and go (elastic_launch.py)
     restarts: int = 0  # how many times the worker group has been started again
     env: Dict[str, str] = field(default_factory=dict)  # what every child sees (_job_environment)
     workers: List[Child] = field(default_factory=list)
@@ -102,6 +104,8 @@ class _Job:
         """Stop and reap every child, then let the readers copy the rest of their output."""
         stop_all(self.workers + self.reducers, _GRACE_S)
         _join(self.worker_readers + self.reducer_readers)
+        if self.elastic is not None:
+            self.elastic.close()
 
     def _spawn_all(self) -> Optional[int]:
         env = self.env = _job_environment(self.layout, self.np)
@@ -114,11 +118,14 @@ class _Job:
                 ready_r, ready_w = os.pipe()
                 ready.append(ready_r)
                 argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
-                        "--port", str(port), "--workers", str(self.np), "--index", str(index),
-                        "--ready-fd", str(ready_w)]
+                        "--port", str(port), "--index", str(index), "--ready-fd", str(ready_w)]
+                if self.elastic is None:  # an elastic job's rounds each have a world size of their own
+                    argv += ["--workers", str(self.np)]
                 # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
                 argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
                 child_env = dict(env, RS_REDUCER_INDEX=str(index))
+                if self.elastic is not None:
+                    child_env.pop("RS_WORLD_SIZE")
                 # From the root directory: `-m` puts the working directory first on sys.path, and in a
                 # source checkout that is the uncompiled tree, not the installed package.
                 try:
@@ -139,12 +146,21 @@ class _Job:
         # As torchrun's agent does; the workers add it to RS_GENERATION (discovery.py), so the
         # reducers drop the previous group's rounds.
         env = dict(self.env, TORCHELASTIC_RESTART_COUNT=str(self.restarts))
+        if self.elastic is not None:
+            self.elastic.start(env["RS_JOB_TOKEN"], self.layout.connect_host)
         for rank in range(self.np):
-            failure = self._spawn(self.workers, f"rank {rank}", self.command,
-                                  _worker_environment(env, self.layout, rank, self.np), die_with_parent)
+            failure = self._spawn_worker(env, rank, die_with_parent)
             if failure is not None:
                 return failure
         return None
+
+    def _spawn_worker(self, env: Dict[str, str], rank: int, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+        """Worker `rank` (in an elastic job, worker id `rank`: its rank comes from the rendezvous)."""
+        env = _worker_environment(env, self.layout, rank, self.np)
+        if self.elastic is not None:
+            return self._spawn(self.workers, f"worker {rank}", self.command, self.elastic.worker_env(env, rank),
+                               die_with_parent)
+        return self._spawn(self.workers, f"rank {rank}", self.command, env, die_with_parent)
 
     def _restart_workers(self) -> Optional[int]:
         """Stop what is left of the worker group and start it again (the reducers keep running)."""
@@ -217,6 +233,8 @@ class _Job:
         if self.signum is not None:
             _say(f"received {signal_name(self.signum)}; stopping the job")
             return 128 + self.signum
+        if self.elastic is not None:
+            return self._elastic_outcome()
         running = 0
         for child in self.workers:  # in rank order, so simultaneous failures report the lowest rank
             status = peek_exit(child.proc)
@@ -230,6 +248,42 @@ class _Job:
                 return exit_code(status)
         if running == 0:
             return 0
+        return self._reducers_outcome()
+
+    def _elastic_outcome(self) -> Optional[int]:
+        """An elastic job goes on while --min-np workers run; it ends when none does (0 if one
+        finished well). New slots from the discovery script get new workers."""
+        running, finished, failed = [], 0, None
+        for worker, child in enumerate(self.workers):
+            status = peek_exit(child.proc)
+            if status is None:
+                running.append(worker)
+            elif status == 0:
+                finished += 1
+                if worker in self.elastic.rendezvous.members:  # done: a round no longer waits for it
+                    self.elastic.lose(worker)
+            elif worker in self.elastic.rendezvous.members:  # newly failed
+                self.elastic.lose(worker)
+                failed = (child, status)
+        if failed is not None and len(running) + finished < self.elastic.min_np:
+            _say(f"{failed[0].label} {describe(failed[1])}; {len(running)} worker(s) left, fewer than --min-np "
+                 f"{self.elastic.min_np}: stopping the job")
+            return exit_code(failed[1])
+        if failed is not None:
+            _say(f"{failed[0].label} {describe(failed[1])}; going on with {len(running)} worker(s)")
+        if not running:
+            return 0 if finished else 1
+        for _ in range(self.elastic.wanted(len(running))):
+            worker = len(self.workers)
+            _say(f"starting worker {worker}: the discovery script reports a free slot")
+            failure = self._spawn_worker(self.env, worker, die_with_parent_hook())
+            if failure is not None:
+                return failure
+            self.worker_readers += self._start_readers(self.workers[-1:])
+        return self._reducers_outcome()
+
+    def _reducers_outcome(self) -> Optional[int]:
+        """1 (or its code) when a reducer exited while workers still run, else None."""
         for child, address in zip(self.reducers, self.layout.reducer_addresses()):
             status = peek_exit(child.proc)
             if status is not None:  # even a clean exit: the workers still need it
@@ -239,9 +293,12 @@ class _Job:
 
 
 def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[int] = None,
-            host: str = "127.0.0.1", metrics_port: Optional[int] = None, max_restarts: int = 0) -> int:
+            host: str = "127.0.0.1", metrics_port: Optional[int] = None, max_restarts: int = 0,
+            min_np: Optional[int] = None, max_np: Optional[int] = None, discovery: Optional[str] = None) -> int:
     """Run `reducers` reducer processes and `np` copies of `command` on this machine; a failing
-    worker starts the worker group again up to `max_restarts` times.
+    worker starts the worker group again up to `max_restarts` times. With `min_np`/`max_np` the
+    job is elastic (elastic_launch.py): it goes on without failed workers while `min_np` run,
+    and starts new ones up to `max_np` as the `discovery` script reports slots.
 
     Returns 0 when every worker exits 0; the first failing worker's exit code (128+signal when
     it was killed) once no restart is left; 128+signal when the launcher is stopped by
@@ -250,6 +307,15 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
     """
     if max_restarts < 0:
         return _usage_error(f"--max-restarts must be at least 0 (got {max_restarts})")
+    elastic = None
+    if min_np is not None or max_np is not None or discovery is not None:
+        low, high = min_np or 1, max_np or np
+        if not 1 <= low <= np <= high:
+            return _usage_error(f"an elastic job needs 1 <= --min-np <= -np <= --max-np (got {low}, {np}, {high})")
+        if max_restarts:
+            return _usage_error("--max-restarts restarts the whole group; an elastic job (--min-np/--max-np) "
+                                "goes on without the failed worker: choose one")
+        elastic = Elastic(low, high, _say, discovery)
     problem = _check_arguments(np, reducers, command, port_base, metrics_port)
     if problem is not None:
         return _usage_error(problem)
@@ -257,7 +323,7 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
         layout = _plan_layout(host, reducers, port_base)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
-    job = _Job(layout, np, list(command), metrics_port, max_restarts)
+    job = _Job(layout, np, list(command), metrics_port, max_restarts, elastic)
     with _signals_recorded_by(job):
         try:
             return job.run()

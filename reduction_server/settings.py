@@ -118,6 +118,11 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("TORCHELASTIC_RESTART_COUNT", (WORKERS,), "0", "how many times torchrun's agent (or `run "
              "--max-restarts`) restarted the workers: added to a worker's `RS_GENERATION`", int, least=0),
     # the launchers' variables a worker honours, in this order of precedence (after RS_RANK / RS_WORLD_SIZE)
+    Variable("RS_RENDEZVOUS", (WORKERS,), "none (`run --min-np/--max-np`: the launcher's)",
+             "host:port of an elastic job's rendezvous: Horovod's init() takes its rank, size and generation there",
+             value=""),
+    Variable("RS_WORKER_ID", (WORKERS,), "from `run --min-np/--max-np`", "an elastic job's id of this worker "
+             "process, for its whole life", int, 0, 0),
     Variable("RANK", (WORKERS,), "-", "torchrun's (and a PyTorchJob's) rank", int, least=0),
     Variable("WORLD_SIZE", (WORKERS,), "-", "torchrun's world size", int, least=1),
     Variable("HOROVOD_RANK", (WORKERS,), "-", "horovodrun's rank", int, least=0),

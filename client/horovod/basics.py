@@ -23,6 +23,7 @@ from ..buffers import wire_view
 from ..communicator import Communicator
 from ..timeline import open_timeline, timeline_path
 from .coordinator import ALLGATHER, BROADCAST, Coordinator, Request, gather_bytes, name_counter
+from . import elastic
 from .exceptions import as_horovod_errors
 from .process_sets import ProcessSet, ProcessSetLike, ProcessSets
 
@@ -60,7 +61,9 @@ def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[Pr
         owns = comm is None
         # Counted per call, failed or not: ranks that call init() alike stay on one generation.
         _inits += 1
-        if owns:
+        if owns and elastic.enabled():  # the rendezvous names the rank, size and generation
+            comm = elastic.join()
+        elif owns:
             _incarnations += 1
             comm = Communicator.from_env(incarnation=_incarnations - 1)
         try:

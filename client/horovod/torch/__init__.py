@@ -31,8 +31,9 @@ from .mpi_ops import (allgather_async, allreduce_, allreduce_async, allreduce_as
 from .optimizer import DistributedOptimizer
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: E402 (hvd.elastic, as Horovod's; it imports the modules above)
 
-__all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
+__all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "elastic", "HorovodInternalError",
            "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
            "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",

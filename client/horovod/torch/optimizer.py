@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch  # the real torch: absolute import
 
 
+from .. import elastic
 from ..compression import Compression
 from ..ops import Average, Sum, resolve_op
 from ..process_sets import ProcessSet, global_process_set
@@ -58,10 +59,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = []
-        if process_set.included() and process_set.size() > 1:
+        # In an elastic job (hvd.elastic) the world may grow from one rank: hooks even then, as Horovod's.
+        if process_set.included() and (process_set.size() > 1 or elastic.enabled()):
             for p in self._parameter_names:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """The wrapped optimizer's, and what was pending is dropped: an elastic job restores the
+        last commit after a failed step, whose all-reduces will never complete (as Horovod)."""
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        super(self.__class__, self).load_state_dict(*args, **kwargs)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
@@ -130,7 +141,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(): the gradients are all-reduced twice; use "
                               "`with optimizer.skip_synchronize(): optimizer.step()`", stacklevel=2)
-            if self._process_set.size() > 1:
+            if self._process_set.size() > 1 or elastic.enabled():
                 self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)

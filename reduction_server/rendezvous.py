@@ -1,0 +1,198 @@
+"""The elastic job's rendezvous: which workers form the job now, and each one's rank in it.
+
+`reduction-server run --min-np A --max-np B` serves it (HTTP on the launcher's host) for elastic
+Horovod (client/horovod/elastic.py). Every worker has an id (RS_WORKER_ID) for its whole life;
+the launcher adds the ids of the workers it starts and removes those of workers that fail. A
+worker that (re)initializes asks to join (POST /join): the answer waits until every live worker
+has asked, then gives each its rank (live ids in ascending order: the oldest worker is rank 0,
+and holds the state newcomers sync from), the world size, and the round: a generation number
+every member of the round shares, so the reducers take the round for a new generation of the
+job. GET /version says how often the membership changed: a worker whose round is older learns
+at its next commit that workers were added or removed.
+
+Every request carries HMAC-SHA256(RS_JOB_TOKEN, body) in X-RS-Proof; a request without the
+right proof is refused (403) and changes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Dict, List, Optional, Set
+
+from .errors import CollectiveError
+
+#: how long a join waits for the other live workers before it fails
+JOIN_TIMEOUT_S = 120.0
+_PROOF = "X-RS-Proof"
+
+
+def proof(token: str, body: bytes) -> str:
+    """The proof a request (and its answer) carries: HMAC-SHA256 of its body under the job token."""
+    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A worker's place in one round: its rank, the world size, and the round (a generation)."""
+
+    rank: int
+    size: int
+    round: int
+
+
+class Rendezvous:
+    """The membership (live worker ids), its version, and the rounds formed from it."""
+
+    def __init__(self, token: str, host: str = "127.0.0.1", join_timeout: float = JOIN_TIMEOUT_S,
+                 on_round: Optional[Callable[[int, List[int]], None]] = None) -> None:
+        self.token = token
+        self.on_round = on_round  # told each round formed: its number, and the worker ids by rank
+        self.join_timeout = join_timeout
+        self.members: Set[int] = set()
+        self.version = 0  # membership changes so far
+        self.round = 0  # rounds formed so far
+        self.seats: Dict[int, Seat] = {}  # answers of the round formed last, by worker id
+        self.asking: Set[int] = set()  # ids waiting for the next round
+        self.changed = threading.Condition()
+        self.server = ThreadingHTTPServer((host, 0), _handler(self))
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="rendezvous", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> "Rendezvous":
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        with self.changed:
+            self.members.clear()
+            self.changed.notify_all()  # waiting joins end (their workers are being stopped)
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- the launcher's side -----------------------------------------------------------------
+    def add(self, worker: int) -> None:
+        """A worker started: it belongs to the next round."""
+        with self.changed:
+            self.members.add(worker)
+            self.version += 1
+            self._form()
+
+    def remove(self, worker: int) -> None:
+        """A worker failed: the next round goes on without it."""
+        with self.changed:
+            self.members.discard(worker)
+            self.asking.discard(worker)
+            self.version += 1
+            self._form()
+
+    # -- the workers' side ---------------------------------------------------------------------
+    def join(self, worker: int) -> Seat:
+        """Wait for the round that every live worker asked for; this worker's seat in it."""
+        with self.changed:
+            if worker not in self.members:
+                raise PermissionError(f"worker {worker} is not a member of this job (it failed, or was never started)")
+            self.asking.add(worker)
+            asked_at = self.round
+            self._form()
+            if not self.changed.wait_for(lambda: self.round > asked_at or worker not in self.members,
+                                         self.join_timeout):
+                missing = sorted(self.members - self.asking)
+                self.asking.discard(worker)
+                raise TimeoutError(f"workers {missing} did not rejoin within {self.join_timeout:g} s")
+            if worker not in self.seats:
+                raise PermissionError(f"worker {worker} left the job while it waited")
+            return self.seats[worker]
+
+    def _form(self) -> None:
+        """With the lock held: once every live member asks, the next round forms."""
+        if not self.members or not self.members <= self.asking:
+            return
+        ranked: List[int] = sorted(self.members)
+        self.round += 1
+        self.seats = {worker: Seat(rank, len(ranked), self.round) for rank, worker in enumerate(ranked)}
+        self.asking -= self.members
+        self.changed.notify_all()
+        if self.on_round is not None:
+            self.on_round(self.round, ranked)
+
+
+def _handler(rendezvous: Rendezvous) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+            if not hmac.compare_digest(self.headers.get(_PROOF, ""), proof(rendezvous.token, body)):
+                return self._answer(403, {"error": "the request does not prove the job token (RS_JOB_TOKEN)"})
+            try:
+                request = json.loads(body)
+                if self.path == "/join":
+                    seat = rendezvous.join(int(request["worker"]))
+                    return self._answer(200, {"rank": seat.rank, "size": seat.size, "round": seat.round,
+                                              "version": rendezvous.version})
+                if self.path == "/version":
+                    return self._answer(200, {"version": rendezvous.version})
+                return self._answer(404, {"error": f"no such request: {self.path}"})
+            except (ValueError, KeyError, TypeError) as exc:
+                return self._answer(400, {"error": f"malformed request: {exc}"})
+            except (PermissionError, TimeoutError) as exc:
+                return self._answer(409, {"error": str(exc)})
+
+        def _answer(self, status: int, document: dict) -> None:
+            body = json.dumps(document).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header(_PROOF, proof(rendezvous.token, body))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # quiet: the launcher says what matters
+            pass
+
+    return Handler
+
+
+def ask(address: str, token: str, path: str, document: dict, timeout: float = JOIN_TIMEOUT_S + 10) -> dict:
+    """A worker's request to the rendezvous at `address`; its answer, proved by the same token.
+    CollectiveError naming the rendezvous and the reason when it refuses or cannot be reached."""
+    body = json.dumps(document).encode()
+    request = urllib.request.Request(f"http://{address}{path}", data=body, method="POST",
+                                     headers={_PROOF: proof(token, body), "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer, status, signed = response.read(), response.status, response.headers.get(_PROOF, "")
+    except urllib.error.HTTPError as exc:
+        answer, status, signed = exc.read(), exc.code, exc.headers.get(_PROOF, "")
+    except OSError as exc:
+        raise CollectiveError(f"the elastic rendezvous at {address} (RS_RENDEZVOUS) cannot be reached: {exc}") from None
+    if not hmac.compare_digest(signed, proof(token, answer)):
+        raise CollectiveError(f"the elastic rendezvous at {address} did not prove the job token (RS_JOB_TOKEN): "
+                              "its token is not this worker's")
+    result = json.loads(answer)
+    if status != 200:
+        raise CollectiveError(f"the elastic rendezvous at {address} refused {path}: {result.get('error')}")
+    return result
+
+
+def seat(address: str, token: str, worker: int) -> Seat:
+    """This worker's seat in the next round (waits for the other live workers)."""
+    answer = ask(address, token, "/join", {"worker": worker})
+    return Seat(answer["rank"], answer["size"], answer["round"])
+
+
+def version(address: str, token: str) -> int:
+    """How often the membership has changed."""
+    return int(ask(address, token, "/version", {}, timeout=10)["version"])
+
+
+__all__ = ["JOIN_TIMEOUT_S", "Rendezvous", "Seat", "ask", "proof", "seat", "version"]
