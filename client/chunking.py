@@ -47,17 +47,19 @@ def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:
     return (seq + chunk) % num_reducers
 
 
-def preference(seq: int, chunk: int, num_reducers: int) -> List[int]:
+def preference(seq: int, chunk: int, active: int, spares: int = 0) -> List[int]:
     """The reducers that may sum chunk `chunk` of collective `seq`, in order: its own
-    (reducer_of), then the others, starting one further along for each turn the position comes
-    round, so that a lost reducer's chunks spread over the rest (evenly, over many
-    collectives). The first reducer not lost
-    is the chunk's; a chunk on a reducer still up never moves when another one is lost."""
+    (reducer_of over the `active` reducers), then the spares (RS_SPARE_REDUCERS, listed after
+    them), then the other active reducers, each list starting one further along for each turn
+    the position comes round, so that a lost reducer's chunks spread over the rest (evenly,
+    over many collectives). The first reducer not lost is the chunk's; a chunk on a reducer
+    still up never moves when another one is lost."""
     position = seq + chunk
-    own = position % num_reducers
-    others = num_reducers - 1
-    turn = position // num_reducers
-    return [own] + [(own + 1 + (turn + j) % others) % num_reducers for j in range(others)]
+    own = position % active
+    others = active - 1
+    turn = position // active
+    return ([own] + [active + (own + turn + j) % spares for j in range(spares)]
+            + [(own + 1 + (turn + j) % others) % active for j in range(others)])
 
 
 def plan(seq: int, spans: List[Tuple[int, int]], num_reducers: int) -> List[Chunk]:

@@ -94,6 +94,8 @@ class Communicator:
             autotuning (RS_SNDBUF).
         failover: move a lost reducer's chunks to the reducers left, so that collectives
             complete (RS_FAILOVER, on by default); False: they fail naming it.
+        spares: how many of the reducers, the last ones listed, are spares (RS_SPARE_REDUCERS):
+            unused until a reducer is lost, then they take its chunks (with failover).
 
     Raises:
         ConfigError: a setting is malformed or out of range (the message names it).
@@ -111,7 +113,7 @@ class Communicator:
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
                  shared_memory: Optional[bool] = None, send_buffer: Optional[int] = None,
-                 failover: Optional[bool] = None) -> None:
+                 failover: Optional[bool] = None, spares: Optional[int] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
         if not reducers:
@@ -134,6 +136,14 @@ class Communicator:
         job_token = settings.read("RS_JOB_TOKEN") if job_token is None else job_token
         self.job_id = job_id_from(job_token) if job_id is None else job_id
         self.generation = generation
+        failover = settings.read("RS_FAILOVER") if failover is None else failover
+        spares = settings.read("RS_SPARE_REDUCERS") if spares is None else spares
+        if not (isinstance(spares, int) and 0 <= spares < len(self.reducers)):
+            raise ConfigError(f"RS_SPARE_REDUCERS={spares!r}: spares must leave at least one of the "
+                              f"{len(self.reducers)} reducers in use")
+        if spares and not failover:
+            raise ConfigError(f"RS_SPARE_REDUCERS={spares} needs RS_FAILOVER=1: spares take a lost reducer's chunks")
+        self.active_reducers = len(self.reducers) - spares  # the chunk plan's; the spares follow them
         self.chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
         self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH", MAX_PIPELINE_DEPTH)
         self._seq = itertools.count()
@@ -149,7 +159,7 @@ class Communicator:
             shared=shared_memory_enabled() if shared_memory is None else shared_memory,
             slot_bytes=self.chunk_bytes,
             sndbuf=socket_send_buffer(send_buffer),
-            failover=settings.read("RS_FAILOVER") if failover is None else failover,
+            failover=failover, spares=spares,
         )
         self._engine.start()
         self._closed = False
@@ -214,11 +224,11 @@ class Communicator:
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
         limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
-        spans = plan_chunks(dst.count, dst.dtype.itemsize, len(self.reducers), min(self.chunk_bytes, limit),
+        spans = plan_chunks(dst.count, dst.dtype.itemsize, self.active_reducers, min(self.chunk_bytes, limit),
                             self.pipeline_depth)
         with self._submit_lock:  # only what needs the seq: ranks must submit in one order
             seq = next(self._seq)
-            chunks = plan(seq, spans, len(self.reducers))
+            chunks = plan(seq, spans, self.active_reducers)
             coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
                               result, trace=trace, traced=traced, group=self.group_id, time_limit=time_limit)
             self._engine.submit(coll)

@@ -164,6 +164,8 @@ VARIABLES: Tuple[Variable, ...] = (
              DEFAULT_LIVENESS_TIMEOUT, 0.05),
     Variable("RS_FAILOVER", (WORKERS,), "1", "a lost reducer's chunks move to the reducers left and collectives "
              "complete (each rank keeps a copy of its last results per reducer); 0: they fail, naming it", bool, True),
+    Variable("RS_SPARE_REDUCERS", (WORKERS,), "0", "how many of `RS_REDUCERS`, the last ones, are spares: unused "
+             "until a reducer is lost, then they take its chunks from a collective every rank agrees on", int, 0, 0),
     Variable("RS_CONNECT_TIMEOUT", (WORKERS,), _seconds(DEFAULT_CONNECT_TIMEOUT),
              "how long a worker waits for every reducer to admit it (it says what it waits for every few seconds)",
              float, DEFAULT_CONNECT_TIMEOUT, 0.01),

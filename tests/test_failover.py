@@ -41,7 +41,7 @@ REJOIN_STEPS = 30
 class Run:
     """W worker processes of failover_worker.py; rank 0's progress is followed line by line."""
 
-    def __init__(self, group: Reducers, exact: bool) -> None:
+    def __init__(self, group: Reducers, exact: bool, extra: Optional[Dict[str, str]] = None) -> None:
         self.step = -1
         self.progress = threading.Condition()
         self.outputs: Dict[int, List[str]] = {r: [] for r in range(W)}
@@ -49,7 +49,7 @@ class Run:
         self.errs = []
         for rank in range(W):
             env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(W),
-                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST})
+                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST, **(extra or {})})
             err = tempfile.TemporaryFile(mode="w+")  # logs apart: a line of stdout must stay whole
             self.errs.append(err)
             self.procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "failover_worker.py"), str(STEPS),
@@ -92,12 +92,13 @@ class Run:
         return results
 
 
-def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL) -> Tuple[List[dict], float]:
+def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL,
+        extra: Optional[Dict[str, str]] = None) -> Tuple[List[dict], float]:
     """One training run on fresh reducers, signalling (`sig`) and restarting reducers as `plan`
     says; the ranks' results and the run's wall time."""
     started = time.monotonic()
     with reducers(R, extra_env={"RS_DETERMINISTIC": "1" if exact else "0", **FAST}) as group:
-        job = Run(group, exact)
+        job = Run(group, exact, extra)
         down = set()
         try:
             for step, delay, action, which in plan:
@@ -201,6 +202,18 @@ def test_a_stopped_reducer_is_moved_off_after_the_liveness_timeout(undisturbed: 
     results, took = run(plan, sig=signal.SIGSTOP)
     print(f"stopped reducer 1 at step 60: {took:.1f} s")
     check(results, plan, undisturbed)
+
+
+def test_a_spare_reducer_takes_the_chunks_of_a_lost_one(undisturbed: str):
+    """RS_SPARE_REDUCERS=1: reducers 0 and 1 carry the job, reducer 2 waits. Reducer 0 is killed;
+    the spare joins from a collective every rank agrees on and sums from then on."""
+    plan = [(50, 0.01, "kill", (0,))]
+    results, took = run(plan, extra={"RS_SPARE_REDUCERS": "1"})
+    print(f"spare: {took:.1f} s, its chunks per rank {[res['rejoined_chunks'] for res in results]}")
+    for res in results:
+        assert res["mismatch_count"] == 0 and res["digest"] == undisturbed, res
+        assert res["lost"] == [0, 2] and res["joins"] == 1, res  # the spare counts as lost until it joins
+        assert res["rejoined_chunks"] > 0, res
 
 
 def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute():
@@ -360,3 +373,13 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
             comm.close()
             for p in peers:
                 p.close()
+
+
+@pytest.mark.parametrize("spares, failover, words", [(2, True, "leave at least one of the 2 reducers"),
+                                                     (1, False, "needs RS_FAILOVER=1")])
+def test_spares_are_checked_before_anything_connects(spares: int, failover: bool, words: str):
+    import reduction_server.client as rs
+    from reduction_server.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        rs.Communicator(["127.0.0.1:1", "127.0.0.1:2"], 0, 1, spares=spares, failover=failover, job_token=TOKEN)

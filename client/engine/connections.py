@@ -204,6 +204,8 @@ class Connections:
             self.event("reducer_lost", r, reason=reason, failover=True, left=len(failover.survivors(without=r)))
             for coll in failover.move_off(r, text, self.ledger):
                 self.ledger.give_up(coll, f"no reducer is left for one of its chunks: {failover.reason()}")
+            for spare, progress in failover.recruit(self._progress()).items():
+                self.report(spare, progress)
         else:
             self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
             if failover.lost:
@@ -241,9 +243,13 @@ class Connections:
             self.sockets[r].send(self.me.header(MsgType.PING), zmq.NOBLOCK)
         except zmq.Again:
             pass
-        progress = self.failover.readmitted(r, {group: self.ledger.next_seq.get(group, 0) for group in [0, *self.groups]})
+        progress = self.failover.readmitted(r, self._progress())
         if progress:
             self.report(r, progress)
+
+    def _progress(self) -> Dict[int, int]:
+        """Where this rank is: each group's seq of the next collective it will start."""
+        return {group: self.ledger.next_seq.get(group, 0) for group in [0, *self.groups]}
 
     def report(self, r: int, progress: Dict[int, int]) -> None:
         """Tell lost reducer r, back now, where this rank is in these groups (PROGRESS)."""

@@ -43,7 +43,7 @@ class Engine:
                  connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
                  liveness_timeout: Optional[float] = None, encrypt: bool = False,
                  shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES,
-                 sndbuf: int = 0, failover: bool = True) -> None:
+                 sndbuf: int = 0, failover: bool = True, spares: int = 0) -> None:
         if encrypt:
             encryption.check(job_token)
         self.rank = rank
@@ -60,7 +60,7 @@ class Engine:
         # A segment is offered only to a reducer on this host: only it can map one.
         self.slots = Slots(me, [shared and shared_memory.is_local(address) for address in reducers], window,
                            slot_bytes)
-        self.failover = Failover(me, len(reducers), window, failover)
+        self.failover = Failover(me, len(reducers), window, failover, spares)
         if self.failover.enabled:
             self.ledger.on_result = self.failover.keep
         self.connections = Connections(me, reducers, self.ledger, self.slots, self.failover, job_token=job_token,

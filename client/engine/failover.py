@@ -73,13 +73,17 @@ class Failover:
     """The reducers this rank has lost, where each chunk goes, the results it keeps, what it
     must send again, and the lost reducers that come back."""
 
-    def __init__(self, me: Identity, num_reducers: int, window: int, enabled: bool) -> None:
+    def __init__(self, me: Identity, num_reducers: int, window: int, enabled: bool, spares: int = 0) -> None:
         self.me = me
         self.num_reducers = num_reducers
+        self.active = num_reducers - spares  # the chunk plan's reducers; the spares come after them
+        self.spares = spares
         self.window = window
         # With one reducer there is nowhere to move to: nothing is kept.
         self.enabled = enabled and num_reducers > 1
-        self.lost: Dict[int, str] = {}  # reducer -> why it was lost
+        self.lost: Dict[int, str] = {}  # reducer -> why it was lost (or that it is a spare not needed yet)
+        for r in range(self.active, num_reducers):
+            self.lost[r] = f"reducer {r} is a spare (RS_SPARE_REDUCERS), used once a reducer is lost"
         self.losses = 0  # reducers lost so far, one lost twice counted twice
         # A lost reducer that came back: the groups this rank reported to it (PROGRESS: the next
         # seq it would start), and each group's seq from which it is used again (JOIN).
@@ -108,7 +112,7 @@ class Failover:
     def route(self, seq: int, chunk: int, group: int) -> Optional[int]:
         """The reducer chunk `chunk` of collective `seq` of `group` goes to: the first usable one
         in its preference order (None: none is)."""
-        for r in preference(seq, chunk, self.num_reducers):
+        for r in preference(seq, chunk, self.active, self.spares):
             if self.usable(r, group, seq):
                 return r
         return None
@@ -185,7 +189,7 @@ class Failover:
         r = self.route(coll.seq, k, coll.group)
         if r is None:
             return False
-        coll.move(k, r, r != preference(coll.seq, k, self.num_reducers)[0])
+        coll.move(k, r, r != preference(coll.seq, k, self.active, self.spares)[0])
         return True
 
     def bring(self, item: Kept) -> Optional[int]:
@@ -234,6 +238,15 @@ class Failover:
         self.rejoining[r] = dict(next_seqs)
         self.since.pop(r, None)
         return self.rejoining[r]
+
+    def recruit(self, next_seqs: Dict[int, int]) -> Dict[int, Dict[int, int]]:
+        """A reducer was lost: each spare not asked yet is asked to join (PROGRESS, as a reducer
+        that came back), with what to report to it, by spare."""
+        asked = {}
+        for r in range(self.active, self.num_reducers):
+            if r in self.lost and r not in self.rejoining and r not in self.since:
+                asked[r] = self.rejoining[r] = dict(next_seqs)
+        return asked
 
     def joined(self, r: int, boundaries: Dict[int, int]) -> None:
         """r's JOIN: from these seqs of these groups on, every rank uses it again."""
