@@ -114,3 +114,29 @@ def test_elastic_bounds_are_checked_before_anything_starts(options, message):
     done = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", *options, "--", "true"],
                           capture_output=True, text=True, timeout=60, env=child_env())
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_keras_state_and_callbacks_survive_a_lost_worker(tmp_path: Path):
+    """hvd.elastic.TensorFlowState synced from rank 0 and restored; then hvd.elastic.KerasState
+    with Horovod's three Keras callbacks, 2 workers, --min-np 1:
+    the first sync gives both rank 0's weights; worker 1 dies at the end of epoch 2; worker 0
+    rolls back to its last commit and finishes the epochs alone."""
+    pytest.importorskip("tensorflow", reason="the Keras elastic job needs tensorflow")
+    done = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "run", "-np", "2", "--min-np", "1", "--max-np", "2", "--reducers",
+         "2", "--", sys.executable, str(SCRIPTS / "horovod_tf_elastic.py"), "6", "2"],
+        cwd=tmp_path, env=child_env({"RS_LIVENESS_TIMEOUT": "2", "RS_HEARTBEAT_INTERVAL": "0.5",
+                                     "TF_CPP_MIN_LOG_LEVEL": "2"}),
+        capture_output=True, text=True, timeout=240)
+    lines = done.stdout.splitlines() + done.stderr.splitlines()
+    assert done.returncode == 0, "\n".join(lines[-60:])
+    reports = [json.loads(line[line.index("{"):]) for line in lines if '"synced"' in line]
+    first = [r for r in reports if r["epoch"] == 0 and r["size"] == 2]
+    assert len(first) == 2 and first[0]["synced"] == first[1]["synced"], reports  # rank 0's weights everywhere
+    assert any("worker 1 was killed by signal 9 (SIGKILL); going on with 1 worker" in line for line in lines), lines[-40:]
+    after = [r for r in reports if r["size"] == 1]
+    assert after and after[0]["worker"] == "0" and 1 <= after[0]["epoch"] <= 3, reports  # from its last commit
+    plain = [json.loads(line[line.index("{"):])["tensorflow_state"] for line in lines if '"tensorflow_state"' in line]
+    assert plain == [[[0.0, 0.0, 0.0, 0], [0.0, 0.0, 0.0, 0]]] * 2, plain  # TensorFlowState: synced, then restored
+    final = [json.loads(line[line.index("{"):]) for line in lines if '"final_size"' in line]
+    assert final == [{"worker": "0", "final_size": 1, "epoch": 6, "same_model": True}], final

@@ -41,7 +41,7 @@ from .gradients import DistributedGradientTape, DistributedOptimizer
 from .mpi_ops import allgather, alltoall, barrier, broadcast, grouped_allgather, join
 from .reductions import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
 
-__all__ = ["Adasum", "ArgumentError", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
+__all__ = ["Adasum", "ArgumentError", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "elastic",
            "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum",
            "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built",
@@ -49,6 +49,9 @@ __all__ = ["Adasum", "ArgumentError", "Average", "Compression", "DistributedGrad
            "grouped_reducescatter", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
            "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline"]
+
+
+from . import elastic  # noqa: E402 - hvd.elastic, as Horovod's; it imports the modules above
 
 
 def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
