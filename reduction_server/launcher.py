@@ -252,7 +252,7 @@ class _Job:
 
     def _elastic_outcome(self) -> Optional[int]:
         """An elastic job goes on while --min-np workers run; it ends when none does (0 if one
-        finished well). New slots from the discovery script get new workers."""
+        finished well). New slots from the discovery script get new workers until one finishes."""
         running, finished, failed = [], 0, None
         for worker, child in enumerate(self.workers):
             status = peek_exit(child.proc)
@@ -273,7 +273,8 @@ class _Job:
             _say(f"{failed[0].label} {describe(failed[1])}; going on with {len(running)} worker(s)")
         if not running:
             return 0 if finished else 1
-        for _ in range(self.elastic.wanted(len(running))):
+        # A worker that finished well means the job is ending: a newcomer would start it over.
+        for _ in range(0 if finished else self.elastic.wanted(len(running))):
             worker = len(self.workers)
             _say(f"starting worker {worker}: the discovery script reports a free slot")
             failure = self._spawn_worker(self.env, worker, die_with_parent_hook())
