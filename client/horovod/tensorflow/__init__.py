@@ -22,11 +22,6 @@ NumPy arrays.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-from ... import tensorflow as rstf
-from ...communicator import Communicator
-from .. import basics
 from ..basics import (add_process_set, cross_rank, cross_size, is_initialized, local_rank, local_size, rank,
                       remove_process_set, shutdown, size, start_timeline, stop_timeline)
 from ..build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
@@ -35,7 +30,7 @@ from ..compression import Compression
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..ops import Adasum, Average, Max, Min, Product, Sum
 from ..process_sets import ProcessSet, global_process_set
-from .arrays import ArgumentError, NegotiatedCollectives
+from .arrays import ArgumentError, init
 from .functions import allgather_object, broadcast_object, broadcast_variables
 from .gradients import DistributedGradientTape, DistributedOptimizer
 from .mpi_ops import allgather, alltoall, barrier, broadcast, grouped_allgather, join
@@ -54,9 +49,3 @@ __all__ = ["Adasum", "ArgumentError", "Average", "Compression", "DistributedGrad
 from . import elastic  # noqa: E402 - hvd.elastic, as Horovod's; it imports the modules above
 
 
-def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
-    """Horovod's hvd.init: join the job (basics.init: a Communicator from the environment or
-    `comm`, then `process_sets` added, every rank passing the same), and route the TensorFlow
-    adapter's collectives (the Keras callbacks') through the same name-matching negotiation."""
-    basics.init(comm, process_sets)
-    rstf.use_collectives(NegotiatedCollectives())

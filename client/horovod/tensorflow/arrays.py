@@ -3,7 +3,8 @@ tf.numpy_function. Each array is one named collective among a process set's rank
 by name (coordinator.py); a call submits all of its arrays before waiting for any, so they are
 negotiated, and fused, together. A failed collective raises HorovodInternalError; a bad argument
 raises ArgumentError (both ValueError and tf.errors.InvalidArgumentError, as Horovod's ops
-raise the latter)."""
+raise the latter). hvd.init() (init, here) joins the job and routes the TensorFlow adapter's
+collectives through NegotiatedCollectives."""
 from __future__ import annotations
 
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
@@ -13,6 +14,9 @@ import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.protocol import ReduceOp
 
+from ... import tensorflow as rstf
+from ...communicator import Communicator
+from .. import basics
 from ..basics import coordinator, submit
 from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
 from ..exceptions import as_horovod_errors
@@ -169,3 +173,11 @@ class NegotiatedCollectives:
     def broadcast(self, arrays: Sequence[np.ndarray], names: Sequence[str], root: int) -> List[np.ndarray]:
         """Collectives.broadcast: root's arrays on every rank; new arrays."""
         return broadcast(arrays, names, root, None)
+
+
+def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+    """Horovod's hvd.init: join the job (basics.init: a Communicator from the environment or
+    `comm`, then `process_sets` added, every rank passing the same), and route the TensorFlow
+    adapter's collectives (the Keras callbacks') through the same name-matching negotiation."""
+    basics.init(comm, process_sets)
+    rstf.use_collectives(NegotiatedCollectives())

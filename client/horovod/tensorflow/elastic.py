@@ -11,6 +11,7 @@ import tensorflow as tf  # the real tensorflow: absolute import
 from .. import basics
 from ..elastic import ObjectState, State, run_fn
 from ..exceptions import HorovodInternalError
+from .arrays import init
 from .functions import broadcast_object, broadcast_variables
 
 
@@ -31,8 +32,6 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _reset() -> None:
-    from . import init  # the package's: it also routes the Keras callbacks' collectives
-
     basics.shutdown()
     init()
 
