@@ -21,7 +21,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, List, Optional, Set
 
@@ -44,6 +44,7 @@ class Seat:
     rank: int
     size: int
     round: int
+    version: int = field(default=0, compare=False)  # the membership's version the round was formed from
 
 
 class Rendezvous:
@@ -120,7 +121,7 @@ class Rendezvous:
             return
         ranked: List[int] = sorted(self.members)
         self.round += 1
-        self.seats = {worker: Seat(rank, len(ranked), self.round) for rank, worker in enumerate(ranked)}
+        self.seats = {worker: Seat(rank, len(ranked), self.round, self.version) for rank, worker in enumerate(ranked)}
         self.asking -= self.members
         self.changed.notify_all()
         if self.on_round is not None:
@@ -138,7 +139,7 @@ def _handler(rendezvous: Rendezvous) -> type:
                 if self.path == "/join":
                     seat = rendezvous.join(int(request["worker"]))
                     return self._answer(200, {"rank": seat.rank, "size": seat.size, "round": seat.round,
-                                              "version": rendezvous.version})
+                                              "version": seat.version})
                 if self.path == "/version":
                     return self._answer(200, {"version": rendezvous.version})
                 return self._answer(404, {"error": f"no such request: {self.path}"})
@@ -187,7 +188,7 @@ def ask(address: str, token: str, path: str, document: dict, timeout: float = JO
 def seat(address: str, token: str, worker: int) -> Seat:
     """This worker's seat in the next round (waits for the other live workers)."""
     answer = ask(address, token, "/join", {"worker": worker})
-    return Seat(answer["rank"], answer["size"], answer["round"])
+    return Seat(answer["rank"], answer["size"], answer["round"], answer["version"])
 
 
 def version(address: str, token: str) -> int:

@@ -197,7 +197,7 @@ class Engine:
                     if coll.future.done():
                         continue  # it failed while it waited (_held)
                     ledger.start(coll)
-                    if self.failover.lost and not self.failover.place(coll):
+                    if self.failover.rerouting and not self.failover.place(coll):
                         ledger.give_up(coll, f"no reducer is left for one of its chunks: {self.failover.reason()}")
             if self._closing:
                 return self._die("the communicator was closed")

@@ -101,6 +101,12 @@ class Failover:
         self.joins = 0  # groups in which a lost reducer is used again (JOIN)
         self.rejoined_chunks = 0  # chunks answered by a reducer that came back
 
+    @property
+    def rerouting(self) -> bool:
+        """Whether a new collective's chunks may need another reducer than the plan's: one of
+        the plan's reducers is lost (spares alone never are a chunk's own)."""
+        return any(r < self.active for r in self.lost)
+
     def usable(self, r: int, group: int, seq: int) -> bool:
         """Whether reducer r takes chunks of collective seq of group: never lost, or back from that seq."""
         return r not in self.lost or seq >= self.since.get(r, {}).get(group, _NEVER)

@@ -35,13 +35,13 @@ def join() -> Communicator:
     """This worker's Communicator for the next round of the elastic job: its rank and size from
     the rendezvous, its generation the round's."""
     global _joined_version
-    address, token, worker = settings.read("RS_RENDEZVOUS"), settings.read("RS_JOB_TOKEN"), settings.read("RS_WORKER_ID")
-    answer = rendezvous.ask(address, token, "/join", {"worker": worker})
-    _joined_version = answer["version"]
+    place = rendezvous.seat(settings.read("RS_RENDEZVOUS"), settings.read("RS_JOB_TOKEN"),
+                            settings.read("RS_WORKER_ID"))
+    _joined_version = place.version
     # The launcher's placement variables describe the worker as it started; the round's replace them.
     environ = {k: v for k, v in os.environ.items() if k not in _PLACEMENT}
-    environ.update(RS_RANK=str(answer["rank"]), RS_WORLD_SIZE=str(answer["size"]))
-    return Communicator.from_env(environ, incarnation=answer["round"])
+    environ.update(RS_RANK=str(place.rank), RS_WORLD_SIZE=str(place.size))
+    return Communicator.from_env(environ, incarnation=place.round)
 
 
 def hosts_updated() -> bool:

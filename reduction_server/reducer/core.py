@@ -233,10 +233,8 @@ class Reducer:
             self.admission.hello(identity, h, payload)
         elif h.type is MsgType.AUTH:
             self.admission.auth(identity, payload)
-        elif h.type is MsgType.GROUP:
-            self._group(identity, h, payload)
-        elif h.type is MsgType.PROGRESS:
-            self._progress(identity, h, payload)
+        elif h.type in (MsgType.GROUP, MsgType.PROGRESS):
+            self._member_news(identity, h, payload)
         elif h.type is MsgType.BYE:
             self.members.leave(identity)
         elif h.type is MsgType.PING:
@@ -244,31 +242,22 @@ class Reducer:
         else:
             self.admission.malformed(identity, f"a worker does not send {h.type.name} messages")
 
-    def _group(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
-        """A GROUP: an admitted member names the ranks of one of the job's groups."""
+    def _member_news(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
+        """A GROUP (the ranks of one of the job's groups) or a PROGRESS (where a member that lost
+        this reducer and came back is, rejoin.py): from an admitted member only; a payload that
+        does not parse is malformed, one the job's state refuses is answered MISMATCH."""
         peer = self.members.holder(identity)
         if peer is None:
-            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
-                                     f"{self.name}: GROUP from a peer that has not completed the handshake", about=h)
+            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED, (
+                f"{self.name}: {h.type.name} from a peer that has not completed the handshake"), about=h)
+        data = payload.bytes if payload is not None else b""
         try:
-            ranks = protocol.group_ranks(payload.bytes if payload is not None else b"", peer.world)
+            if h.type is MsgType.GROUP:
+                refused = self.members.announce(peer, h.group, protocol.group_ranks(data, peer.world))
+            else:
+                refused = self.members.progress(peer, protocol.seq_pairs(data))
         except ProtocolError as exc:
             return self.admission.malformed(identity, str(exc))
-        refused = self.members.announce(peer, h.group, ranks)
-        if refused is not None:
-            self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {refused}", about=h)
-
-    def _progress(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
-        """A PROGRESS: an admitted member that lost this reducer and came back says where it is."""
-        peer = self.members.holder(identity)
-        if peer is None:
-            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
-                                     f"{self.name}: PROGRESS from a peer that has not completed the handshake", about=h)
-        try:
-            progress = protocol.seq_pairs(payload.bytes if payload is not None else b"")
-        except ProtocolError as exc:
-            return self.admission.malformed(identity, str(exc))
-        refused = self.members.progress(peer, progress)
         if refused is not None:
             self.outbox.error(identity, ErrorCode.MISMATCH, f"{self.name}: {refused}", about=h)
 

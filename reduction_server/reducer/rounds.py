@@ -18,7 +18,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-
 from ..accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
 from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
