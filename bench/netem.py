@@ -296,7 +296,8 @@ def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: s
     settings = settings or {}
     addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
     servers = [net.spawn(world + j, [_PYTHON, "-m", "reduction_server", "serve", "--host", net.address(world + j),
-                                     "--port", str(_REDUCER_PORT), "--workers", str(world), "--index", str(j)],
+                                     "--port", str(_REDUCER_PORT), "--workers", str(world), "--index", str(j),
+                                     "--shards", "1"],  # the emulated hosts share this machine's cores
                          _env({"RS_JOB_TOKEN": token, **settings})) for j in range(reducers)]
     try:
         for j, proc in enumerate(servers):

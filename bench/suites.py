@@ -15,12 +15,12 @@ SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "fail
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
-          "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant"}
+          "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant", "shards": "--shards"}
 _ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib"},
             "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
             "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
             "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-            "reducer": {"worlds", "sizes_mib"},
+            "reducer": {"worlds", "sizes_mib", "shards"},
             "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"}}
 
 
@@ -112,11 +112,12 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
     elif suite == "reducer":
         from . import reducer
 
-        rows = reducer.run(**_configure(suite, {"worlds": (2,), "sizes_mib": (16,), "iters": 8, "limit_gib": 0.25}
-                                        if quick else {}, sweep))
+        rows = reducer.run(**_configure(suite, {"worlds": (2,), "sizes_mib": (16,), "shards": (1, 2), "iters": 8,
+                                                "limit_gib": 0.25} if quick else {}, sweep))
         print(report.table(rows, reducer.COLUMNS))
         files = [report.save(rows, suite, out, command),
-                 report.bars([f"W={r['W']} {r['mib']:g} MiB" for r in rows], [r["vs_limit"] for r in rows],
+                 report.bars([f"W={r['W']} {r['mib']:g} MiB {r['shards']} shards" for r in rows],
+                             [r["vs_limit"] for r in rows],
                              xlabel="reducer CPU per GiB / copy limit (same run)", reference=1.0,
                              title="one reducer over tcp: CPU per GiB of incoming gradient", path=out / "reducer.png")]
     elif suite == "failover":

@@ -2,10 +2,13 @@
 
 The plan depends only on the element count, the item size, the number of reducers, the chunk
 size and the pipeline depth, so every rank computes the same one without talking (a rank
-configured with another chunk size or depth is caught by the reducer as a mismatch). Chunk k of
-collective seq goes to reducer (seq + k) mod R: large buffers spread evenly, and small ones
-rotate over the reducers. When that reducer is lost, the chunk goes to the first reducer not lost
-in its preference order (`preference`), which every rank computes alike.
+configured with another chunk size or depth is caught by the reducer as a mismatch). The chunks'
+size comes from the reducers R (RS_PIPELINE_DEPTH chunks each at least); chunk k of collective
+seq goes to endpoint (seq + k) mod E, where the E endpoints are the reducers' shards
+(engine/endpoints.py; E = R when every reducer runs one): large buffers spread evenly, and small
+ones rotate. When that endpoint is lost, the chunk goes to the first one not lost in its
+preference order (`preference`), which every rank computes alike. Below, "reducer" means an
+endpoint.
 """
 from __future__ import annotations
 

@@ -90,8 +90,9 @@ class Communicator:
         io_threads: libzmq I/O threads (RS_IO_THREADS).
         encrypt: CurveZMQ on every connection, keys from the token (RS_ENCRYPT).
         shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
-        send_buffer: the kernel send buffer of each connection in bytes, 0 for the kernel's
-            autotuning (RS_SNDBUF).
+        send_buffer: the kernel send buffer of each connection: "auto" (each connection's from
+            its round trip and delivery rate: engine/send_buffers.py), 0 for the kernel's
+            autotuning, or bytes (RS_SNDBUF).
         failover: move a lost reducer's chunks to the reducers left, so that collectives
             complete (RS_FAILOVER, on by default); False: they fail naming it.
         spares: how many of the reducers, the last ones listed, are spares (RS_SPARE_REDUCERS):
@@ -112,7 +113,7 @@ class Communicator:
                  pipeline_depth: Optional[int] = None,
                  timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
-                 shared_memory: Optional[bool] = None, send_buffer: Optional[int] = None,
+                 shared_memory: Optional[bool] = None, send_buffer: Union[int, str, None] = None,
                  failover: Optional[bool] = None, spares: Optional[int] = None) -> None:
         if isinstance(reducers, str):
             reducers = [a for a in reducers.split(",") if a.strip()]
@@ -143,7 +144,6 @@ class Communicator:
                               f"{len(self.reducers)} reducers in use")
         if spares and not failover:
             raise ConfigError(f"RS_SPARE_REDUCERS={spares} needs RS_FAILOVER=1: spares take a lost reducer's chunks")
-        self.active_reducers = len(self.reducers) - spares  # the chunk plan's; the spares follow them
         self.chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
         self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH", MAX_PIPELINE_DEPTH)
         self._seq = itertools.count()
@@ -162,6 +162,10 @@ class Communicator:
             failover=failover, spares=spares,
         )
         self._engine.start()
+        #: the reducers that size the chunk plan (RS_PIPELINE_DEPTH chunks each at least), and
+        #: their shards, over which the chunks are spread (the spares' follow them): endpoints.py
+        self.active_reducers = len(self.reducers) - spares
+        self.active_endpoints = self._engine.active
         self._closed = False
 
     @classmethod
@@ -228,7 +232,7 @@ class Communicator:
                             self.pipeline_depth)
         with self._submit_lock:  # only what needs the seq: ranks must submit in one order
             seq = next(self._seq)
-            chunks = plan(seq, spans, self.active_reducers)
+            chunks = plan(seq, spans, self.active_endpoints)
             coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
                               result, trace=trace, traced=traced, group=self.group_id, time_limit=time_limit)
             self._engine.submit(coll)

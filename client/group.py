@@ -49,7 +49,7 @@ class Group(Communicator):
         self.rank = members.index(parent.rank)
         self.world_size = len(members)
         self.reducers, self.job_id, self.generation = parent.reducers, parent.job_id, parent.generation
-        self.active_reducers = parent.active_reducers
+        self.active_reducers, self.active_endpoints = parent.active_reducers, parent.active_endpoints
         self.chunk_bytes, self.pipeline_depth = parent.chunk_bytes, parent.pipeline_depth
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()

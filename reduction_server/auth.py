@@ -3,7 +3,7 @@
 Each side proves it knows the token with HMAC-SHA256 over a nonce the other side chose, so the
 token never crosses the wire and no proof can be replayed:
 - the reducer proves itself first, over the worker's nonce (sent in HELLO), bound to its index,
-  the job and the generation: a worker sends nothing more (no AUTH, no shared-memory offer, no
+  its shard (a `serve --shards N` process on port + shard), the job and the generation: a worker sends nothing more (no AUTH, no shared-memory offer, no
   data) to a reducer whose proof does not match;
 - the worker then proves itself over the reducer's nonce (sent in CHALLENGE), bound to its rank,
   the world size, the job and the generation.
@@ -53,9 +53,10 @@ def worker_proof(token: str, nonce: bytes, *, job: int, generation: int, rank: i
     return _digest(token, _WORKER_LABEL + nonce + struct.pack("<QIII", job, generation, rank, world))
 
 
-def reducer_proof(token: str, nonce: bytes, *, index: int, job: int, generation: int) -> bytes:
-    """What a reducer sends in CHALLENGE: its proof of the token over the worker's nonce."""
-    return _digest(token, _REDUCER_LABEL + nonce + struct.pack("<QII", job, generation, index))
+def reducer_proof(token: str, nonce: bytes, *, index: int, job: int, generation: int, shard: int = 0) -> bytes:
+    """What a reducer (shard `shard` of reducer `index`) sends in CHALLENGE: its proof of the
+    token over the worker's nonce."""
+    return _digest(token, _REDUCER_LABEL + nonce + struct.pack("<QIII", job, generation, index, shard))
 
 
 def verify_worker(token: str, nonce: bytes, claimed: bytes, *, job: int, generation: int, rank: int,
@@ -65,9 +66,11 @@ def verify_worker(token: str, nonce: bytes, claimed: bytes, *, job: int, generat
     return hmac.compare_digest(expected, claimed)
 
 
-def verify_reducer(token: str, nonce: bytes, claimed: bytes, *, index: int, job: int, generation: int) -> bool:
+def verify_reducer(token: str, nonce: bytes, claimed: bytes, *, index: int, job: int, generation: int,
+                   shard: int = 0) -> bool:
     """Whether `claimed` is the reducer proof for this worker nonce and identity (constant time)."""
-    return hmac.compare_digest(reducer_proof(token, nonce, index=index, job=job, generation=generation), claimed)
+    expected = reducer_proof(token, nonce, index=index, job=job, generation=generation, shard=shard)
+    return hmac.compare_digest(expected, claimed)
 
 
 def challenge(nonce: bytes, proof: bytes) -> bytes:

@@ -17,7 +17,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .reducer import serve
 
     return serve(host=args.host, port=args.port, workers=args.workers, index=args.index,
-                 deterministic=args.deterministic, metrics_port=args.metrics_port, ready_fd=args.ready_fd)
+                 deterministic=args.deterministic, metrics_port=args.metrics_port, ready_fd=args.ready_fd,
+                 shards=args.shards, shard=args.shard)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -39,8 +40,11 @@ def _chaos(args: argparse.Namespace) -> int:
 def _size(args: argparse.Namespace) -> int:
     from .sizing import explain, measure
 
+    from .reducer.shards import usable_cores
+
     measured = measure(args.measure_workers, args.measure_mib, args.measure_iters) if args.measure else None
-    print("\n".join(explain(args.workers, args.worker_gbps, args.reducer_gbps, measured)))
+    cores = args.reducer_cores or usable_cores()
+    print("\n".join(explain(args.workers, args.worker_gbps, args.reducer_gbps, measured, cores)))
     return 0
 
 
@@ -143,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "their arrival order (default: RS_DETERMINISTIC, else off)")
     serve.add_argument("--metrics-port", type=_port, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: RS_METRICS_PORT; "
-                            "0 or unset: off)")
+                            "0 or unset: off); shard s serves them on PORT+s")
+    serve.add_argument("--shards", default=None, metavar="N|auto",
+                       help="reducer processes to run, on ports PORT .. PORT+N-1, each a share of every worker's "
+                            "chunks; auto: one per core this process may use (default: RS_SHARDS, else auto)")
+    serve.add_argument("--shard", type=_at_least(0), default=None, help=argparse.SUPPRESS)  # set by the supervisor
     serve.add_argument("--ready-fd", type=_at_least(0), default=None, metavar="FD",
                        help="for launchers: once listening, write the bound port and a newline to this file "
                             "descriptor and close it")
@@ -175,15 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     size = _subcommand(
-        sub, "size", "How many reducers a job needs: R >= W x worker bandwidth / reducer bandwidth.",
+        sub, "size", "How many reducer hosts a job needs: R >= W x worker bandwidth / reducer bandwidth.",
         "reduction-server size --workers 8 --worker-gbps 100 --reducer-gbps 32 --measure", [],
         "--measure starts a reducer and --measure-workers workers on this host, with the environment's "
-        "settings (see reduction-server serve --help) and RS_SHM=0.")
+        "settings (see reduction-server serve --help) and RS_SHM=0, and measures the reducer's CPU time per GiB.")
     size.add_argument("--workers", type=int, required=True, help="number of worker hosts")
     size.add_argument("--worker-gbps", type=float, required=True, help="each worker host's network bandwidth, Gbit/s")
     size.add_argument("--reducer-gbps", type=float, required=True, help="each reducer host's network bandwidth, Gbit/s")
     size.add_argument("--measure", action="store_true",
-                      help="also measure what one reducer process can sum on this host, and say which limit binds")
+                      help="also measure what a core sums on this host, hence a reducer host, and say which limit binds")
+    size.add_argument("--reducer-cores", type=_at_least(1), default=None,
+                      help="each reducer host's cores, with --measure (default: this host's)")
     size.add_argument("--measure-workers", type=int, default=2, help="local worker processes for --measure (default 2)")
     size.add_argument("--measure-mib", type=float, default=64, help="all-reduce size for --measure (default 64)")
     size.add_argument("--measure-iters", type=int, default=5, help="timed steps for --measure (default 5)")
@@ -200,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
                             "collectives: reduce_scatter and all_gather vs Gloo on loopback and that network "
                             "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
-                            "measured in the same run, and its busiest thread's share; failover: the step in which a "
+                            "measured in the same run, its busiest thread's share, and both against shards; failover: the step in which a "
                             "reducer is killed and the steps after it vs undisturbed runs on that network (needs root)")
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
@@ -217,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"link rates to sweep, Mbit/s each way (netem, ddp, collectives, failover); {sweep}")
     bench.add_argument("--mib", type=_positive_list(float), default=None, dest="sizes_mib", metavar="MIB,...",
                        help=f"all-reduce sizes (kernels: accumulator sizes; collectives: full tensors) to sweep, MiB (kernels, loopback, netem, collectives, reducer, failover); {sweep}")
+    bench.add_argument("--shards", type=_positive_list(int), default=None, metavar="N,...",
+                       help=f"reducer: shard counts (serve --shards) to sweep; {sweep}")
     bench.add_argument("--delay-ms", type=float, default=None, metavar="MS",
                        help="netem, ddp: delay each direction of each link this long (a round trip between two hosts "
                             "crosses it four times; needs the kernel's netem qdisc; default 0)")

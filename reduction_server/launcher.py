@@ -119,6 +119,8 @@ class _Job:
                 ready.append(ready_r)
                 argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
                         "--port", str(port), "--index", str(index), "--ready-fd", str(ready_w)]
+                # One process each: the workers share this host's cores, and --reducers sets how many.
+                argv += ["--shards", "1"]
                 if self.elastic is None:  # an elastic job's rounds each have a world size of their own
                     argv += ["--workers", str(self.np)]
                 # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.

@@ -23,7 +23,7 @@ import zmq
 from .errors import ProtocolError
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
-VERSION = 4  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL)
+VERSION = 5  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL); 5: shards
 
 # magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
 # job, group, seq, offset, count, total, nbytes
@@ -305,9 +305,10 @@ def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -
 
 
 def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0, job: int = 0,
-                generation: int = 0, aux: int = 0, group: int = 0) -> bytes:
-    """The header of a handshake, PING, BYE, REJECT or GROUP message (no chunk)."""
-    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux, group=group,
+                generation: int = 0, aux: int = 0, group: int = 0, chunk: int = 0) -> bytes:
+    """The header of a handshake, PING, BYE, REJECT or GROUP message (no chunk; a CHALLENGE's
+    `chunk` is the reducer's shard)."""
+    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux, group=group, chunk=chunk,
                   nbytes=len(payload)).pack()
 
 

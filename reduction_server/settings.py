@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from .errors import ConfigError
 
@@ -33,11 +33,14 @@ MAX_PIPELINE_DEPTH = 1024
 #: the reducer never blocks on one peer (its sends are non-blocking), so a worker's unanswered
 #: chunks must stay well under libzmq's per-peer queue of 1000 messages
 MAX_WINDOW = 256
-#: RS_SNDBUF: 0 leaves each connection's send buffer to the kernel's autotuning. A small buffer caps
-#: the bytes each TCP flow has in flight, so the flows sharing a shaped, deep-buffered link take
-#: turns; it also caps a flow at about 2 x RS_SNDBUF per round trip, which slows loopback
-#: (bench/RESULTS.md, "Tuning settings"). The kernel cuts the value to net.core.wmem_max, then doubles it
-DEFAULT_SNDBUF = 0
+#: RS_SNDBUF: a small send buffer caps the bytes each TCP flow has in flight, so the flows sharing a
+#: shaped, deep-buffered link take turns; it also caps a flow at about 2 x RS_SNDBUF per round
+#: trip, which slows loopback and fast links (bench/RESULTS.md, "Tuning settings"). So by default
+#: (`auto`, SNDBUF_AUTO) a worker sizes each connection's buffer from what that connection measures
+#: (client/engine/send_buffers.py) and a reducer leaves its own to the kernel (they changed nothing
+#: measured); 0 leaves every buffer to the kernel's autotuning; a size fixes them all. The kernel
+#: cuts a size to net.core.wmem_max, then doubles it
+SNDBUF_AUTO = -1
 MIN_SNDBUF = 4096
 MAX_SNDBUF = 1 << 30
 #: seconds a collective may wait for its results before it fails
@@ -62,6 +65,8 @@ DEFAULT_MAX_PEER_BYTES = 2048 * MiB
 #: rounds (one chunk of one collective) in flight on a reducer for its job: ranks send in one
 #: order, so a well-behaved job has at most RS_WINDOW (<= MAX_WINDOW) open per reducer and group
 DEFAULT_MAX_ROUNDS = 1024
+#: shards one `serve` may run (each a process with its own port)
+MAX_SHARDS = 256
 #: bytes per fused bucket of all-reduces (Horovod's default)
 DEFAULT_FUSION_THRESHOLD = 64 * MiB
 #: milliseconds between the Horovod API's negotiation cycles (Horovod's default)
@@ -149,9 +154,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "better and costs CPU per chunk (bench/RESULTS.md)", int, DEFAULT_PIPELINE_DEPTH, 1, MAX_PIPELINE_DEPTH),
     Variable("RS_SHM", _BOTH, "1", "chunks between a worker and a reducer on one host go through shared memory; "
              "0 turns it off on either side", bool, True),
-    Variable("RS_SNDBUF", (*_BOTH, BENCH), "0 (the kernel's autotuning)",
-             "kernel send buffer (SO_SNDBUF) of each connection, bytes: 0, or 4096 and up; 16384 keeps flows in "
-             "step on a shaped cloud link, and slows loopback (bench/RESULTS.md)", int, DEFAULT_SNDBUF, 0, MAX_SNDBUF),
+    Variable("RS_SNDBUF", (*_BOTH, BENCH), "`auto`: each worker connection's from its round trip and delivery "
+             "rate", "kernel send buffer (SO_SNDBUF) of each connection: `auto`, 0 (the kernel's autotuning), or "
+             "bytes, 4096 and up (a fixed 16384 keeps flows in step on a shaped cloud link, and slows loopback: "
+             "bench/RESULTS.md)", int, SNDBUF_AUTO, 0, MAX_SNDBUF),
     Variable("RS_IO_THREADS", (WORKERS,), "1", "libzmq I/O threads", int, 1, 1),
     # time limits
     Variable("RS_TIMEOUT", _BOTH, _seconds(DEFAULT_TIMEOUT),
@@ -187,6 +193,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("HOROVOD_TIMELINE_MARK_CYCLES", (WORKERS,), "0", "Horovod API: 1 marks each negotiation cycle "
              "(CYCLE_START) on the timeline", bool, False),
     # the reducer
+    Variable("RS_SHARDS", (REDUCERS,), "`auto`: the host's cores (`run`'s reducers: 1)",
+             "reducer processes one `serve` runs, on ports `port` .. `port`+N-1, each a share of every "
+             "worker's chunks; `auto` or a count", value="auto"),
     Variable("RS_DETERMINISTIC", (REDUCERS,), "0", "1: sum in rank order, so results are bitwise reproducible",
              bool, False),
     Variable("RS_MAX_CHUNK_BYTES", (REDUCERS,), _bytes(DEFAULT_MAX_CHUNK_BYTES),
@@ -276,18 +285,26 @@ def tuning(name: str, environ: Optional[Mapping[str, str]] = None) -> int:
     return socket_send_buffer(environ=environ) if name == "RS_SNDBUF" else read(name, environ)
 
 
-def socket_send_buffer(value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
-    """`value`, or RS_SNDBUF, or the default: 0 (the kernel's autotuning) or MIN_SNDBUF..MAX_SNDBUF bytes."""
+def socket_send_buffer(value: Union[int, str, None] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    """`value`, or RS_SNDBUF, or the default: SNDBUF_AUTO (`auto`), 0 (the kernel's autotuning)
+    or MIN_SNDBUF..MAX_SNDBUF bytes."""
     if value is None:
-        value, name = read("RS_SNDBUF", environ), "RS_SNDBUF"
+        environ = os.environ if environ is None else environ
+        raw, name = environ.get("RS_SNDBUF", "").strip(), "RS_SNDBUF"
+        if raw.lower() in ("", "auto"):
+            return SNDBUF_AUTO
+        value = read(name, environ)
+    elif isinstance(value, str) and value.strip().lower() == "auto":
+        return SNDBUF_AUTO
     else:
         name = "send_buffer"
         try:
-            value = operator.index(value)  # numpy and torch integers too, never a float or a string
+            value = operator.index(value)  # numpy and torch integers too, never a float or another string
         except TypeError:
-            raise ConfigError(f"send_buffer={value!r} is not an integer number of bytes") from None
+            raise ConfigError(f"send_buffer={value!r} is neither `auto` nor an integer number of bytes") from None
     if value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF:
-        raise ConfigError(f"{name}={value} must be 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} bytes")
+        raise ConfigError(f"{name}={value} must be `auto`, 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} "
+                          "bytes")
     return value
 
 

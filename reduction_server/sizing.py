@@ -1,46 +1,34 @@
-"""How many reducers a job needs: `reduction-server size`.
+"""How many reducer hosts a job needs: `reduction-server size`.
 
 Each reducer receives its share of every worker's gradient and sends the sum back, so the
 reducer pool's total bandwidth must match the workers' (DESIGN.md section 1):
 R >= W x B_worker / B_reducer (Google's example: 8 workers at 100 Gbit/s and reducers at
-32 Gbit/s need 25). A reducer's usable bandwidth is the smaller of its NIC and of what one
-reducer process can sum, which `--measure` finds out on this host.
+32 Gbit/s need 25). A reducer host's usable bandwidth is the smaller of its NIC and of what its
+cores can sum: `--measure` finds the CPU cost of a GiB on this host (reducer_load.py), hence what
+one core sums, and a reducer host runs one shard per core (`serve --shards auto`).
 """
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-import textwrap
 from dataclasses import dataclass
 from typing import List, Optional
 
 from .errors import ConfigError
-
-# One rank of the measuring job: all-reduce a float32 buffer, print the mean time per step.
-_WORKER = textwrap.dedent("""
-    import sys, time, numpy as np
-    import reduction_server.client as rs
-    mib, iters = float(sys.argv[1]), int(sys.argv[2])
-    with rs.Communicator.from_env() as comm:
-        x = np.ones(int(mib * (1 << 20)) // 4, np.float32)
-        comm.all_reduce(x, out=x)  # warm-up: connections, buffers
-        comm.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            comm.all_reduce(x, out=x)
-        print(f"seconds_per_step={(time.perf_counter() - start) / iters}", flush=True)
-""")
+from .reducer_load import GBIT_PER_GIB
 
 
 @dataclass
 class Measurement:
-    gbps: float  # incoming gradient one reducer process summed, Gbit/s
+    cpu_s_per_gib: float  # the reducer's CPU seconds (all its threads) per GiB of incoming gradient
+    gbps_in: float  # incoming gradient it summed, Gbit/s (its cores shared with the workers: a lower bound)
     workers: int
     mib: float
     iters: int
+
+    @property
+    def per_core_gbps(self) -> float:
+        """Incoming Gbit/s one fully busy core sums at this cost."""
+        return GBIT_PER_GIB / self.cpu_s_per_gib
 
 
 def reducers_needed(workers: int, worker_gbps: float, reducer_gbps: float) -> int:
@@ -54,51 +42,45 @@ def reducers_needed(workers: int, worker_gbps: float, reducer_gbps: float) -> in
     return max(1, math.ceil(workers * worker_gbps / reducer_gbps - 1e-9))
 
 
-def explain(workers: int, worker_gbps: float, reducer_gbps: float,
-            measured: Optional[Measurement] = None) -> List[str]:
-    """The sizing, worked through in sentences; the last line gives the count."""
+def explain(workers: int, worker_gbps: float, reducer_gbps: float, measured: Optional[Measurement] = None,
+            cores: Optional[int] = None) -> List[str]:
+    """The sizing, worked through in sentences; the last line gives the count of reducer hosts.
+    `cores`: each reducer host's cores (with a measurement)."""
     total = workers * worker_gbps
     lines = [f"Gradient traffic into the reducer pool: {workers} worker hosts x {worker_gbps:g} Gbit/s "
              f"= {total:g} Gbit/s (each reducer receives its share and sends the sum back as much)."]
-    per_reducer = reducer_gbps
+    per_host = reducer_gbps
     if measured is None:
-        lines.append(f"Per reducer: {reducer_gbps:g} Gbit/s, its NIC (add --measure to check that one "
-                     "reducer process can sum that fast on this kind of host).")
+        lines.append(f"Per reducer host: {reducer_gbps:g} Gbit/s, its NIC (add --measure to check that its cores "
+                     "can sum that fast).")
     else:
+        if cores is None or cores < 1:
+            raise ConfigError(f"--reducer-cores must be at least 1, got {cores}")
+        cpu = cores * measured.per_core_gbps
         lines.append(
-            f"Measured here: one reducer process summed {measured.gbps:.1f} Gbit/s of incoming float32 "
-            f"gradient ({measured.workers} local workers, {measured.mib:g} MiB all-reduces, {measured.iters} "
-            "steps; the workers shared this machine's CPUs, so it is a lower bound).")
-        per_reducer = min(reducer_gbps, measured.gbps)
-        if measured.gbps < reducer_gbps:
-            per_instance = math.ceil(reducer_gbps / measured.gbps - 1e-9)
-            lines.append(
-                f"Per reducer: min(NIC {reducer_gbps:g}, CPU {measured.gbps:.1f}) = {measured.gbps:.1f} Gbit/s: "
-                f"the CPU binds. Run {per_instance} reducer processes per reducer host (one per core) to fill "
-                "its NIC, or count reducer processes as below.")
-        else:
-            lines.append(f"Per reducer: min(NIC {reducer_gbps:g}, CPU {measured.gbps:.1f}) = {reducer_gbps:g} "
-                         "Gbit/s: the NIC binds.")
-    count = reducers_needed(workers, worker_gbps, per_reducer)
-    unit = "reducer processes" if measured is not None and measured.gbps < reducer_gbps else "reducers"
-    lines.append(f"Reducers needed: ceil({total:g} / {per_reducer:.4g}) = {count} {unit}.")
+            f"Measured here: a reducer spends {measured.cpu_s_per_gib:.3f} CPU-seconds per GiB of incoming float32 "
+            f"gradient ({measured.workers} local workers, {measured.mib:g} MiB all-reduces, {measured.iters} steps, "
+            f"over tcp; it summed {measured.gbps_in:.1f} Gbit/s sharing this machine's cores with them): one core "
+            f"sums {measured.per_core_gbps:.1f} Gbit/s.")
+        lines.append(f"A reducer host of {cores} cores runs {cores} shards (serve --shards auto) and sums "
+                     f"{cores} x {measured.per_core_gbps:.1f} = {cpu:.1f} Gbit/s.")
+        per_host = min(reducer_gbps, cpu)
+        binds = "the CPU binds" if cpu < reducer_gbps else "the NIC binds"
+        lines.append(f"Per reducer host: min(NIC {reducer_gbps:g}, CPU {cpu:.1f}) = {per_host:.4g} Gbit/s: {binds}."
+                     + (f" Hosts of {math.ceil(cores * reducer_gbps / cpu - 1e-9)} cores would fill the NIC."
+                        if cpu < reducer_gbps else ""))
+    count = reducers_needed(workers, worker_gbps, per_host)
+    lines.append(f"Reducer hosts needed: ceil({total:g} / {per_host:.4g}) = {count} (one `serve` each).")
     return lines
 
 
 def measure(workers: int = 2, mib: float = 64, iters: int = 5, timeout: float = 300) -> Measurement:
-    """Time one reducer process with `workers` local worker processes all-reducing float32."""
+    """One reducer process (one shard) with `workers` local worker processes all-reducing float32
+    over tcp: its CPU time per GiB of incoming gradient."""
+    from . import reducer_load
+
     if workers < 1 or mib <= 0 or iters < 1:
         raise ConfigError(f"--measure needs workers >= 1, a positive size and iters >= 1 "
                           f"(got {workers}, {mib}, {iters})")
-    command = [sys.executable, "-m", "reduction_server", "run", "-np", str(workers), "--reducers", "1", "--",
-               sys.executable, "-c", _WORKER, str(mib), str(iters)]
-    # RS_SHM=0: reducers serve workers on other hosts, so their chunks must come through the
-    # sockets here too; shared memory would spare the reducer the very work being measured.
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd="/",
-                          env={**os.environ, "RS_SHM": "0"})
-    steps = [float(v) for v in re.findall(r"\] seconds_per_step=([0-9.eE+-]+)", proc.stdout)]
-    if proc.returncode != 0 or len(steps) != workers:
-        raise RuntimeError(f"the measuring job failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    seconds = max(steps)  # the step ends when the slowest rank has its result
-    incoming_bits = workers * mib * (1 << 20) * 8
-    return Measurement(incoming_bits / seconds / 1e9, workers, mib, iters)
+    load = reducer_load.run(workers, mib, iters, shards=1, timeout=timeout)
+    return Measurement(load.cpu_s_per_gib, load.gbit_s_in, workers, mib, iters)

@@ -17,6 +17,9 @@ import pytest
 from helpers.source_tree import ROOT  # imports nothing of reduction_server
 
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+# One process per reducer unless a test asks for shards (test_shards.py): tests that stop or kill
+# "the reducer" mean that one process. RS_SHARDS=2 python -m pytest runs every reducer sharded.
+os.environ.setdefault("RS_SHARDS", "1")
 
 import reduction_server.client as rs  # noqa: E402  (after the tree left sys.path)
 from reduction_server import _native  # noqa: E402

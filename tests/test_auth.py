@@ -21,8 +21,8 @@ def test_each_side_verifies_its_own_proof():
     assert auth.verify_reducer(TOKEN, NONCE, auth.reducer_proof(TOKEN, NONCE, **REDUCER), **REDUCER)
 
 
-@pytest.mark.parametrize("field, value", [("index", 0), ("job", 8), ("generation", 3)])
-def test_a_reducer_proof_is_bound_to_its_index_job_and_generation(field, value):
+@pytest.mark.parametrize("field, value", [("index", 0), ("job", 8), ("generation", 3), ("shard", 1)])
+def test_a_reducer_proof_is_bound_to_its_index_shard_job_and_generation(field, value):
     proof = auth.reducer_proof(TOKEN, NONCE, **REDUCER)
     assert not auth.verify_reducer(TOKEN, NONCE, proof, **{**REDUCER, field: value})
 
@@ -53,7 +53,7 @@ STRETCHED = hashlib.scrypt(TOKEN.encode(), salt=b"reduction-server job token v2"
 
 
 def test_the_hmac_key_is_the_stretched_token_not_the_token():
-    message = b"reduction-server reducer proof v2\0" + NONCE + struct.pack("<QII", 7, 2, 1)
+    message = b"reduction-server reducer proof v2\0" + NONCE + struct.pack("<QIII", 7, 2, 1, 0)
     plain = hmac.new(TOKEN.encode(), message, hashlib.sha256).digest()
     assert auth.reducer_proof(TOKEN, NONCE, **REDUCER) == hmac.new(STRETCHED, message, hashlib.sha256).digest() != plain
 

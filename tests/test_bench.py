@@ -195,18 +195,25 @@ def test_collectives_suite(tmp_path):
 
 
 def test_reducer_suite(tmp_path):
-    """One reducer under two workers' load over tcp, its CPU per GiB beside the copy limit of
-    the same run, and how its CPU time splits over its threads."""
+    """One reducer under two workers' load over tcp, as one shard and as two: its CPU per GiB
+    beside the copy limit of the same run, and how its CPU time splits over its threads (and
+    its shards' threads)."""
     from reduction_server.bench import reducer
 
     table, rows = run_suite("reducer", tmp_path)
-    (row,) = rows
-    assert set(reducer.COLUMNS) <= set(row) and (row["W"], row["mib"], row["iters"]) == (2, 16, 8)
-    assert row["limit_s_per_GiB"] == pytest.approx(row["recv"] + row["send"] + row["add"])
-    assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
-    assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
-    assert row["threads"] >= 1 and 1 / row["threads"] <= row["busiest_share"] <= 1
-    assert isinstance(row["busiest"], str) and row["busiest"]  # the busiest thread's name
+    assert [(row["W"], row["mib"], row["iters"], row["shards"]) for row in rows] == [(2, 16, 8, 1), (2, 16, 8, 2)]
+    for row in rows:
+        assert set(reducer.COLUMNS) <= set(row)
+        assert row["limit_s_per_GiB"] == pytest.approx(row["recv"] + row["send"] + row["add"])
+        assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
+        assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
+        assert row["threads"] >= 1 and 1 / row["threads"] <= row["busiest_share"] <= 1
+        assert isinstance(row["busiest"], str) and row["busiest"]  # the busiest thread's name
+        assert row["scales_to"] == pytest.approx(1 / row["busiest_share"])
+        assert row["host_Gbit_s"] == pytest.approx(row["per_core_Gbit_s"] * min(row["shards"], row["scales_to"]))
+    one, two = rows
+    # two processes, each with its own I/O thread, take the bytes in halves: no thread carries most of it
+    assert two["threads"] > one["threads"] and two["busiest_share"] < one["busiest_share"], rows
     assert table.splitlines()[0].split() == reducer.COLUMNS
 
 
@@ -338,7 +345,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
     (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, RS_PIPELINE_DEPTH, RS_SNDBUF"),
     (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
-    (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be 0"),
+    (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be `auto`, 0"),
     (["ddp", "--variant", "RS_WINDOW=0"], "--variant 'RS_WINDOW=0': RS_WINDOW='0' must be at least 1"),
     (["netem", "--variant", "RS_WINDOW=2,RS_WINDOW=3"], "sets RS_WINDOW twice"),
     (["netem", "--variant", "RS_WINDOW=2", "--variant", "RS_WINDOW=2"], "--variant RS_WINDOW=2 is given twice"),

@@ -8,26 +8,20 @@ again. RS_FAILOVER_RUNS sets how many runs of each kind (longer campaigns); the 
 a few minutes."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers
+from helpers.cluster import TOKEN, reducers
+from helpers.training import FAST, STEPS, Run
 
-W, R = 4, 3
-STEPS = 200
+R = 3
 RUNS = int(os.environ.get("RS_FAILOVER_RUNS", "5"))
 SEED = int(os.environ.get("RS_FAILOVER_SEED", "20261124"))
-FAST = {"RS_HEARTBEAT_INTERVAL": "0.5", "RS_LIVENESS_TIMEOUT": "2", "RS_TIMEOUT": "60"}
 
 pytestmark = pytest.mark.timeout(60 + 60 * RUNS)
 
@@ -36,60 +30,6 @@ Plan = List[Tuple[int, float, str, Tuple[int, ...]]]
 #: steps a restarted reducer gets before anything else happens: enough for every rank to reconnect,
 #: agree from which collective to use it (REJOIN_LEAD collectives on) and use it
 REJOIN_STEPS = 30
-
-
-class Run:
-    """W worker processes of failover_worker.py; rank 0's progress is followed line by line."""
-
-    def __init__(self, group: Reducers, exact: bool, extra: Optional[Dict[str, str]] = None) -> None:
-        self.step = -1
-        self.progress = threading.Condition()
-        self.outputs: Dict[int, List[str]] = {r: [] for r in range(W)}
-        self.procs = []
-        self.errs = []
-        for rank in range(W):
-            env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(W),
-                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST, **(extra or {})})
-            err = tempfile.TemporaryFile(mode="w+")  # logs apart: a line of stdout must stay whole
-            self.errs.append(err)
-            self.procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "failover_worker.py"), str(STEPS),
-                                                "1" if exact else "0"], env=env, stdout=subprocess.PIPE,
-                                               stderr=err, text=True))
-        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(W)]
-        for t in self.readers:
-            t.start()
-
-    def _read(self, rank: int) -> None:
-        for line in self.procs[rank].stdout:
-            self.outputs[rank].append(line.rstrip("\n"))
-            if rank == 0 and line.startswith("STEP "):
-                with self.progress:
-                    self.step = int(line.split()[1])
-                    self.progress.notify_all()
-
-    def wait_for_step(self, step: int, timeout: float = 60) -> None:
-        with self.progress:
-            assert self.progress.wait_for(lambda: self.step >= step or self.procs[0].poll() is not None, timeout), \
-                f"rank 0 did not reach step {step} in {timeout} s: {self.outputs[0][-5:]}"
-
-    def finish(self, timeout: float = 120) -> List[dict]:
-        results = []
-        try:
-            for rank, proc in enumerate(self.procs):
-                proc.wait(timeout)
-                self.readers[rank].join(10)
-                lines = self.outputs[rank]
-                self.errs[rank].seek(0)
-                assert proc.returncode == 0 and lines and lines[-1].startswith("{"), \
-                    f"rank {rank} failed ({proc.returncode}):\n" + "\n".join(lines[-5:]) + self.errs[rank].read()[-3000:]
-                results.append(json.loads(lines[-1]))
-        finally:
-            for proc, err in zip(self.procs, self.errs):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                err.close()
-        return results
 
 
 def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL,

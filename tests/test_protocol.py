@@ -44,7 +44,7 @@ def test_header_layout_matches_the_documentation():
     packed = data().pack()
     assert len(packed) == 88
     magic, version, mtype = struct.unpack_from("<IBB", packed)
-    assert (magic, version, mtype) == (0x52535631, 4, 6)
+    assert (magic, version, mtype) == (0x52535631, 5, 6)
     assert packed[:4] == b"1VSR"
     # u64 fields at the documented offsets
     assert struct.unpack_from("<Q", packed, 32)[0] == 0xDEADBEEFCAFEF00D  # job
@@ -113,7 +113,7 @@ def test_garbage_is_rejected():
     rejects(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(HEADER_SIZE, b"x"), "magic")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
 def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 

@@ -1,4 +1,5 @@
-"""`reduction-server size`: Google's sizing rule, and a real measurement of one reducer."""
+"""`reduction-server size`: Google's sizing rule, and a real measurement of one reducer's CPU
+cost, per core and per host."""
 import re
 import subprocess
 import sys
@@ -6,6 +7,7 @@ import sys
 import pytest
 
 from reduction_server.errors import ConfigError
+from reduction_server.reducer_load import GBIT_PER_GIB
 from reduction_server.sizing import Measurement, explain, measure, reducers_needed
 
 
@@ -27,14 +29,22 @@ def test_bad_arguments(args, match):
         reducers_needed(*args)
 
 
-def test_explanation_names_the_binding_limit():
+def _costing(per_core_gbps: float) -> Measurement:
+    return Measurement(cpu_s_per_gib=GBIT_PER_GIB / per_core_gbps, gbps_in=5.0, workers=2, mib=64, iters=5)
+
+
+def test_explanation_counts_hosts_and_names_the_binding_limit():
     nic = explain(8, 100, 32)
-    assert nic[-1] == "Reducers needed: ceil(800 / 32) = 25 reducers."
-    cpu = explain(8, 100, 32, Measurement(gbps=10.0, workers=2, mib=64, iters=5))
-    assert "the CPU binds" in cpu[2] and "Run 4 reducer processes per reducer host" in cpu[2]
-    assert cpu[-1] == "Reducers needed: ceil(800 / 10) = 80 reducer processes."
-    fast = explain(8, 100, 32, Measurement(gbps=50.0, workers=2, mib=64, iters=5))
-    assert "the NIC binds" in fast[2] and fast[-1].endswith("= 25 reducers.")
+    assert nic[-1] == "Reducer hosts needed: ceil(800 / 32) = 25 (one `serve` each)."
+    # 10 Gbit/s a core: a 2-core host sums 20 of its NIC's 32, a 16-core one fills it
+    small = explain(8, 100, 32, _costing(10.0), cores=2)
+    assert "one core sums 10.0 Gbit/s" in small[1] and "runs 2 shards" in small[2] and "= 20.0 Gbit/s" in small[2]
+    assert "the CPU binds" in small[3] and "Hosts of 4 cores would fill the NIC" in small[3]
+    assert small[-1] == "Reducer hosts needed: ceil(800 / 20) = 40 (one `serve` each)."
+    big = explain(8, 100, 32, _costing(10.0), cores=16)
+    assert "the NIC binds" in big[3] and big[-1] == "Reducer hosts needed: ceil(800 / 32) = 25 (one `serve` each)."
+    with pytest.raises(ConfigError, match="--reducer-cores"):
+        explain(8, 100, 32, _costing(10.0), cores=0)
 
 
 def test_cli_prints_the_arithmetic():
@@ -42,15 +52,18 @@ def test_cli_prints_the_arithmetic():
                           "--reducer-gbps", "32"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "8 worker hosts x 100 Gbit/s = 800 Gbit/s" in out.stdout
-    assert out.stdout.strip().endswith("= 25 reducers.")
+    assert out.stdout.strip().endswith("= 25 (one `serve` each).")
     bad = subprocess.run([sys.executable, "-m", "reduction_server", "size", "--workers", "0", "--worker-gbps", "1",
                           "--reducer-gbps", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--workers must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_measure_runs_a_real_reducer():
-    m = measure(workers=2, mib=2, iters=2, timeout=120)
-    assert m.gbps > 0.05  # a real job moved real bytes; the figure itself is this machine's
-    lines = explain(8, 100, 1e6, m)  # a NIC no CPU keeps up with: the CPU must bind
-    assert "the CPU binds" in lines[2]
-    assert re.search(r"summed \d+\.\d Gbit/s of incoming float32 gradient \(2 local workers, 2 MiB", lines[1])
+def test_measure_runs_a_real_reducer_and_reads_its_cpu_time():
+    m = measure(workers=2, mib=8, iters=4, timeout=120)
+    # a reducer receives, adds and sends each byte: it cannot cost nothing, nor a whole CPU-minute a GiB
+    assert 0.02 < m.cpu_s_per_gib < 60 and m.gbps_in > 0.05, m
+    lines = explain(8, 100, 1e6, m, cores=3)  # a NIC no CPU keeps up with: the CPU must bind
+    assert "the CPU binds" in lines[3]
+    assert re.search(r"a reducer spends \d+\.\d{3} CPU-seconds per GiB of incoming float32 gradient \(2 local workers, "
+                     r"8 MiB all-reduces, 4 steps", lines[1])
+    assert f"{3 * m.per_core_gbps:.1f} Gbit/s" in lines[2]

@@ -24,8 +24,11 @@ import zmq
 from reduction_server import __version__, auth, encryption, protocol
 from reduction_server.log import event, get_logger
 from reduction_server.protocol import MsgType
+from reduction_server.settings import SNDBUF_AUTO
 
+from .endpoints import Endpoint
 from .failover import Failover
+from .send_buffers import SendBuffers
 from .identity import Identity
 from .ledger import Ledger
 from .slots import Slots
@@ -42,11 +45,12 @@ _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | e
 class Connections:
     """The sockets to every reducer, which of them are down, and when to try each again."""
 
-    def __init__(self, me: Identity, addresses: Sequence[str], ledger: Ledger, slots: Slots, failover: Failover, *,
+    def __init__(self, me: Identity, ends: Sequence[Endpoint], ledger: Ledger, slots: Slots, failover: Failover, *,
                  job_token: str, encrypt: bool, heartbeat: float, liveness: float, sndbuf: int,
                  io_threads: int) -> None:
         self.me = me
-        self.addresses = addresses
+        self.endpoints = ends  # every shard of every reducer (endpoints.py); "reducer r" below is endpoint r
+        self.addresses = [e.address for e in ends]
         self.ledger = ledger
         self.slots = slots
         self.failover = failover
@@ -54,7 +58,10 @@ class Connections:
         self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
         self.heartbeat = heartbeat
         self.liveness = liveness
-        self.sndbuf = sndbuf  # SO_SNDBUF of each reducer connection (RS_SNDBUF); 0: the kernel's autotuning
+        # SO_SNDBUF of each reducer connection (RS_SNDBUF): a size, 0 (the kernel's autotuning) or
+        # SNDBUF_AUTO (send_buffers.py sizes each connection's from what it measures)
+        self.sndbuf = sndbuf
+        self.send_buffers = SendBuffers(self.addresses) if sndbuf == SNDBUF_AUTO else None
         self.io_threads = io_threads
         self.sockets: List[zmq.Socket] = []
         self.monitors: List[zmq.Socket] = []
@@ -65,8 +72,8 @@ class Connections:
         self.reopen_at: Dict[int, float] = {}  # reducer -> when to open a new connection to it
         # Per reducer: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
-        self.nonces: List[bytes] = [b""] * len(addresses)
-        self.watch = Watch(len(addresses), encrypt)
+        self.nonces: List[bytes] = [b""] * len(ends)
+        self.watch = Watch(len(ends), encrypt)
         self.progress = self.watch.progress
         self.context: Optional[zmq.Context] = None
         self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every reducer that admits us
@@ -97,26 +104,27 @@ class Connections:
     def open_all(self) -> None:
         """A socket to every reducer, each greeted with a HELLO (queued until it connects)."""
         self.context = zmq.Context(self.io_threads)
-        for r, address in enumerate(self.addresses):
-            sock, monitor = self._open(address)
+        for r in range(len(self.addresses)):
+            sock, monitor = self._open(r)
             self.sockets.append(sock)
             self.monitors.append(monitor)
             self._watch(r)
             self.hello(r)
 
-    def _open(self, address: str) -> Tuple[zmq.Socket, zmq.Socket]:
+    def _open(self, r: int) -> Tuple[zmq.Socket, zmq.Socket]:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per socket (above)
-        if self.sndbuf:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
-            sock.setsockopt(zmq.SNDBUF, self.sndbuf)
+        sndbuf = self.sndbuf if self.send_buffers is None else self.send_buffers.initial(r)
+        if sndbuf > 0:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
+            sock.setsockopt(zmq.SNDBUF, sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
         if self.encrypt:
             encryption.secure_worker(sock, self.job_token)
         # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
         # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
         monitor = sock.get_monitor_socket(_MONITORED)
-        sock.connect(f"tcp://{address}")
+        sock.connect(f"tcp://{self.addresses[r]}")
         return sock, monitor
 
     def _watch(self, r: int) -> None:
@@ -156,7 +164,7 @@ class Connections:
         self.sockets[r].disable_monitor()
         self.monitors[r].close(linger=0)
         self.sockets[r].close(linger=0)  # nothing queued for the old connection may reach the new one
-        self.sockets[r], self.monitors[r] = self._open(self.addresses[r])
+        self.sockets[r], self.monitors[r] = self._open(r)
         self._watch(r)
         self.hello(r, rejoin)
 

@@ -23,12 +23,14 @@ from reduction_server import settings
 
 from .. import timeline
 from .collective import Collective
+from . import endpoints
 from .connections import Connections
 from .failover import Failover
 from .handshake import Handshake
 from .identity import Identity
 from .ledger import Ledger
 from .pump import Pump
+from .send_buffers import MEASURE_S
 from .results import Results
 from .slots import Slots
 
@@ -55,20 +57,11 @@ class Engine:
         heartbeat = heartbeat_interval or settings.read("RS_HEARTBEAT_INTERVAL")
         liveness = liveness_timeout or settings.read("RS_LIVENESS_TIMEOUT")
         self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
-        names = [f"reducer {r} ({address})" for r, address in enumerate(reducers)]
-        self.ledger = Ledger(me, names)
-        # A segment is offered only to a reducer on this host: only it can map one.
-        self.slots = Slots(me, [shared and shared_memory.is_local(address) for address in reducers], window,
-                           slot_bytes)
-        self.failover = Failover(me, len(reducers), window, failover, spares)
-        if self.failover.enabled:
-            self.ledger.on_result = self.failover.keep
-        self.connections = Connections(me, reducers, self.ledger, self.slots, self.failover, job_token=job_token,
-                                       encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
-                                       io_threads=io_threads)
-        self.handshake = Handshake(me, self.connections, self.slots, job_token, connect_timeout)
-        self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
-        self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
+        self._me, self._reducers, self._window, self._spares = me, reducers, window, spares
+        self._options = dict(enabled=failover, shared=shared, slot_bytes=slot_bytes, job_token=job_token,
+                             encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
+                             io_threads=io_threads, connect_timeout=connect_timeout)
+        self._build(endpoints.listed(reducers), spares)
         self._queue: Deque[Collective] = deque()
         self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
         self._closed_groups: List[int] = []  # groups whose kept results (failover.py) can go
@@ -81,6 +74,29 @@ class Engine:
         self._startup_error: Optional[BaseException] = None
         self._dead: Optional[str] = None  # why the engine stopped, once it has
         self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
+
+    def _build(self, ends: List[endpoints.Endpoint], spares: int) -> None:
+        """The parts that know the endpoints: one per shard of every reducer (endpoints.py)."""
+        me, window, o = self._me, self._window, self._options
+        self.endpoints = ends
+        addresses = [e.address for e in ends]
+        self.ledger = Ledger(me, [e.name() for e in ends])
+        # A segment is offered only to a reducer on this host: only it can map one.
+        self.slots = Slots(me, [o["shared"] and shared_memory.is_local(a) for a in addresses], window, o["slot_bytes"])
+        self.failover = Failover(me, len(ends), window, o["enabled"], spares)
+        if self.failover.enabled:
+            self.ledger.on_result = self.failover.keep
+        self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, job_token=o["job_token"],
+                                       encrypt=o["encrypt"], heartbeat=o["heartbeat"], liveness=o["liveness"],
+                                       sndbuf=o["sndbuf"], io_threads=o["io_threads"])
+        self.handshake = Handshake(me, self.connections, self.slots, o["job_token"], o["connect_timeout"])
+        self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
+        self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
+
+    @property
+    def active(self) -> int:
+        """The endpoints the chunk plan spreads over (the spares' come after them)."""
+        return self.failover.active
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -162,11 +178,28 @@ class Engine:
             pass
 
     # -- engine thread -------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Handshake with every reducer; when some run shards, with every shard of every reducer."""
+        self.connections.open_all()
+        self.handshake.wait_for_all()
+        shards = self.handshake.shards
+        if max(shards) == 1:
+            return
+        self.connections.close(bye=False)  # each reducer's shard 0 takes this rank's new connection in its place
+        self._build(*endpoints.expand(self._reducers, shards, self._spares))
+        self.connections.poller.register(self._wake_r, zmq.POLLIN)
+        self.connections.open_all()
+        self.handshake.wait_for_all()
+        for e, said in zip(self.endpoints, self.handshake.shards):
+            if said != shards[e.reducer]:
+                raise CollectiveError(f"rank {self._me.rank}: {e.name()} says its reducer runs {said} shards, but "
+                                      f"its shard 0 said {shards[e.reducer]}: another program listens on one of "
+                                      "the shards' ports, or the reducer restarted with other --shards meanwhile")
+
     def _main(self) -> None:
         self.connections.poller.register(self._wake_r, zmq.POLLIN)
         try:
-            self.connections.open_all()
-            self.handshake.wait_for_all()
+            self._connect()
         except BaseException as exc:  # reported to the constructor
             self._startup_error = exc
             self.connections.close(bye=False)
@@ -184,6 +217,7 @@ class Engine:
     def _loop(self) -> None:
         conn, ledger = self.connections, self.ledger
         next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
+        next_measure = time.monotonic() + MEASURE_S
         heartbeat = conn.heartbeat
         wait = int(min(1.0, heartbeat) * 1000)
         while True:
@@ -222,6 +256,9 @@ class Engine:
             if now >= next_heartbeat:
                 conn.heartbeat_all()
                 next_heartbeat = now + heartbeat
+            if conn.send_buffers is not None and now >= next_measure:
+                conn.send_buffers.measure()
+                next_measure = now + MEASURE_S
             if ledger.active:
                 ledger.expire(now, self.backstop, self.timeout)
 

@@ -17,6 +17,7 @@ from reduction_server import auth, protocol
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import NOTICE, event, get_logger
 from reduction_server.protocol import MsgType
+from reduction_server.settings import MAX_SHARDS
 
 from .connections import Connections
 from .watch import CHALLENGED, PROGRESS
@@ -41,6 +42,8 @@ class Handshake:
         self.connect_timeout = connect_timeout
         #: the smallest accumulator chunk any reducer accepts (from WELCOME): it caps the chunk size
         self.max_chunk_bytes = 1 << 62
+        #: how many shards each endpoint's reducer runs, as its WELCOME said (endpoints.py)
+        self.shards = [1] * len(connections.endpoints)
 
     def answer_challenge(self, r: int, h: protocol.Header, payload: bytes) -> Optional[str]:
         """Check reducer r's proof of the job token and, if it holds, send AUTH: this worker's
@@ -51,11 +54,15 @@ class Handshake:
             nonce, proof = auth.parse_challenge(payload)
         except ProtocolError as exc:
             return f"{conn.name(r)} answered HELLO with a malformed CHALLENGE: {exc}"
-        if h.rank != r:
-            return (f"{conn.name(r)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {r}: each "
-                    "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
-        if not auth.verify_reducer(self.job_token, conn.nonces[r], proof, index=r, job=self.me.job,
-                                   generation=self.me.generation):
+        end = conn.endpoints[r]
+        if h.rank != end.reducer:
+            return (f"{conn.name(r)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {end.reducer}: "
+                    "each reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
+        if h.chunk != end.shard:
+            return (f"{conn.name(r)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
+                    f"{end.shard}: another reducer's shards listen on the ports next to this one's")
+        if not auth.verify_reducer(self.job_token, conn.nonces[r], proof, index=end.reducer, job=self.me.job,
+                                   generation=self.me.generation, shard=end.shard):
             if not self.job_token:
                 why = "it requires a job token and this worker has none: set RS_JOB_TOKEN to the job's token"
             elif not h.aux:
@@ -127,11 +134,22 @@ class Handshake:
         elif h.type is MsgType.WELCOME:
             welcome = json.loads(text)
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
+            self.shards[r] = self._shard_count(r, welcome)
             self.connections.admitted(r, welcome)
             return True
         elif h.type in (MsgType.REJECT, MsgType.ERROR):
             raise CollectiveError(f"rank {self.me.rank}: {name} refused this worker: {text.decode(errors='replace')}")
         return False
+
+    def _shard_count(self, r: int, welcome: dict) -> int:
+        """How many shards endpoint r's WELCOME says its reducer runs; CollectiveError unless a
+        count whose ports all exist."""
+        shards = welcome.get("shards", 1)
+        port = int(self.connections.addresses[r].rsplit(":", 1)[1]) - self.connections.endpoints[r].shard
+        if not (isinstance(shards, int) and 1 <= shards <= MAX_SHARDS and port + shards - 1 <= 65535):
+            raise CollectiveError(f"rank {self.me.rank}: {self.connections.name(r)} says it runs {shards!r} shards, "
+                                  f"not a count of 1..{MAX_SHARDS} ports from {port}")
+        return shards
 
     def _waiting(self, waiting: Iterable[int]) -> str:
         """The reducers in `waiting` and how far each one's handshake got, in words."""

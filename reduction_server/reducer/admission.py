@@ -40,7 +40,7 @@ class Admission:
     """The handshake and the strangers of one reducer."""
 
     def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
-                 encrypt: bool, shared: bool) -> None:
+                 encrypt: bool, shared: bool, shard: int = 0, shards: int = 1) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
@@ -50,6 +50,7 @@ class Admission:
         self.job_token = job_token
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
+        self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
         self.admissions = 0
 
@@ -90,14 +91,15 @@ class Admission:
             return self.outbox.reject(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
                                                 "(\"nonce\", hex) for this reducer to prove the job token against")
         # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
-        proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation)
+        proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation,
+                                   shard=self.shard)
         nonce = auth.new_nonce()
         self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
                                             hello_at=self.clock.now)
         payload = auth.challenge(nonce, proof)
         self.outbox.send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
                                                          job=h.job, generation=h.generation,
-                                                         aux=int(bool(self.job_token))), payload])
+                                                         aux=int(bool(self.job_token)), chunk=self.shard), payload])
 
     def auth(self, identity: bytes, payload: Optional[zmq.Frame]) -> None:
         members = self.members
@@ -133,7 +135,8 @@ class Admission:
                                                             max_slot_bytes=self.rounds.max_chunk_bytes)
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
-        welcome = json.dumps({"index": self.index, "world_size": members.world,
+        welcome = json.dumps({"index": self.index, "shard": self.shard, "shards": self.shards,
+                              "world_size": members.world,
                               "max_chunk_bytes": self.rounds.max_chunk_bytes,
                               "deterministic": self.rounds.folder.deterministic, "encrypted": self.encrypt,
                               "shared_memory": peer.segment is not None}).encode()

@@ -52,10 +52,10 @@ class Reducer:
                  round_timeout: float = DEFAULT_TIMEOUT,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
                  liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
-                 encrypt: bool = False, shared: bool = False) -> None:
+                 encrypt: bool = False, shared: bool = False, shard: int = 0, shards: int = 1) -> None:
         self.socket = socket
         self.index = index
-        self.name = f"reducer {index}" + (f" ({address})" if address else "")
+        self.name = f"reducer {index}" + (f" shard {shard}" if shards > 1 else "") + (f" ({address})" if address else "")
         self.round_timeout = round_timeout
         self.heartbeat_interval = heartbeat_interval
         self.encrypt = encrypt
@@ -68,7 +68,7 @@ class Reducer:
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic)
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
-                                   encrypt=encrypt, shared=shared)
+                                   encrypt=encrypt, shared=shared, shard=shard, shards=shards)
         self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
         self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Optional
+from typing import List, Optional, Union
 
 import zmq
 
@@ -18,6 +18,7 @@ from .. import encryption, protocol, settings, shared_memory
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 from .core import Reducer
+from .shards import Supervisor, count as shard_count
 
 log = get_logger("reducer")
 
@@ -43,12 +44,32 @@ def _bind(socket: zmq.Socket, host: str, port: int) -> int:
     return port
 
 
+def _stopping() -> List[bool]:
+    """A list that SIGTERM and SIGINT append to: the loops stop once it is not empty."""
+    stopping: List[bool] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    return stopping
+
+
+def _say_ready(ready_fd: Optional[int], port: int) -> None:
+    if ready_fd is not None:
+        try:
+            with os.fdopen(ready_fd, "w") as ready:
+                ready.write(f"{port}\n")
+        except BrokenPipeError:
+            pass  # the launcher gave up on this reducer already, and stops it
+
+
 def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
           index: Optional[int] = None, deterministic: Optional[bool] = None,
-          metrics_port: Optional[int] = None, ready_fd: Optional[int] = None) -> int:
+          metrics_port: Optional[int] = None, ready_fd: Optional[int] = None,
+          shards: Union[str, int, None] = None, shard: Optional[int] = None) -> int:
     """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
     the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
-    0 or unset: no metrics). Once it listens, the bound port and a newline are written to
+    0 or unset: no metrics; shards=None: RS_SHARDS). With more than one shard this process
+    supervises that many reducer processes on ports port .. port+shards-1 (shards.py); `shard`
+    makes it one of them. Once it listens, the bound port and a newline are written to
     `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
     from ..discovery import discover_reducer
 
@@ -75,6 +96,15 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         metrics_port = settings.read("RS_METRICS_PORT")
     elif not 0 <= metrics_port <= 65535:
         raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
+    count = shard_count(settings.read("RS_SHARDS") if shards is None else shards,
+                        "RS_SHARDS" if shards is None else "--shards")
+    if shard is not None and not 0 <= shard < count:
+        raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")
+    if shard is None and count > 1:
+        return _supervise(Supervisor(host=host, port=port, index=index, shards=count, workers=workers,
+                                     deterministic=deterministic, metrics_port=metrics_port),
+                          token=token, encrypt=encrypt, ready_fd=ready_fd)
+    shard = shard or 0
     max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
     heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
     liveness = settings.read("RS_LIVENESS_TIMEOUT")
@@ -85,8 +115,8 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         socket.setsockopt(zmq.LINGER, 0)
         # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
         socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
-        sndbuf = settings.socket_send_buffer()
-        if sndbuf:  # before bind: libzmq copies a socket's options into its listener and each connection
+        sndbuf = settings.socket_send_buffer()  # `auto`: the kernel's, as 0 (only workers size theirs)
+        if sndbuf > 0:  # before bind: libzmq copies a socket's options into its listener and each connection
             socket.setsockopt(zmq.SNDBUF, sndbuf)
         protocol.set_heartbeats(socket, heartbeat, liveness)
         if encrypt:
@@ -95,7 +125,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         reducer = Reducer(
             socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
             max_chunk_bytes=max_chunk,
-            max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES"),
+            max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES") // count,  # the shards share it
             max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"),
             max_rounds=settings.read("RS_MAX_ROUNDS"),
             round_timeout=settings.read("RS_TIMEOUT"),
@@ -103,7 +133,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
             liveness_timeout=liveness,
             deterministic=deterministic,
             encrypt=encrypt,
-            shared=shared_memory.enabled(),
+            shared=shared_memory.enabled(), shard=shard, shards=count,
         )
         try:
             if metrics_port:
@@ -111,34 +141,50 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
 
                 reducer.metrics = ReducerMetrics(reducer)
                 reducer.metrics.serve(host, metrics_port)
-            stopping = []
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stopping.append(True))
-            print(f"reducer {index} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
+            stopping = _stopping()
+            print(f"{reducer.name.split(' (')[0]} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
                   f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
                   f"deterministic={'on' if deterministic else 'off'}", flush=True)
-            event(log, NOTICE, "started", reducer=index, address=f"{host}:{bound}", workers=workers or "from_hello",
+            event(log, NOTICE, "started", reducer=index, **({"shard": shard} if count > 1 else {}),
+                  address=f"{host}:{bound}", workers=workers or "from_hello",
                   auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
                   max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
                   max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
                   timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
-                  sndbuf=sndbuf or "auto", metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
+                  sndbuf=sndbuf if sndbuf > 0 else "kernel", metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
                   pid=os.getpid())
-            if ready_fd is not None:
-                try:
-                    with os.fdopen(ready_fd, "w") as ready:
-                        ready.write(f"{bound}\n")
-                except BrokenPipeError:
-                    pass  # the launcher gave up on this reducer already, and stops it
+            _say_ready(ready_fd, bound)
             reducer.run(lambda: bool(stopping))
         finally:
             if reducer.metrics is not None:
                 reducer.metrics.stop()
     rounds = reducer.rounds
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
-    event(log, NOTICE, "stopped", reducer=index, completed=rounds.completed, failed=rounds.failed,
+    event(log, NOTICE, "stopped", reducer=index, **({"shard": shard} if count > 1 else {}), completed=rounds.completed, failed=rounds.failed,
           failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=rounds.bytes_out,
           bytes_shared_memory=reducer.bytes_shared,
           peers_admitted=reducer.admission.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
           open_rounds=len(rounds.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
+    return 0
+
+
+def _supervise(supervisor: Supervisor, *, token: str, encrypt: bool, ready_fd: Optional[int]) -> int:
+    """Run the shards of one reducer until SIGTERM or SIGINT (shards.py)."""
+    stopping = _stopping()
+    index, count = supervisor.index, supervisor.count
+    try:
+        base = supervisor.start()
+        address = f"{supervisor.host}:{base}"
+        print(f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1}) "
+              f"workers={supervisor.workers or 'from HELLO'} auth={'token' if token else 'none'} "
+              f"encrypt={'curve' if encrypt else 'off'} deterministic={'on' if supervisor.deterministic else 'off'}",
+              flush=True)
+        event(log, NOTICE, "started", reducer=index, address=address, shards=count,
+              ports=f"{base}-{base + count - 1}", pid=os.getpid())
+        _say_ready(ready_fd, base)
+        supervisor.watch(lambda: bool(stopping))
+    finally:
+        supervisor.stop()
+    event(log, NOTICE, "stopped", reducer=index, shards=count,
+          shard_restarts=sum(s.restarts for s in supervisor.shards))
     return 0

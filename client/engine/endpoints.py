@@ -1,0 +1,55 @@
+"""Endpoints: where a worker's chunks go, every shard of every reducer.
+
+A reducer started with `serve --shards N` runs N processes on ports port .. port+N-1 and says N in
+its WELCOME (reduction_server/reducer/shards.py). The engine first handshakes with each reducer's
+listed address; when one has more than one shard it connects to every shard, and the chunk plan
+spreads over all of them: to the engine, the plan and failover, each shard is a reducer of its
+own, and a lost shard fails over like a lost reducer.
+
+Order: the plan's reducers shard by shard (shard 0 of each, then shard 1 of each, ...), so that
+consecutive chunks go to different hosts first; then the spares' shards in the same order, so
+that the plan's endpoints come first (chunking.plan) and the spares last (failover.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from reduction_server.cluster_spec import join_address, parse_address
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Shard `shard` of reducer `reducer` (its position in RS_REDUCERS), at `address`."""
+
+    reducer: int
+    shard: int
+    address: str
+    sharded: bool = False  # its reducer runs more than one shard: messages name the shard
+
+    def name(self) -> str:
+        """How messages name it: "reducer 1 (host:port)", or "reducer 1 shard 2 (host:port+2)"."""
+        return f"reducer {self.reducer}" + (f" shard {self.shard}" if self.sharded else "") + f" ({self.address})"
+
+
+def listed(addresses: Sequence[str]) -> List[Endpoint]:
+    """Each reducer's listed address: its shard 0, all the engine knows before the WELCOMEs."""
+    return [Endpoint(r, 0, address) for r, address in enumerate(addresses)]
+
+
+def expand(addresses: Sequence[str], shards: Sequence[int], spares: int) -> Tuple[List[Endpoint], int]:
+    """Every shard of every reducer in plan order (above), given each reducer's shard count,
+    and how many of them, the last ones, belong to the `spares` spare reducers."""
+
+    def shard_major(reducers: range) -> List[Endpoint]:
+        out = []
+        for s in range(max((shards[r] for r in reducers), default=0)):
+            for r in reducers:
+                if s < shards[r]:
+                    host, port = parse_address(addresses[r], "reducers")
+                    out.append(Endpoint(r, s, join_address(host, port + s), shards[r] > 1))
+        return out
+
+    active = len(addresses) - spares
+    spare = shard_major(range(active, len(addresses)))
+    return shard_major(range(active)) + spare, len(spare)

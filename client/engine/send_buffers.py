@@ -1,0 +1,220 @@
+"""Each reducer connection's kernel send buffer, chosen from its route and what it measures.
+
+Where a host's flows share a shaped, deep-queued link (a cloud VM's egress cap), small send
+buffers keep each flow to a few segments in flight, so the flows take turns instead of one
+running ahead in the queue (bench/RESULTS.md, "Send buffer"). A fixed small buffer would cap a
+fast link (a flow moves at most about 2 x SO_SNDBUF per round trip) and starve loopback (64 KiB
+segments). So:
+
+- before a connection is made, the MTU of its route (a connected UDP socket's IP_MTU: nothing
+  is sent) gives its segment size; where FLOOR_SEGMENTS of them fit in LOCK_MAX (Ethernet's 1500
+  bytes: 16 KiB) the connection starts with that buffer. Set from the start it works as a fixed
+  RS_SNDBUF does; set once a flow has run with a large one, it gains half as much (measured);
+  loopback and jumbo frames keep the kernel's autotuning (Linux stops autotuning a socket whose
+  buffer is set);
+- every MEASURE_S the engine reads those connections' TCP_INFO (the minimum round trip, and the
+  delivery rate while not application-limited) and gives each max(FLOOR_SEGMENTS x MSS,
+  HEADROOM x rate x min_rtt), rounded up to a power of two (the median of its last WANTS_KEPT). A flow held back by its buffer
+  delivers at the rate the buffer allows and so wants twice as much the next turn: the buffer
+  doubles until the link, not the buffer, limits the flow (up to net.core.wmem_max); a flow that
+  shares a link with others keeps the floor.
+
+libzmq does not expose its TCP sockets: each connection's is found among this process's file
+descriptors by its peer address (Linux's /proc). `RS_SNDBUF` set to a size replaces all of this
+with that fixed buffer; `RS_SNDBUF=0` leaves every connection to the kernel.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from reduction_server.log import event, get_logger
+
+log = get_logger("client")
+
+#: seconds between measurements of every connection (a few getsockopt calls each)
+MEASURE_S = 0.1
+#: the least buffer a connection is given, in segments (MSS): 16 KiB at Ethernet's 1448 bytes
+FLOOR_SEGMENTS = 11
+#: the buffer a connection wants beyond its bandwidth-delay product
+HEADROOM = 2
+#: a connection keeps autotuning unless its floor is at most this much
+LOCK_MAX = 64 * 1024
+#: measured wants a buffer follows the median of
+WANTS_KEPT = 3
+#: bytes a connection sends before its measurements are trusted (past its first round trips)
+SETTLE_BYTES = 256 << 10
+
+# struct tcp_info (linux/tcp.h): the fields read here and their offsets
+_TCP_INFO_BYTES = 168
+_APP_LIMITED_BYTE, _MSS, _BYTES_ACKED, _MIN_RTT, _DELIVERY_RATE = 7, 16, 120, 148, 160
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+
+
+def want(mss: int, rate: float, min_rtt_us: int) -> int:
+    """The buffer a connection wants: max(FLOOR_SEGMENTS x MSS, HEADROOM x rate x min_rtt),
+    rounded up to a power of two (bytes; `rate` in bytes/s)."""
+    need = max(FLOOR_SEGMENTS * mss, int(HEADROOM * rate * min_rtt_us / 1e6))
+    return 1 << (need - 1).bit_length()
+
+
+def _read_info(sock: socket.socket) -> Optional[Tuple[int, int, int, float, bool]]:
+    """(mss, bytes acked, min_rtt in us, delivery rate in bytes/s, app-limited) from TCP_INFO."""
+    raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_BYTES)
+    if len(raw) < _TCP_INFO_BYTES:
+        return None  # a kernel older than 4.18 (no delivery rate): leave it to autotuning
+    app_limited = bool(raw[_APP_LIMITED_BYTE] & 1)
+    (mss,) = struct.unpack_from("<I", raw, _MSS)
+    (acked,) = struct.unpack_from("<Q", raw, _BYTES_ACKED)
+    (min_rtt,) = struct.unpack_from("<I", raw, _MIN_RTT)
+    (rate,) = struct.unpack_from("<Q", raw, _DELIVERY_RATE)
+    return mss, acked, min_rtt, float(rate), app_limited
+
+
+class SendBuffers:
+    """The send buffer of each reducer connection, measured and set (see the module)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.peers: List[Optional[set]] = [_resolve(a) for a in addresses]
+        self.fds: Dict[int, int] = {}  # endpoint -> the descriptor of its connection, last seen
+        self.locked: Dict[int, int] = {}  # endpoint -> the buffer it was given (bytes)
+        self.wants: Dict[int, Deque[int]] = {}  # endpoint -> its last WANTS_KEPT measured wants
+        self.enabled = os.path.isdir("/proc/self/fd")
+
+    def measure(self) -> None:
+        """Measure every connection and set the buffers that should change."""
+        if not self.enabled:
+            return
+        missing = [r for r in self.locked if r not in self.fds]  # the autotuned are the kernel's
+        if missing:
+            self._find(missing)
+        for r, fd in list(self.fds.items()):
+            sock = _open(fd)
+            if sock is None or _peer(sock) not in (self.peers[r] or ()):
+                del self.fds[r]  # closed, or the number is another descriptor's by now
+                if sock is not None:
+                    sock.close()
+                continue
+            try:
+                self._adjust(r, sock)
+            except OSError:
+                pass  # it closed meanwhile; the next turn finds the new connection
+            finally:
+                sock.close()
+
+    def forget(self, r: int) -> None:
+        """Endpoint r's connection is replaced: nothing measured on the old one holds."""
+        self.fds.pop(r, None)
+        self.locked.pop(r, None)
+        self.wants.pop(r, None)
+
+    def initial(self, r: int) -> int:
+        """The send buffer to give endpoint r's next connection before it connects: the floor
+        when its route's MTU makes that at most LOCK_MAX (Ethernet), else 0 (autotuning:
+        loopback, jumbo frames). A buffer set later, once a flow has run with a large one, gains
+        half as much (bench/RESULTS.md)."""
+        self.forget(r)
+        mtu = _route_mtu(self.peers[r])
+        if mtu is None:
+            return 0
+        size = want(mtu - _TCP_IP_HEADERS, 0.0, 0)
+        if size > LOCK_MAX:
+            return 0
+        self.locked[r] = size
+        return size
+
+    def _adjust(self, r: int, sock: socket.socket) -> None:
+        current = self.locked.get(r)
+        info = _read_info(sock) if current is not None else None
+        if info is None:
+            return
+        mss, acked, min_rtt, rate, app_limited = info
+        if app_limited or acked < SETTLE_BYTES or not min_rtt or not rate:
+            return
+        wants = self.wants.setdefault(r, deque(maxlen=WANTS_KEPT))
+        wants.append(want(mss, rate, min_rtt))
+        size = sorted(wants)[len(wants) // 2]  # the median: one burst of acks is not a faster link
+        if size != current:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            self.locked[r] = size
+            event(log, logging.INFO, "send_buffer_set", reducer=r, bytes=size, was=current,
+                  delivery_rate_Bps=int(rate), min_rtt_us=min_rtt, mss=mss)
+
+    def _find(self, missing: List[int]) -> None:
+        """Find the descriptors of the connections to these endpoints, by peer address."""
+        wanted = {peer: r for r in missing for peer in (self.peers[r] or ())}
+        taken = set(self.fds.values())
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd in taken:
+                continue
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+            except OSError:
+                continue
+            sock = _open(fd)
+            if sock is None:
+                continue
+            r = wanted.get(_peer(sock))
+            sock.close()
+            if r is not None and r not in self.fds:
+                self.fds[r] = fd
+
+
+_TCP_IP_HEADERS = 52  # IPv4 (20) + TCP with timestamps (32): MSS = MTU - 52 (1448 at 1500)
+
+
+def _route_mtu(peers: Optional[set]) -> Optional[int]:
+    """The MTU of the route to the first of `peers` (a connected UDP socket sends nothing)."""
+    for host, port in sorted(peers or ()):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, port))
+                return probe.getsockopt(socket.IPPROTO_IP if family == socket.AF_INET else socket.IPPROTO_IPV6,
+                                        getattr(socket, "IP_MTU", 14) if family == socket.AF_INET
+                                        else getattr(socket, "IPV6_MTU", 24))
+        except OSError:
+            continue
+    return None
+
+
+def _resolve(address: str) -> Optional[set]:
+    """The (ip, port) pairs "host:port" may connect to; None when it does not resolve."""
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return None
+    return {(info[4][0], info[4][1]) for info in infos}
+
+
+def _open(fd: int) -> Optional[socket.socket]:
+    """A socket object over a duplicate of `fd` if it is a TCP socket (close it soon: while it is
+    open, the connection outlives libzmq's close of its own descriptor)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        sock.close()
+        return None
+    return sock
+
+
+def _peer(sock: socket.socket) -> Optional[Tuple[str, int]]:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    return peer[0], peer[1]

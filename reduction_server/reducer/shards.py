@@ -1,0 +1,206 @@
+"""Shards: one `reduction-server serve` that uses every core of its host.
+
+A reducer process spends most of its CPU time in libzmq's one I/O thread (bench/RESULTS.md), so
+it tops out near one core and a third however many its host has. `serve --shards N` runs N
+reducer processes instead, shard s listening on port + s. Shard 0 (the address in RS_REDUCERS or
+the cluster spec) says N in its WELCOME, and every worker connects to each shard and spreads its
+chunks over all of them (client/engine/endpoints.py). Shards share nothing: each proves the job
+token bound to its shard number, keeps its own rounds, holds 1/N of the accumulator budget and
+serves metrics on metrics_port + s.
+
+This process supervises them: it starts them, says the reducer listens once all of them do, stops
+them all on SIGTERM or SIGINT, and starts a shard that died again at its port (workers treat it as
+a lost reducer and take it back once it is up: reliability.md). The shards die with it, even when
+it is killed with SIGKILL.
+"""
+from __future__ import annotations
+
+import math
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+from .. import settings
+from ..children import die_with_parent_hook
+from ..errors import ConfigError, ListenError
+from ..log import NOTICE, event, get_logger
+
+log = get_logger("reducer")
+
+#: seconds a shard has to say it listens
+READY_TIMEOUT_S = 60.0
+#: a shard that dies is started again after this long, doubled each time it dies within
+#: STEADY_S of its start, up to MAX_BACKOFF_S
+FIRST_BACKOFF_S, MAX_BACKOFF_S, STEADY_S = 0.2, 5.0, 10.0
+_POLL_S = 0.1
+_STOP_GRACE_S = 10.0
+_PORT_TRIES = 20  # free runs of N ports tried when the port is 0
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity, cut to the cgroup's CPU quota (a
+    container's --cpus, a pod's CPU limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def count(value: Union[str, int, None], name: str = "RS_SHARDS") -> int:
+    """How many shards `value` asks for: `auto` (or None) is usable_cores(); else an integer in
+    1..MAX_SHARDS. A ConfigError names `name` otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return min(usable_cores(), settings.MAX_SHARDS)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is neither `auto` nor a number of shards") from None
+    if not 1 <= n <= settings.MAX_SHARDS:
+        raise ConfigError(f"{name}={value!r} must be `auto` or 1..{settings.MAX_SHARDS}")
+    return n
+
+
+def free_run(host: str, n: int) -> int:
+    """A port p such that p .. p+n-1 are free on `host` now (the shards bind them next)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(_PORT_TRIES):
+        with socket.socket(family) as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + n - 1 > 65535:
+            continue
+        held: List[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(family)
+                held.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise ListenError(f"cannot find {n} consecutive free ports on {host} for --shards {n}; give --port")
+
+
+@dataclass
+class Shard:
+    """One shard process and when to start it again after it died."""
+
+    number: int
+    port: int
+    proc: Optional[subprocess.Popen] = None
+    started: float = 0.0
+    backoff: float = FIRST_BACKOFF_S
+    restart_at: Optional[float] = None
+    restarts: int = field(default=0)
+
+
+class Supervisor:
+    """The shards of one reducer: started, watched, started again, stopped."""
+
+    def __init__(self, *, host: str, port: int, index: int, shards: int, workers: Optional[int],
+                 deterministic: bool, metrics_port: int) -> None:
+        if port and port + shards - 1 > 65535:
+            raise ConfigError(f"--port {port} with --shards {shards}: the shards' ports would pass 65535")
+        self.host, self.index, self.count = host, index, shards
+        self.workers, self.deterministic, self.metrics_port = workers, deterministic, metrics_port
+        self.fixed_port = bool(port)
+        self.base = port
+        self.shards: List[Shard] = []
+        self.hook = die_with_parent_hook()
+
+    def _command(self, shard: Shard, ready: int) -> List[str]:
+        cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", self.host, "--port", str(shard.port),
+               "--index", str(self.index), "--shards", str(self.count), "--shard", str(shard.number),
+               "--ready-fd", str(ready)]
+        if self.workers is not None:
+            cmd += ["--workers", str(self.workers)]
+        if self.deterministic:
+            cmd.append("--deterministic")
+        if self.metrics_port:
+            cmd += ["--metrics-port", str(self.metrics_port + shard.number)]
+        return cmd
+
+    def _spawn(self, shard: Shard) -> Optional[str]:
+        """Start `shard` and wait until it listens; why it could not, or None."""
+        ready_r, ready_w = os.pipe()
+        try:
+            shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, preexec_fn=self.hook)
+        finally:
+            os.close(ready_w)
+        shard.started = time.monotonic()
+        try:
+            readable, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
+            said = os.read(ready_r, 64).decode(errors="replace").strip() if readable else ""
+        finally:
+            os.close(ready_r)
+        if said == str(shard.port):
+            return None
+        where = f"shard {shard.number} of reducer {self.index} (port {shard.port})"
+        if readable:  # it closed the pipe without a word: it exited
+            return f"{where} exited with status {shard.proc.wait()} before it listened (its message is above)"
+        shard.proc.kill()
+        shard.proc.wait()
+        return f"{where} did not listen within {READY_TIMEOUT_S:g} s"
+
+    def start(self) -> int:
+        """Start every shard; the first one's port once all listen. A ListenError says which could not."""
+        for _ in range(1 if self.fixed_port else _PORT_TRIES):
+            base = self.base or free_run(self.host, self.count)
+            self.shards = [Shard(s, base + s) for s in range(self.count)]
+            failed = None
+            for shard in self.shards:
+                failed = self._spawn(shard)
+                if failed:
+                    break
+            if not failed:
+                self.base = base
+                return base
+            self.stop()  # another program took one of the free ports meanwhile: try another run
+        raise ListenError(f"reducer {self.index} could not start its {self.count} shards: {failed}")
+
+    def watch(self, should_stop) -> None:
+        """Until should_stop(): start a shard that died again at its port, backing off when it keeps dying."""
+        while not should_stop():
+            now = time.monotonic()
+            for shard in self.shards:
+                if shard.restart_at is None and shard.proc is not None and shard.proc.poll() is not None:
+                    shard.backoff = FIRST_BACKOFF_S if now - shard.started > STEADY_S else \
+                        min(MAX_BACKOFF_S, shard.backoff * 2)
+                    shard.restart_at = now + shard.backoff
+                    event(log, NOTICE, "shard_died", reducer=self.index, shard=shard.number, port=shard.port,
+                          status=shard.proc.returncode, restart_in_s=f"{shard.backoff:g}")
+                elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
+                    shard.restart_at = None
+                    shard.restarts += 1
+                    failed = self._spawn(shard)
+                    event(log, NOTICE, "shard_restarted" if not failed else "shard_restart_failed",
+                          reducer=self.index, shard=shard.number, port=shard.port, restarts=shard.restarts,
+                          **({"reason": failed} if failed else {}))
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM every shard, then SIGKILL those still there after a grace period."""
+        running = [s.proc for s in self.shards if s.proc is not None and s.proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

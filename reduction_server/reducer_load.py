@@ -1,0 +1,150 @@
+"""One reducer under a synthetic load, and what it spends: `reduction-server serve --shards N` on
+loopback, W local worker processes all-reducing float32 over tcp (RS_SHM=0: the chunks come
+through sockets, as between hosts), and the CPU time each thread of the reducer's processes
+spent over the timed all-reduces (Linux's /proc). `reduction-server size --measure` and
+`reduction-server bench reducer` are built on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+GIB = 1 << 30
+GBIT_PER_GIB = GIB * 8 / 1e9
+_TOKEN = "reducer-load"
+_LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+Thread = Tuple[int, int]  # (pid, tid)
+
+
+@dataclass
+class Load:
+    """A load's timed all-reduces: their wall time and each reducer thread's CPU time over them."""
+
+    world: int
+    mib: float
+    iters: int
+    shards: int
+    seconds: float
+    threads: Dict[Thread, float]  # CPU seconds
+    names: Dict[Thread, str]  # as the kernel has them (libzmq's I/O threads: ZMQbg/IO/N)
+
+    @property
+    def incoming_gib(self) -> float:
+        """Gradient the reducer received: W x size x iterations."""
+        return self.world * self.mib * (1 << 20) * self.iters / GIB
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.threads.values())
+
+    @property
+    def cpu_s_per_gib(self) -> float:
+        return self.cpu_seconds / self.incoming_gib
+
+    @property
+    def gbit_s_in(self) -> float:
+        """Incoming gradient per second (a lower bound: the workers share this machine's cores)."""
+        return self.incoming_gib * GBIT_PER_GIB / self.seconds
+
+    def busiest(self) -> Tuple[str, float]:
+        """The busiest thread's name and its share of the reducer's CPU time."""
+        top = max(self.threads, key=self.threads.__getitem__)
+        return self.names.get(top, str(top[1])), self.threads[top] / self.cpu_seconds
+
+    def busy_threads(self) -> int:
+        """Threads that did at least 1 % of the work."""
+        return sum(1 for t in self.threads.values() if t > 0.01 * self.cpu_seconds)
+
+
+def _family(pid: int) -> List[int]:
+    """`pid` and its children (a sharded reducer's supervisor and its shards)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue  # it exited meanwhile
+    return [pid, *kids]
+
+
+def thread_clocks(pids: List[int]) -> Tuple[Dict[Thread, float], Dict[Thread, str]]:
+    """CPU seconds (user + system) of every thread of these processes so far, and their names."""
+    clocks: Dict[Thread, float] = {}
+    names: Dict[Thread, str] = {}
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    names[pid, tid] = f.read().strip()
+            except OSError:
+                continue
+            clocks[pid, tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    return clocks, names
+
+
+def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 300) -> Load:
+    """Start a reducer of `shards` shards and W workers, time `iters` all-reduces of `mib` MiB
+    float32 after a warm-up, and stop them all. RuntimeError if any of them fails."""
+    if world < 1 or mib <= 0 or iters < 1 or shards < 1:
+        raise ValueError(f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
+                         f"(got {world}, {mib}, {iters}, {shards})")
+    env = {**os.environ, "RS_SHM": "0", "RS_JOB_TOKEN": _TOKEN}
+    # From the root directory: `-m` puts the working directory first on sys.path (a checkout's tree).
+    reducer = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
+                                "0", "--index", "0", "--workers", str(world), "--shards", str(shards)],
+                               stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+    workers: List[subprocess.Popen] = []
+    try:
+        match = _LISTENING.search(reducer.stdout.readline())
+        if not match:
+            raise RuntimeError("the reducer did not start")
+        address = f"{match.group(1)}:{match.group(2)}"
+        for rank in range(world):
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)], cwd="/",
+                env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
+                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
+        lead = workers[0]
+        if lead.stdout.readline().strip() != "READY":
+            raise RuntimeError("the workers did not get ready")
+        family = _family(reducer.pid)
+        before, _ = thread_clocks(family)
+        lead.stdin.write("go\n")
+        lead.stdin.flush()
+        done = lead.stdout.readline()
+        after, names = thread_clocks(family)
+        if not done.startswith("DONE "):
+            raise RuntimeError(f"the workers failed: {done!r}")
+        lead.stdin.write("end\n")
+        lead.stdin.flush()
+        for w in workers:
+            if w.wait(timeout=timeout) != 0:
+                raise RuntimeError(f"a worker exited with {w.returncode}")
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        reducer.terminate()  # a sharded reducer's supervisor stops its shards
+        reducer.wait()
+    spent = {t: after[t] - before.get(t, 0.0) for t in after}
+    load = Load(world, mib, iters, shards, json.loads(done[5:])["seconds"], spent, names)
+    if load.cpu_seconds <= 0:  # the kernel counts CPU time in ticks (10 ms)
+        raise RuntimeError(f"W={world}, {mib:g} MiB x {iters}: too little work to measure; raise the size or iters")
+    return load

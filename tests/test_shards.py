@@ -1,0 +1,206 @@
+"""Reducer shards (`serve --shards N`, issue 18): one reducer address, N reducer processes on
+consecutive ports, every worker's chunks spread over all of them; a shard that dies is started
+again by its supervisor and used again by the workers, and a sharded job's results are the same
+bits as an unsharded one's (deterministic mode)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List
+
+import numpy as np
+import psutil
+import pytest
+
+import reduction_server.client as rs
+from reduction_server import CollectiveError, ConfigError
+from reduction_server.reducer import shards as shard_count
+
+from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.training import FAST, Run
+
+from reduction_server.client.engine.endpoints import Endpoint, expand
+
+_STOPPED = re.compile(r"stopped reducer=(\d+) shard=(\d+) completed=(\d+)")
+
+
+def _shards(proc: subprocess.Popen) -> List[psutil.Process]:
+    """The shard processes a supervisor runs, by shard number."""
+    kids = psutil.Process(proc.pid).children()
+    return sorted(kids, key=lambda p: int(p.cmdline()[p.cmdline().index("--shard") + 1]))
+
+
+def _completed(logs: List[str]) -> dict:
+    """(reducer, shard) -> rounds completed, from the shards' "stopped" lines (the last one of each)."""
+    return {(int(r), int(s)): int(n) for log in logs for r, s, n in _STOPPED.findall(log)}
+
+
+def test_the_plan_order_is_shard_by_shard_with_the_spares_last():
+    ends, spare = expand(["a:10", "b:20", "c:30"], [2, 1, 3], spares=1)
+    assert [(e.reducer, e.shard, e.address) for e in ends] == [
+        (0, 0, "a:10"), (1, 0, "b:20"), (0, 1, "a:11"), (2, 0, "c:30"), (2, 1, "c:31"), (2, 2, "c:32")]
+    assert spare == 3
+    assert Endpoint(0, 1, "a:11", sharded=True).name() == "reducer 0 shard 1 (a:11)"
+    assert expand(["[::1]:5"], [2], 0)[0][1].address == "[::1]:6"
+
+
+def test_auto_is_the_cores_this_process_may_use_and_bad_counts_are_named():
+    assert shard_count.count("auto") == shard_count.count(None) == shard_count.usable_cores() >= 1
+    assert shard_count.usable_cores() <= len(os.sched_getaffinity(0))
+    assert shard_count.count("3") == 3
+    for bad in ("0", "many", "257"):
+        with pytest.raises(ConfigError, match="RS_SHARDS"):
+            shard_count.count(bad)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "frames"])
+def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str):
+    """Two reducers of two shards: four endpoints, each of which completes a share of the rounds;
+    each all-reduce is right on every rank."""
+    with reducers(2, extra_env={"RS_SHARDS": "2", "RS_SHM": shm}) as group:
+        assert len(_shards(group.procs[0])) == len(_shards(group.procs[1])) == 2
+
+        def make(rank: int) -> rs.Communicator:
+            return rs.Communicator(group.addresses, rank, 3, job_token=TOKEN, shared_memory=shm == "1",
+                                   connect_timeout=20, timeout=20)
+
+        def body(comm: rs.Communicator, rank: int) -> tuple:
+            base = (np.arange(3_000_000) % 1000).astype(np.float32)  # sums exact in float32
+            sums = [comm.all_reduce(base * (rank + 1) * step) for step in range(4)]
+            return comm.active_endpoints, all(np.array_equal(s, base * 6 * step) for step, s in enumerate(sums))
+
+        assert run_ranks(3, make, body, limit=60) == [(4, True)] * 3
+        logs = group.stop()
+    done = _completed(logs)
+    assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], logs
+    assert all(n >= 8 for n in done.values()), done  # 4 collectives of >= 8 chunks each, over 4 endpoints
+
+
+def test_a_reducer_of_one_shard_beside_a_sharded_one():
+    """Shard counts may differ between reducers: the plan takes every endpoint there is."""
+    with reducers(1, extra_env={"RS_SHARDS": "3"}) as sharded, \
+            reducers(1, extra_env={"RS_SHARDS": "1"}, first_index=1) as single:
+        addresses = sharded.addresses + single.addresses
+
+        def make(rank: int) -> rs.Communicator:
+            return rs.Communicator(addresses, rank, 2, job_token=TOKEN, connect_timeout=20, timeout=20)
+
+        def body(comm: rs.Communicator, rank: int) -> tuple:
+            return comm.active_endpoints, comm.all_reduce(np.full(1_000_000, rank + 1, np.int64)).tolist()[::250_000]
+
+        assert run_ranks(2, make, body, limit=60) == [(4, [3] * 4)] * 2
+
+
+def test_a_killed_shard_is_restarted_and_the_job_ends_bitwise_as_unsharded():
+    """W=4 processes train 200 steps on 2 reducers of 2 shards (deterministic); shard 1 of
+    reducer 0 is SIGKILLed at step 20 and shard 0 of reducer 1 (its listed address) at step 110.
+    Each supervisor starts its shard again; the workers fail over, take the shard back and use it
+    (chunks on it after it rejoined); every step is right, and the final weights are the same
+    bits as those of an undisturbed run on one unsharded reducer."""
+    exact = {"RS_DETERMINISTIC": "1", **FAST}
+    with reducers(1, extra_env={**exact, "RS_SHARDS": "1"}) as plain:
+        reference = Run(plain, exact=True).finish()
+    with reducers(2, extra_env={**exact, "RS_SHARDS": "2"}) as group:
+        job = Run(group, exact=True)
+        for step, reducer, shard in ((20, 0, 1), (110, 1, 0)):
+            job.wait_for_step(step)
+            victim = _shards(group.procs[reducer])[shard]
+            victim.kill()
+            victim.wait(5)
+        results = job.finish()
+        for proc in group.procs:
+            deadline = time.monotonic() + 10
+            while len(_shards(proc)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(_shards(proc)) == 2, "a supervisor did not start its shard again"
+        logs = group.stop()
+    assert all(log.count("shard_restarted") == 1 for log in logs), logs
+    for res in results:
+        assert res["mismatch_count"] == 0, res
+        assert res["lost"] == [1, 2], res  # endpoints: r0s0 0, r1s0 1, r0s1 2, r1s1 3
+        assert res["rejoined_chunks"] > 0, res
+        assert res["digest"] == reference[0]["digest"], res
+
+
+def test_sigterm_stops_every_shard_and_sigkill_of_the_supervisor_takes_them_along():
+    env = child_env({"RS_JOB_TOKEN": TOKEN})
+    serve = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0", "--shards", "3"]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen(serve, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = proc.stdout.readline()
+        base = int(re.search(r"ports (\d+)-(\d+)", line).group(1))
+        kids = _shards(proc)
+        assert [int(k.cmdline()[k.cmdline().index("--port") + 1]) for k in kids] == [base, base + 1, base + 2]
+        proc.send_signal(sig)
+        assert proc.wait(15) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert not alive, f"shards outlived their supervisor ({sig!r})"
+
+
+def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1  # shard 1 would need the taken one
+        proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
+                               str(port), "--shards", "2"], env=child_env(), capture_output=True, text=True,
+                              timeout=60)
+    assert proc.returncode != 0
+    assert f"{port + 1}" in proc.stderr and "already in use" in proc.stderr, proc.stderr
+    assert "could not start its 2 shards" in proc.stderr, proc.stderr
+    with socket.socket() as probe:  # shard 0 is gone too: its port is free again
+        probe.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("args, words", [(["--shards", "0"], "--shards='0' must be `auto` or 1..256"),
+                                         (["--shards", "lots"], "--shards='lots' is neither `auto` nor"),
+                                         (["--port", "65535", "--shards", "2"], "would pass 65535")])
+def test_bad_shard_arguments_are_named(args: List[str], words: str):
+    proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", *args],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+
+
+def test_serve_runs_one_shard_per_core_by_default():
+    env = child_env({"RS_JOB_TOKEN": TOKEN})
+    del env["RS_SHARDS"]
+    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        cores = shard_count.usable_cores()
+        assert (f"shards={cores} " in line) if cores > 1 else ("shards=" not in line), line
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_a_process_on_a_shard_port_that_is_not_that_shard_is_refused_by_name():
+    """A worker told (by shard 0's WELCOME) that reducer 0 has two shards finds, at port + 1, a
+    one-shard reducer of the same job: it proves the token, but not as shard 1, and is refused."""
+    with reducers(1, extra_env={"RS_SHARDS": "2"}) as group:
+        host, port = group.addresses[0].rsplit(":", 1)
+        shard1 = _shards(group.procs[0])[1]
+        shard1.kill()
+        shard1.wait(5)
+        group.procs[0].send_signal(signal.SIGSTOP)  # its supervisor must not start shard 1 again
+        try:
+            stranger = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port",
+                                         str(int(port) + 1), "--index", "0", "--shards", "1"],
+                                        env=child_env({"RS_JOB_TOKEN": TOKEN}), stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+            try:
+                assert "listening" in stranger.stdout.readline()
+                with pytest.raises(CollectiveError, match=r"reducer 0 shard 1 \(.*\) says it is shard 0 of its "
+                                                          r"reducer, but its port makes it shard 1"):
+                    rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, connect_timeout=10)
+            finally:
+                stranger.kill()
+                stranger.wait()
+        finally:
+            group.procs[0].send_signal(signal.SIGCONT)
