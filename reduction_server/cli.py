@@ -40,10 +40,14 @@ def _chaos(args: argparse.Namespace) -> int:
 def _size(args: argparse.Namespace) -> int:
     from .sizing import explain, measure
 
-    from .reducer.shards import usable_cores
+    if args.reducer_cores and not args.measure:
+        raise ConfigError("--reducer-cores needs --measure (without a measurement the NIC alone sizes a reducer host)")
+    measured, cores = None, None
+    if args.measure:
+        from .reducer.shards import usable_cores
 
-    measured = measure(args.measure_workers, args.measure_mib, args.measure_iters) if args.measure else None
-    cores = args.reducer_cores or usable_cores()
+        measured = measure(args.measure_workers, args.measure_mib, args.measure_iters)
+        cores = args.reducer_cores or usable_cores()
     print("\n".join(explain(args.workers, args.worker_gbps, args.reducer_gbps, measured, cores)))
     return 0
 

@@ -11,8 +11,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
+
+from .children import die_with_parent_hook
 
 GIB = 1 << 30
 GBIT_PER_GIB = GIB * 8 / 1e9
@@ -30,7 +33,6 @@ class Load:
     world: int
     mib: float
     iters: int
-    shards: int
     seconds: float
     threads: Dict[Thread, float]  # CPU seconds
     names: Dict[Thread, str]  # as the kernel has them (libzmq's I/O threads: ZMQbg/IO/N)
@@ -100,16 +102,21 @@ def thread_clocks(pids: List[int]) -> Tuple[Dict[Thread, float], Dict[Thread, st
 
 def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 300) -> Load:
     """Start a reducer of `shards` shards and W workers, time `iters` all-reduces of `mib` MiB
-    float32 after a warm-up, and stop them all. RuntimeError if any of them fails."""
+    float32 after a warm-up, and stop them all (they die with this process). RuntimeError if any
+    of them fails or the whole takes longer than `timeout` seconds."""
     if world < 1 or mib <= 0 or iters < 1 or shards < 1:
         raise ValueError(f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
                          f"(got {world}, {mib}, {iters}, {shards})")
     env = {**os.environ, "RS_SHM": "0", "RS_JOB_TOKEN": _TOKEN}
+    hook = die_with_parent_hook()
     # From the root directory: `-m` puts the working directory first on sys.path (a checkout's tree).
     reducer = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
                                 "0", "--index", "0", "--workers", str(world), "--shards", str(shards)],
-                               stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+                               stdout=subprocess.PIPE, text=True, env=env, cwd="/", preexec_fn=hook)
     workers: List[subprocess.Popen] = []
+    # A process that stops answering is killed after `timeout`: the reads below then end.
+    watchdog = threading.Timer(timeout, lambda: [p.kill() for p in [reducer, *workers] if p.poll() is None])
+    watchdog.start()
     try:
         match = _LISTENING.search(reducer.stdout.readline())
         if not match:
@@ -119,7 +126,8 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
             workers.append(subprocess.Popen(
                 [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)], cwd="/",
                 env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
-                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
+                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                preexec_fn=hook))
         lead = workers[0]
         if lead.stdout.readline().strip() != "READY":
             raise RuntimeError("the workers did not get ready")
@@ -137,14 +145,19 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
             if w.wait(timeout=timeout) != 0:
                 raise RuntimeError(f"a worker exited with {w.returncode}")
     finally:
+        watchdog.cancel()
         for proc in workers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
         reducer.terminate()  # a sharded reducer's supervisor stops its shards
-        reducer.wait()
+        try:
+            reducer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            reducer.kill()
+            reducer.wait()
     spent = {t: after[t] - before.get(t, 0.0) for t in after}
-    load = Load(world, mib, iters, shards, json.loads(done[5:])["seconds"], spent, names)
+    load = Load(world, mib, iters, json.loads(done[5:])["seconds"], spent, names)
     if load.cpu_seconds <= 0:  # the kernel counts CPU time in ticks (10 ms)
         raise RuntimeError(f"W={world}, {mib:g} MiB x {iters}: too little work to measure; raise the size or iters")
     return load

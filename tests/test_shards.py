@@ -197,7 +197,8 @@ def test_a_process_on_a_shard_port_that_is_not_that_shard_is_refused_by_name():
             try:
                 assert "listening" in stranger.stdout.readline()
                 with pytest.raises(CollectiveError, match=r"reducer 0 shard 1 \(.*\) says it is shard 0 of its "
-                                                          r"reducer, but its port makes it shard 1"):
+                                                          r"reducer, but its port makes it shard 1: RS_REDUCERS "
+                                                          r"must list each reducer's own port"):
                     rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, connect_timeout=10)
             finally:
                 stranger.kill()

@@ -1,8 +1,8 @@
 """RS_SNDBUF: the kernel send buffer of every data connection, on the worker's end and the
 reducer's, checked on real reducer processes through the kernel's own view of the sockets (ss):
-a fixed size, the kernel's autotuning (0), and `auto`, the default, where each worker connection's
-buffer follows what it measures (client/engine/send_buffers.py): loopback keeps autotuning, a
-connection over a shaped Ethernet link gets a few segments' worth."""
+a fixed size, the kernel's autotuning (0, the default), and `auto`, where each worker
+connection's buffer follows its route and what it measures (client/engine/send_buffers.py):
+loopback keeps autotuning, a connection over a shaped Ethernet link gets a few segments' worth."""
 import json
 import os
 import re
@@ -97,8 +97,7 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
     from reduction_server.bench.netem import EmulatedNetwork
 
     token, world = os.urandom(16).hex(), 2
-    env = child_env({"RS_JOB_TOKEN": token, "RS_SHARDS": "1"})
-    env.pop("RS_SNDBUF", None)
+    env = child_env({"RS_JOB_TOKEN": token, "RS_SHARDS": "1", "RS_SNDBUF": "auto"})
     with EmulatedNetwork(4, 100) as net:
         servers = [net.spawn(world + j, [sys.executable, "-m", "reduction_server", "serve", "--host",
                                          net.address(world + j), "--port", "5555", "--workers", str(world),
@@ -122,7 +121,7 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
 def test_a_reducer_refuses_a_bad_rs_sndbuf():
     serve = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.run(serve, env=child_env({"RS_SNDBUF": "1000"}), capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and "RS_SNDBUF=1000 must be `auto`, 0 (the kernel's autotuning) or 4096" in \
+    assert proc.returncode == 2 and "RS_SNDBUF=1000 must be 0 (the kernel's autotuning), 4096" in \
         proc.stderr, proc.stderr
 
 
@@ -130,7 +129,7 @@ def test_send_buffer_takes_auto_or_integers_of_any_kind_and_nothing_else(monkeyp
     assert socket_send_buffer(np.int64(16384)) == 16384 and socket_send_buffer(0) == 0
     assert socket_send_buffer("auto") == SNDBUF_AUTO
     monkeypatch.delenv("RS_SNDBUF", raising=False)
-    assert socket_send_buffer() == SNDBUF_AUTO
+    assert socket_send_buffer() == 0  # the default: the kernel's autotuning
     monkeypatch.setenv("RS_SNDBUF", "Auto")
     assert socket_send_buffer() == SNDBUF_AUTO
     for bad in ("16384", 16384.0, 4095, -1):

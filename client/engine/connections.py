@@ -26,7 +26,7 @@ from reduction_server.log import event, get_logger
 from reduction_server.protocol import MsgType
 from reduction_server.settings import SNDBUF_AUTO
 
-from .endpoints import Endpoint
+from .endpoints import Endpoint, make_room
 from .failover import Failover
 from .send_buffers import SendBuffers
 from .identity import Identity
@@ -104,6 +104,7 @@ class Connections:
     def open_all(self) -> None:
         """A socket to every reducer, each greeted with a HELLO (queued until it connects)."""
         self.context = zmq.Context(self.io_threads)
+        make_room(self.context, len(self.addresses), self.me.rank)
         for r in range(len(self.addresses)):
             sock, monitor = self._open(r)
             self.sockets.append(sock)

@@ -12,10 +12,18 @@ that the plan's endpoints come first (chunking.plan) and the spares last (failov
 """
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+import zmq
+
 from reduction_server.cluster_spec import join_address, parse_address
+from reduction_server.errors import CollectiveError
+
+#: per endpoint: libzmq sockets (the DEALER, its monitor's pair) and file descriptors (the TCP
+#: connection, the sockets' mailboxes), with room for the rest of the process
+SOCKETS_EACH, DESCRIPTORS_EACH, DESCRIPTORS_SPARE = 3, 4, 256
 
 
 @dataclass(frozen=True)
@@ -53,3 +61,18 @@ def expand(addresses: Sequence[str], shards: Sequence[int], spares: int) -> Tupl
     active = len(addresses) - spares
     spare = shard_major(range(active, len(addresses)))
     return shard_major(range(active)) + spare, len(spare)
+
+
+def make_room(context: zmq.Context, count: int, rank: int) -> None:
+    """Raise libzmq's socket cap (1023 by default) and this process's soft limit on open files
+    for `count` endpoints; CollectiveError naming the limit when the hard limit is too low."""
+    context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS), SOCKETS_EACH * count + 64))
+    need = DESCRIPTORS_EACH * count + DESCRIPTORS_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise CollectiveError(f"rank {rank}: {count} reducer endpoints (every shard of every reducer) need about "
+                              f"{need} open files, and this process may open at most {hard} (ulimit -n): raise "
+                              "the limit, or run fewer shards per reducer (RS_SHARDS on the reducers)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))

@@ -180,12 +180,14 @@ class Engine:
     # -- engine thread -------------------------------------------------------------------
     def _connect(self) -> None:
         """Handshake with every reducer; when some run shards, with every shard of every reducer."""
+        deadline = time.monotonic() + self._options["connect_timeout"]
         self.connections.open_all()
         self.handshake.wait_for_all()
         shards = self.handshake.shards
         if max(shards) == 1:
             return
         self.connections.close(bye=False)  # each reducer's shard 0 takes this rank's new connection in its place
+        self._options["connect_timeout"] = max(0.1, deadline - time.monotonic())  # one limit for both rounds
         self._build(*endpoints.expand(self._reducers, shards, self._spares))
         self.connections.poller.register(self._wake_r, zmq.POLLIN)
         self.connections.open_all()
@@ -263,28 +265,16 @@ class Engine:
                 ledger.expire(now, self.backstop, self.timeout)
 
     def _held(self, coll: Collective) -> bool:
-        """Whether coll waits to start until a lost reducer that came back names the collective
-        from which it is used again (failover.py); past RS_TIMEOUT it fails instead."""
-        failover = self.failover
-        if not failover.rejoining:
+        """Whether coll waits to start for a lost reducer that came back (failover.py); one that
+        waited past RS_TIMEOUT fails instead."""
+        if not self.failover.rejoining:
             return False
-        held, reports = failover.hold(coll)
-        for r, progress in reports.items():
-            self.connections.report(r, progress)
-        now = time.monotonic()
-        if not held:
-            failover.held_since = None
+        verdict = self.failover.waits(coll, time.monotonic(), self.timeout, self.connections.report,
+                                      self.connections.name)
+        if isinstance(verdict, str):
+            self.ledger.fail(coll, verdict)
             return False
-        if failover.held_since is None:
-            failover.held_since = now
-        if now - failover.held_since < self.timeout:
-            return True
-        waiting = [self.connections.name(r) for r in failover.rejoining if coll.group not in failover.since.get(r, {})]
-        failover.held_since = None
-        self.ledger.fail(coll, f"it waited {self.timeout:g} s (RS_TIMEOUT) for {', '.join(waiting)}, which came back "
-                               "after it was lost, to name the collective from which every rank uses it again "
-                               "(some rank of the group did not rejoin it)")
-        return False
+        return verdict
 
     def _die(self, reason: str) -> None:
         with self._lock:

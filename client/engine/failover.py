@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -259,6 +259,26 @@ class Failover:
         if r in self.rejoining:
             self.since.setdefault(r, {}).update(boundaries)
             self.joins += len(boundaries)
+
+    def waits(self, coll: Collective, now: float, timeout: float, report: Callable[[int, Dict[int, int]], None],
+              name: Callable[[int], str]) -> Union[bool, str]:
+        """Whether coll waits to start (hold), telling the reducers coming back where its group
+        is (`report`, PROGRESS); once it has waited `timeout` seconds, why it fails instead."""
+        held, reports = self.hold(coll)
+        for r, progress in reports.items():
+            report(r, progress)
+        if not held:
+            self.held_since = None
+            return False
+        if self.held_since is None:
+            self.held_since = now
+        if now - self.held_since < timeout:
+            return True
+        self.held_since = None
+        waiting = [name(r) for r in self.rejoining if coll.group not in self.since.get(r, {})]
+        return (f"it waited {timeout:g} s (RS_TIMEOUT) for {', '.join(waiting)}, which came back after it was "
+                "lost, to name the collective from which every rank uses it again (some rank of the group did "
+                "not rejoin it)")
 
     def hold(self, coll: Collective) -> Tuple[bool, Dict[int, Dict[int, int]]]:
         """Whether coll must wait before it starts, since a reducer coming back may take some of

@@ -60,7 +60,8 @@ class Handshake:
                     "each reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
         if h.chunk != end.shard:
             return (f"{conn.name(r)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
-                    f"{end.shard}: another reducer's shards listen on the ports next to this one's")
+                    f"{end.shard}: RS_REDUCERS must list each reducer's own port (its shard 0), and no other "
+                    "reducer may listen on the ports after it (its shards')")
         if not auth.verify_reducer(self.job_token, conn.nonces[r], proof, index=end.reducer, job=self.me.job,
                                    generation=self.me.generation, shard=end.shard):
             if not self.job_token:
@@ -95,8 +96,11 @@ class Handshake:
         while waiting:
             now = time.monotonic()
             if now >= deadline:
+                sharded = any(conn.endpoints[r].shard for r in waiting)
                 raise CollectiveError(f"rank {self.me.rank}: no reducer admitted this worker within "
-                                      f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}")
+                                      f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}"
+                                      + ("; a reducer's shards listen on the ports after its own, and each must "
+                                         "be reachable from the workers (RS_SHARDS=1 runs one)" if sharded else ""))
             if now >= report:  # a worker that waits says for what, rather than look hung
                 event(log, NOTICE, "waiting_for_reducers", rank=self.me.rank, waited_s=f"{now - started:.0f}",
                       connect_timeout_s=f"{self.connect_timeout:g}", waiting=self._waiting(waiting))

@@ -1,4 +1,5 @@
-"""Each reducer connection's kernel send buffer, chosen from its route and what it measures.
+"""`RS_SNDBUF=auto`: each reducer connection's kernel send buffer, chosen from its route and what
+it measures (not the default: bench/RESULTS.md, "Send buffer", has what it gains and loses).
 
 Where a host's flows share a shaped, deep-queued link (a cloud VM's egress cap), small send
 buffers keep each flow to a few segments in flight, so the flows take turns instead of one
@@ -9,19 +10,18 @@ segments). So:
 - before a connection is made, the MTU of its route (a connected UDP socket's IP_MTU: nothing
   is sent) gives its segment size; where FLOOR_SEGMENTS of them fit in LOCK_MAX (Ethernet's 1500
   bytes: 16 KiB) the connection starts with that buffer. Set from the start it works as a fixed
-  RS_SNDBUF does; set once a flow has run with a large one, it gains half as much (measured);
+  RS_SNDBUF does; set once a flow has run with a large one, it gained half as much;
   loopback and jumbo frames keep the kernel's autotuning (Linux stops autotuning a socket whose
   buffer is set);
 - every MEASURE_S the engine reads those connections' TCP_INFO (the minimum round trip, and the
-  delivery rate while not application-limited) and gives each max(FLOOR_SEGMENTS x MSS,
-  HEADROOM x rate x min_rtt), rounded up to a power of two (the median of its last WANTS_KEPT). A flow held back by its buffer
-  delivers at the rate the buffer allows and so wants twice as much the next turn: the buffer
-  doubles until the link, not the buffer, limits the flow (up to net.core.wmem_max); a flow that
-  shares a link with others keeps the floor.
+  delivery rate while not application-limited) and gives each the median of its last
+  WANTS_KEPT wants, max(FLOOR_SEGMENTS x MSS, HEADROOM x rate x min_rtt) rounded up to a power
+  of two. A flow held back by its buffer delivers at the rate the buffer allows and so wants
+  twice as much the next turn: the buffer doubles until the link, not the buffer, limits the
+  flow (up to net.core.wmem_max); a flow that shares a link with others keeps the floor.
 
 libzmq does not expose its TCP sockets: each connection's is found among this process's file
-descriptors by its peer address (Linux's /proc). `RS_SNDBUF` set to a size replaces all of this
-with that fixed buffer; `RS_SNDBUF=0` leaves every connection to the kernel.
+descriptors by its peer address (Linux's /proc). The reducers' buffers are left to the kernel.
 """
 from __future__ import annotations
 
@@ -29,10 +29,12 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from reduction_server.log import event, get_logger
+from reduction_server.settings import MAX_SNDBUF
 
 log = get_logger("client")
 
@@ -44,6 +46,8 @@ FLOOR_SEGMENTS = 11
 HEADROOM = 2
 #: a connection keeps autotuning unless its floor is at most this much
 LOCK_MAX = 64 * 1024
+#: seconds between searches of this process's descriptors for a connection not found yet
+SCAN_S = 1.0
 #: measured wants a buffer follows the median of
 WANTS_KEPT = 3
 #: bytes a connection sends before its measurements are trusted (past its first round trips)
@@ -57,21 +61,21 @@ _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 
 def want(mss: int, rate: float, min_rtt_us: int) -> int:
     """The buffer a connection wants: max(FLOOR_SEGMENTS x MSS, HEADROOM x rate x min_rtt),
-    rounded up to a power of two (bytes; `rate` in bytes/s)."""
+    rounded up to a power of two, at most MAX_SNDBUF (bytes; `rate` in bytes/s)."""
     need = max(FLOOR_SEGMENTS * mss, int(HEADROOM * rate * min_rtt_us / 1e6))
-    return 1 << (need - 1).bit_length()
+    return min(MAX_SNDBUF, 1 << (need - 1).bit_length())
 
 
 def _read_info(sock: socket.socket) -> Optional[Tuple[int, int, int, float, bool]]:
     """(mss, bytes acked, min_rtt in us, delivery rate in bytes/s, app-limited) from TCP_INFO."""
     raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_BYTES)
     if len(raw) < _TCP_INFO_BYTES:
-        return None  # a kernel older than 4.18 (no delivery rate): leave it to autotuning
+        return None  # a kernel older than 4.9 (no delivery rate): the buffer stays as it is
     app_limited = bool(raw[_APP_LIMITED_BYTE] & 1)
-    (mss,) = struct.unpack_from("<I", raw, _MSS)
-    (acked,) = struct.unpack_from("<Q", raw, _BYTES_ACKED)
-    (min_rtt,) = struct.unpack_from("<I", raw, _MIN_RTT)
-    (rate,) = struct.unpack_from("<Q", raw, _DELIVERY_RATE)
+    (mss,) = struct.unpack_from("=I", raw, _MSS)  # the kernel's own byte order
+    (acked,) = struct.unpack_from("=Q", raw, _BYTES_ACKED)
+    (min_rtt,) = struct.unpack_from("=I", raw, _MIN_RTT)
+    (rate,) = struct.unpack_from("=Q", raw, _DELIVERY_RATE)
     return mss, acked, min_rtt, float(rate), app_limited
 
 
@@ -79,7 +83,9 @@ class SendBuffers:
     """The send buffer of each reducer connection, measured and set (see the module)."""
 
     def __init__(self, addresses: Sequence[str]) -> None:
-        self.peers: List[Optional[set]] = [_resolve(a) for a in addresses]
+        hosts: Dict[str, Optional[set]] = {}  # one lookup per host, whatever its shards' ports
+        self.peers: List[Optional[set]] = [_resolve(a, hosts) for a in addresses]
+        self.next_scan = 0.0  # a connection not found is looked for again at most every SCAN_S
         self.fds: Dict[int, int] = {}  # endpoint -> the descriptor of its connection, last seen
         self.locked: Dict[int, int] = {}  # endpoint -> the buffer it was given (bytes)
         self.wants: Dict[int, Deque[int]] = {}  # endpoint -> its last WANTS_KEPT measured wants
@@ -90,7 +96,9 @@ class SendBuffers:
         if not self.enabled:
             return
         missing = [r for r in self.locked if r not in self.fds]  # the autotuned are the kernel's
-        if missing:
+        now = time.monotonic()
+        if missing and now >= self.next_scan:
+            self.next_scan = now + SCAN_S
             self._find(missing)
         for r, fd in list(self.fds.items()):
             sock = _open(fd)
@@ -102,7 +110,7 @@ class SendBuffers:
             try:
                 self._adjust(r, sock)
             except OSError:
-                pass  # it closed meanwhile; the next turn finds the new connection
+                pass  # it closed meanwhile; the next turn finds the new connection (a reopen calls initial())
             finally:
                 sock.close()
 
@@ -115,8 +123,7 @@ class SendBuffers:
     def initial(self, r: int) -> int:
         """The send buffer to give endpoint r's next connection before it connects: the floor
         when its route's MTU makes that at most LOCK_MAX (Ethernet), else 0 (autotuning:
-        loopback, jumbo frames). A buffer set later, once a flow has run with a large one, gains
-        half as much (bench/RESULTS.md)."""
+        loopback, jumbo frames)."""
         self.forget(r)
         mtu = _route_mtu(self.peers[r])
         if mtu is None:
@@ -184,14 +191,18 @@ def _route_mtu(peers: Optional[set]) -> Optional[int]:
     return None
 
 
-def _resolve(address: str) -> Optional[set]:
-    """The (ip, port) pairs "host:port" may connect to; None when it does not resolve."""
+def _resolve(address: str, hosts: Dict[str, Optional[set]]) -> Optional[set]:
+    """The (ip, port) pairs "host:port" may connect to; None when it does not resolve. `hosts`
+    caches each host's addresses."""
     host, _, port = address.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
-        return None
-    return {(info[4][0], info[4][1]) for info in infos}
+    host = host.strip("[]")
+    if host not in hosts:
+        try:
+            hosts[host] = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        except OSError:
+            hosts[host] = None
+    ips = hosts[host]
+    return None if ips is None else {(ip, int(port)) for ip in ips}
 
 
 def _open(fd: int) -> Optional[socket.socket]:

@@ -100,14 +100,26 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                         "RS_SHARDS" if shards is None else "--shards")
     if shard is not None and not 0 <= shard < count:
         raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")
+    # Every setting is read (and checked) here, before any shard starts: a bad one is one message.
+    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
+    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
+    liveness = settings.read("RS_LIVENESS_TIMEOUT")
+    sndbuf = settings.socket_send_buffer()  # `auto`: the kernel's, as 0 (only workers size theirs)
+    limits = dict(max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES") // count,  # the shards share it
+                  max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"), max_rounds=settings.read("RS_MAX_ROUNDS"),
+                  round_timeout=settings.read("RS_TIMEOUT"))
+    if limits["max_accumulator_bytes"] < max_chunk:
+        raise ConfigError(f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
+                          f"{limits['max_accumulator_bytes']} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
+                          f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
+    shared = shared_memory.enabled()
+    if metrics_port and metrics_port + count - 1 > 65535:
+        raise ConfigError(f"--metrics-port {metrics_port} with {count} shards: their metrics ports would pass 65535")
     if shard is None and count > 1:
         return _supervise(Supervisor(host=host, port=port, index=index, shards=count, workers=workers,
                                      deterministic=deterministic, metrics_port=metrics_port),
                           token=token, encrypt=encrypt, ready_fd=ready_fd)
     shard = shard or 0
-    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
-    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
-    liveness = settings.read("RS_LIVENESS_TIMEOUT")
 
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
     with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
@@ -115,7 +127,6 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         socket.setsockopt(zmq.LINGER, 0)
         # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
         socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
-        sndbuf = settings.socket_send_buffer()  # `auto`: the kernel's, as 0 (only workers size theirs)
         if sndbuf > 0:  # before bind: libzmq copies a socket's options into its listener and each connection
             socket.setsockopt(zmq.SNDBUF, sndbuf)
         protocol.set_heartbeats(socket, heartbeat, liveness)
@@ -124,16 +135,12 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         bound = _bind(socket, host, port)
         reducer = Reducer(
             socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
-            max_chunk_bytes=max_chunk,
-            max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES") // count,  # the shards share it
-            max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"),
-            max_rounds=settings.read("RS_MAX_ROUNDS"),
-            round_timeout=settings.read("RS_TIMEOUT"),
+            max_chunk_bytes=max_chunk, **limits,
             heartbeat_interval=heartbeat,
             liveness_timeout=liveness,
             deterministic=deterministic,
             encrypt=encrypt,
-            shared=shared_memory.enabled(), shard=shard, shards=count,
+            shared=shared, shard=shard, shards=count,
         )
         try:
             if metrics_port:

@@ -34,26 +34,38 @@ log = get_logger("reducer")
 
 #: seconds a shard has to say it listens
 READY_TIMEOUT_S = 60.0
-#: a shard that dies is started again after this long, doubled each time it dies within
-#: STEADY_S of its start, up to MAX_BACKOFF_S
+#: a shard that dies is started again after this long, doubled for each time in a row it died
+#: within STEADY_S of its start, up to MAX_BACKOFF_S; it is never given up (its peers fail over)
 FIRST_BACKOFF_S, MAX_BACKOFF_S, STEADY_S = 0.2, 5.0, 10.0
 _POLL_S = 0.1
 _STOP_GRACE_S = 10.0
-_PORT_TRIES = 20  # free runs of N ports tried when the port is 0
+_PORT_TRIES = 5  # free runs of N ports tried when the port is 0 (another program may take one meanwhile)
+
+
+def _cgroup_quota() -> Optional[float]:
+    """The cgroup's CPU quota in cores (v2's cpu.max, else v1's cfs files), None when unlimited."""
+    for path, split in (("/sys/fs/cgroup/cpu.max", None), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "v1")):
+        try:
+            with open(path) as f:
+                text = f.read().split()
+            if split == "v1":
+                with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+                    text.append(f.read().strip())
+            quota, period = text[0], text[-1]
+            if quota in ("max", "-1"):
+                return None
+            return int(quota) / int(period)
+        except (OSError, ValueError, IndexError, ZeroDivisionError):
+            continue
+    return None
 
 
 def usable_cores() -> int:
     """The CPUs this process may run on: its affinity, cut to the cgroup's CPU quota (a
     container's --cpus, a pod's CPU limit)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
+    quota = _cgroup_quota()
+    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
 
 
 def count(value: Union[str, int, None], name: str = "RS_SHARDS") -> int:
@@ -75,7 +87,11 @@ def free_run(host: str, n: int) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(_PORT_TRIES):
         with socket.socket(family) as probe:
-            probe.bind((host, 0))
+            try:
+                probe.bind((host, 0))
+            except OSError as exc:  # the same words as one reducer's bind (process.py)
+                raise ListenError(f"cannot listen on {host}: {exc.strerror or exc} (--host / RS_BIND_HOST: an "
+                                  "address of this host; 0.0.0.0 listens on all of them)") from None
             base = probe.getsockname()[1]
         if base + n - 1 > 65535:
             continue
@@ -102,9 +118,9 @@ class Shard:
     port: int
     proc: Optional[subprocess.Popen] = None
     started: float = 0.0
-    backoff: float = FIRST_BACKOFF_S
     restart_at: Optional[float] = None
     restarts: int = field(default=0)
+    failures: int = 0  # deaths in a row, each within STEADY_S of its start (the backoff doubles with them)
 
 
 class Supervisor:
@@ -135,21 +151,25 @@ class Supervisor:
 
     def _spawn(self, shard: Shard) -> Optional[str]:
         """Start `shard` and wait until it listens; why it could not, or None."""
+        where = f"shard {shard.number} of reducer {self.index} (port {shard.port})"
         ready_r, ready_w = os.pipe()
         try:
             shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, preexec_fn=self.hook)
+        except OSError as exc:  # fork or exec failed (no memory, too many processes)
+            os.close(ready_r)
+            shard.proc = None
+            return f"{where} could not be started: {exc}"
         finally:
             os.close(ready_w)
-        shard.started = time.monotonic()
         try:
             readable, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
             said = os.read(ready_r, 64).decode(errors="replace").strip() if readable else ""
         finally:
             os.close(ready_r)
+            shard.started = time.monotonic()  # a shard that cannot start dies "at once" (the backoff)
         if said == str(shard.port):
             return None
-        where = f"shard {shard.number} of reducer {self.index} (port {shard.port})"
         if readable:  # it closed the pipe without a word: it exited
             return f"{where} exited with status {shard.proc.wait()} before it listened (its message is above)"
         shard.proc.kill()
@@ -169,7 +189,9 @@ class Supervisor:
             if not failed:
                 self.base = base
                 return base
-            self.stop()  # another program took one of the free ports meanwhile: try another run
+            self.stop()
+            if shard.proc is None or shard.proc.returncode != 1:  # 1: it could not listen (cli.py)
+                break  # not a port another program took meanwhile: other ports would not help
         raise ListenError(f"reducer {self.index} could not start its {self.count} shards: {failed}")
 
     def watch(self, should_stop) -> None:
@@ -177,12 +199,13 @@ class Supervisor:
         while not should_stop():
             now = time.monotonic()
             for shard in self.shards:
-                if shard.restart_at is None and shard.proc is not None and shard.proc.poll() is not None:
-                    shard.backoff = FIRST_BACKOFF_S if now - shard.started > STEADY_S else \
-                        min(MAX_BACKOFF_S, shard.backoff * 2)
-                    shard.restart_at = now + shard.backoff
+                if shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
+                    shard.failures = shard.failures + 1 if now - shard.started < STEADY_S else 0
+                    backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** shard.failures)
+                    shard.restart_at = now + backoff
                     event(log, NOTICE, "shard_died", reducer=self.index, shard=shard.number, port=shard.port,
-                          status=shard.proc.returncode, restart_in_s=f"{shard.backoff:g}")
+                          status=shard.proc.returncode if shard.proc is not None else "not started",
+                          restart_in_s=f"{backoff:g}")
                 elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
                     shard.restart_at = None
                     shard.restarts += 1
