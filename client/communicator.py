@@ -91,7 +91,7 @@ class Communicator:
         encrypt: CurveZMQ on every connection, keys from the token (RS_ENCRYPT).
         shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
         send_buffer: the kernel send buffer of each connection: "auto" (each connection's from
-            its round trip and delivery rate: engine/send_buffers.py), 0 for the kernel's
+            its round trip and delivery rate: reduction_server/send_buffers.py), 0 for the kernel's
             autotuning, or bytes (RS_SNDBUF).
         failover: move a lost reducer's chunks to the reducers left, so that collectives
             complete (RS_FAILOVER, on by default); False: they fail naming it.

@@ -35,13 +35,11 @@ MAX_PIPELINE_DEPTH = 1024
 MAX_WINDOW = 256
 #: RS_SNDBUF: a small send buffer caps the bytes each TCP flow has in flight, so the flows sharing a
 #: shaped, deep-buffered link take turns; it also caps a flow at about 2 x RS_SNDBUF per round
-#: trip, which slows loopback and fast links (bench/RESULTS.md, "Tuning settings"). 0, the
-#: default, leaves every buffer to the kernel's autotuning; a size fixes them all; `auto`
-#: (SNDBUF_AUTO) has a worker size each connection's from its route and what it measures
-#: (client/engine/send_buffers.py), and leaves the reducers' to the kernel: it gains on the
-#: emulated network's all-reduces and loses on its DDP steps (the reducers' buffers matter there),
-#: so it is not the default
-DEFAULT_SNDBUF = 0
+#: trip, which slows loopback and fast links (bench/RESULTS.md, "Tuning settings"). So by default
+#: (`auto`, SNDBUF_AUTO) each connection's, a worker's and a reducer's, starts at a few of its
+#: segments where they are Ethernet-sized and follows what it measures (send_buffers.py); 0
+#: leaves every buffer to the kernel's autotuning; a size fixes them all. The kernel cuts a size
+#: to net.core.wmem_max, then doubles it
 SNDBUF_AUTO = -1
 MIN_SNDBUF = 4096
 MAX_SNDBUF = 1 << 30
@@ -156,10 +154,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "better and costs CPU per chunk (bench/RESULTS.md)", int, DEFAULT_PIPELINE_DEPTH, 1, MAX_PIPELINE_DEPTH),
     Variable("RS_SHM", _BOTH, "1", "chunks between a worker and a reducer on one host go through shared memory; "
              "0 turns it off on either side", bool, True),
-    Variable("RS_SNDBUF", (*_BOTH, BENCH), "0 (the kernel's autotuning)",
-             "kernel send buffer (SO_SNDBUF) of each connection: 0, bytes (4096 and up; 16384 keeps flows in step "
-             "on a shaped cloud link, and slows loopback), or `auto` (each worker connection's from its route and "
-             "its round trip and delivery rate; bench/RESULTS.md)", int, DEFAULT_SNDBUF, 0, MAX_SNDBUF),
+    Variable("RS_SNDBUF", (*_BOTH, BENCH), "`auto`: each connection's, from its segment size, round trip and "
+             "delivery rate", "kernel send buffer (SO_SNDBUF) of each connection: `auto`, 0 (the kernel's "
+             "autotuning), or bytes, 4096 and up (a fixed 16384 keeps flows in step on a shaped cloud link, and "
+             "slows loopback; bench/RESULTS.md)", int, SNDBUF_AUTO, 0, MAX_SNDBUF),
     Variable("RS_IO_THREADS", (WORKERS,), "1", "libzmq I/O threads", int, 1, 1),
     # time limits
     Variable("RS_TIMEOUT", _BOTH, _seconds(DEFAULT_TIMEOUT),
@@ -288,12 +286,12 @@ def tuning(name: str, environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 def socket_send_buffer(value: Union[int, str, None] = None, environ: Optional[Mapping[str, str]] = None) -> int:
-    """`value`, or RS_SNDBUF, or the default: 0 (the kernel's autotuning), MIN_SNDBUF..MAX_SNDBUF
-    bytes, or SNDBUF_AUTO (`auto`)."""
+    """`value`, or RS_SNDBUF, or the default: SNDBUF_AUTO (`auto`), 0 (the kernel's autotuning) or
+    MIN_SNDBUF..MAX_SNDBUF bytes."""
     if value is None:
         environ = os.environ if environ is None else environ
         name = "RS_SNDBUF"
-        if environ.get(name, "").strip().lower() == "auto":
+        if environ.get(name, "").strip().lower() in ("", "auto"):
             return SNDBUF_AUTO
         value = read(name, environ)
     elif isinstance(value, str) and value.strip().lower() == "auto":
@@ -305,8 +303,8 @@ def socket_send_buffer(value: Union[int, str, None] = None, environ: Optional[Ma
         except TypeError:
             raise ConfigError(f"send_buffer={value!r} is neither `auto` nor an integer number of bytes") from None
     if value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF:
-        raise ConfigError(f"{name}={value} must be 0 (the kernel's autotuning), {MIN_SNDBUF}..{MAX_SNDBUF} bytes, "
-                          "or `auto`")
+        raise ConfigError(f"{name}={value} must be `auto`, 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} "
+                          "bytes")
     return value
 
 

@@ -345,7 +345,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
     (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, RS_PIPELINE_DEPTH, RS_SNDBUF"),
     (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
-    (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be 0 (the kernel's autotuning), 4096"),
+    (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be `auto`, 0 (the kernel's autotuning) or 4096"),
     (["ddp", "--variant", "RS_WINDOW=0"], "--variant 'RS_WINDOW=0': RS_WINDOW='0' must be at least 1"),
     (["netem", "--variant", "RS_WINDOW=2,RS_WINDOW=3"], "sets RS_WINDOW twice"),
     (["netem", "--variant", "RS_WINDOW=2", "--variant", "RS_WINDOW=2"], "--variant RS_WINDOW=2 is given twice"),

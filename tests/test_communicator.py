@@ -74,7 +74,7 @@ def test_reducer_list_validation(reducers, match):
 @pytest.mark.parametrize("variable,value,match", [
     ("RS_PIPELINE_DEPTH", "0", "RS_PIPELINE_DEPTH"), ("RS_PIPELINE_DEPTH", "deep", "RS_PIPELINE_DEPTH"),
     ("RS_PIPELINE_DEPTH", "1025", "RS_PIPELINE_DEPTH"), ("RS_WINDOW", "257", "RS_WINDOW"),
-    ("RS_SNDBUF", "100", r"RS_SNDBUF=100 must be 0 \(the kernel's autotuning\), 4096"), ("RS_SNDBUF", "-1", "RS_SNDBUF"), ("RS_SNDBUF", "16k", "RS_SNDBUF"),
+    ("RS_SNDBUF", "100", r"RS_SNDBUF=100 must be `auto`, 0 \(the kernel's autotuning\) or 4096"), ("RS_SNDBUF", "-1", "RS_SNDBUF"), ("RS_SNDBUF", "16k", "RS_SNDBUF"),
 ])
 def test_tuning_variables_are_validated(monkeypatch, variable, value, match):
     monkeypatch.setenv(variable, value)

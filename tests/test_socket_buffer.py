@@ -1,8 +1,9 @@
 """RS_SNDBUF: the kernel send buffer of every data connection, on the worker's end and the
 reducer's, checked on real reducer processes through the kernel's own view of the sockets (ss):
-a fixed size, the kernel's autotuning (0, the default), and `auto`, where each worker
-connection's buffer follows its route and what it measures (client/engine/send_buffers.py):
-loopback keeps autotuning, a connection over a shaped Ethernet link gets a few segments' worth."""
+a fixed size, the kernel's autotuning (0), and `auto`, the default, where each connection's
+buffer, a worker's and a reducer's, follows its segments and what it measures
+(reduction_server/send_buffers.py): loopback keeps autotuning, a connection over a shaped
+Ethernet link gets a few segments' worth on both ends."""
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import pytest
 
 import reduction_server.client as rs
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers, run_ranks
-from reduction_server.client.engine import send_buffers as sizing
+from reduction_server import send_buffers as sizing
 from reduction_server.errors import ConfigError
 from reduction_server.settings import SNDBUF_AUTO, socket_send_buffer
 
@@ -54,7 +55,7 @@ def test_rs_sndbuf_sets_both_ends_of_every_connection(monkeypatch):
             assert buffers == [2 * REQUESTED] * 8, buffers
 
 
-@pytest.mark.parametrize("setting", ["auto", "0"])
+@pytest.mark.parametrize("setting", ["", "auto", "0"])
 def test_loopback_connections_keep_the_kernels_autotuning(monkeypatch, setting: str):
     """0 leaves autotuning alone, and so does `auto` on loopback (64 KiB segments: eleven of them
     are more than a connection starts with): a connection that carried megabytes has grown its
@@ -72,7 +73,7 @@ def test_loopback_connections_keep_the_kernels_autotuning(monkeypatch, setting: 
                 comm.all_reduce(x)
             buffers = send_buffers(ports)
             chosen = comm._engine.connections.send_buffers
-            if setting == "auto":
+            if setting != "0":
                 assert chosen.locked == {} and sizing._route_mtu(chosen.peers[0]) >= 65535, chosen.locked
             else:
                 assert chosen is None
@@ -92,8 +93,9 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
     """Two worker hosts and two reducer hosts on 100 Mbit/s links (bench/netem.py's network):
     every worker connection starts with 16 KiB (eleven 1448-byte segments on a 1500-byte route)
     and stays within twice that, its measured bandwidth-delay product being smaller (it shares
-    its host's link with the other); the kernel holds twice what it was given; and every
-    all-reduce is right. The engine found each connection among its descriptors."""
+    its host's link with the other); each reducer gives its two accepted connections the same
+    as it admits them; the kernel holds twice what it was given; and every all-reduce is right.
+    The engine found each connection among its descriptors."""
     from reduction_server.bench.netem import EmulatedNetwork
 
     token, world = os.urandom(16).hex(), 2
@@ -105,23 +107,31 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
         for proc in servers:
             assert "listening on" in proc.stdout.readline()
         reducers_spec = ",".join(f"{net.address(world + j)}:5555" for j in range(2))
-        workers = [net.spawn(i, [sys.executable, str(SCRIPTS / "send_buffer_job.py"), "4", "8"],
+        workers = [net.spawn(i, [sys.executable, str(SCRIPTS / "send_buffer_job.py"), "4", "8", "3"],
                              dict(env, RS_REDUCERS=reducers_spec, RS_RANK=str(i), RS_WORLD_SIZE=str(world)))
                    for i in range(world)]
-        outputs = [proc.communicate(timeout=120)[0] for proc in workers]
+        lines = [next(line for line in proc.stdout if line.startswith("{")) for proc in workers]
+        ends = [subprocess.run(["ip", "netns", "exec", net.namespace(world + j), "ss", "-tmnH", "state", "established",
+                                "( sport = :5555 )"], capture_output=True, text=True, check=True).stdout
+                for j in range(2)]
+        for proc in workers:
+            proc.communicate(timeout=120)
         net.stop(servers)
-    for out in outputs:
-        res = json.loads(out.strip().splitlines()[-1])
-        assert res["right"] and res["found"] == 2, out
+    for line in lines:
+        res = json.loads(line)
+        assert res["right"] and res["found"] == 2, line
         addresses = reducers_spec.split(",")
-        assert sorted(res["locked"]) == sorted(addresses) and set(res["locked"].values()) <= {16384, 32768}, out
-        assert [res["kernel"][a] for a in addresses] == [2 * res["locked"][a] for a in addresses], out
+        assert sorted(res["locked"]) == sorted(addresses) and set(res["locked"].values()) <= {16384, 32768}, line
+        assert [res["kernel"][a] for a in addresses] == [2 * res["locked"][a] for a in addresses], line
+    for out in ends:  # each reducer's two accepted connections, given 16 or 32 KiB, doubled by the kernel
+        sizes = [int(tb) for tb in re.findall(r"\btb(\d+)", out)]
+        assert len(sizes) == 2 and set(sizes) <= {32768, 65536}, out
 
 
 def test_a_reducer_refuses_a_bad_rs_sndbuf():
     serve = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.run(serve, env=child_env({"RS_SNDBUF": "1000"}), capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and "RS_SNDBUF=1000 must be 0 (the kernel's autotuning), 4096" in \
+    assert proc.returncode == 2 and "RS_SNDBUF=1000 must be `auto`, 0 (the kernel's autotuning) or 4096" in \
         proc.stderr, proc.stderr
 
 
@@ -129,7 +139,7 @@ def test_send_buffer_takes_auto_or_integers_of_any_kind_and_nothing_else(monkeyp
     assert socket_send_buffer(np.int64(16384)) == 16384 and socket_send_buffer(0) == 0
     assert socket_send_buffer("auto") == SNDBUF_AUTO
     monkeypatch.delenv("RS_SNDBUF", raising=False)
-    assert socket_send_buffer() == 0  # the default: the kernel's autotuning
+    assert socket_send_buffer() == SNDBUF_AUTO  # the default
     monkeypatch.setenv("RS_SNDBUF", "Auto")
     assert socket_send_buffer() == SNDBUF_AUTO
     for bad in ("16384", 16384.0, 4095, -1):

@@ -17,6 +17,7 @@ from typing import Deque, List, Optional, Sequence, Tuple
 import zmq
 
 from reduction_server import encryption, shared_memory
+from reduction_server.send_buffers import MEASURE_S
 from reduction_server.errors import CollectiveError
 from reduction_server.log import get_logger
 from reduction_server import settings
@@ -30,7 +31,6 @@ from .handshake import Handshake
 from .identity import Identity
 from .ledger import Ledger
 from .pump import Pump
-from .send_buffers import MEASURE_S
 from .results import Results
 from .slots import Slots
 

@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 import zmq
 
 from .. import auth, protocol, shared_memory
+from ..send_buffers import AcceptedBuffers
 from ..log import event, get_logger
 from ..protocol import ErrorCode, Header, MsgType
 from ..settings import MAX_WINDOW
@@ -40,7 +41,8 @@ class Admission:
     """The handshake and the strangers of one reducer."""
 
     def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
-                 encrypt: bool, shared: bool, shard: int = 0, shards: int = 1) -> None:
+                 encrypt: bool, shared: bool, shard: int = 0, shards: int = 1,
+                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
@@ -51,6 +53,7 @@ class Admission:
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
         self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
+        self.send_buffers = send_buffers  # RS_SNDBUF=auto: each connection's, from what it measures
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
         self.admissions = 0
 
@@ -135,6 +138,8 @@ class Admission:
                                                             max_slot_bytes=self.rounds.max_chunk_bytes)
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
+        if self.send_buffers is not None:  # before the WELCOME: the worker sends no chunk before it
+            self.send_buffers.admit()
         welcome = json.dumps({"index": self.index, "shard": self.shard, "shards": self.shards,
                               "world_size": members.world,
                               "max_chunk_bytes": self.rounds.max_chunk_bytes,

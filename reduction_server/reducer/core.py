@@ -18,6 +18,7 @@ from ..accumulator import AccumulatorPool
 from ..errors import ProtocolError
 from ..log import event, get_logger
 from ..protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
+from ..send_buffers import AcceptedBuffers
 from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
                         DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
 from .admission import Admission
@@ -52,7 +53,8 @@ class Reducer:
                  round_timeout: float = DEFAULT_TIMEOUT,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
                  liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
-                 encrypt: bool = False, shared: bool = False, shard: int = 0, shards: int = 1) -> None:
+                 encrypt: bool = False, shared: bool = False, shard: int = 0, shards: int = 1,
+                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
         self.socket = socket
         self.index = index
         self.name = f"reducer {index}" + (f" shard {shard}" if shards > 1 else "") + (f" ({address})" if address else "")
@@ -68,7 +70,8 @@ class Reducer:
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic)
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
-                                   encrypt=encrypt, shared=shared, shard=shard, shards=shards)
+                                   encrypt=encrypt, shared=shared, shard=shard, shards=shards,
+                                   send_buffers=send_buffers)
         self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
         self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
@@ -116,7 +119,7 @@ class Reducer:
         tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
         next_tick = time.monotonic() + tick
         next_heartbeat = time.monotonic() + self.heartbeat_interval
-        members = self.members
+        members, send_buffers = self.members, self.admission.send_buffers
         try:
             while not should_stop():
                 wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
@@ -148,6 +151,8 @@ class Reducer:
                     self.rounds.check_skipped()
                     self.rounds.expire(now)
                     self.admission.forget_strangers(now)
+                    if send_buffers is not None:
+                        send_buffers.measure()
                     next_tick = now + tick
         finally:
             self.socket.disable_monitor()

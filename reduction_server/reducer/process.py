@@ -18,6 +18,7 @@ from .. import encryption, protocol, settings, shared_memory
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 from .core import Reducer
+from ..send_buffers import AcceptedBuffers
 from .shards import Supervisor, count as shard_count
 
 log = get_logger("reducer")
@@ -104,11 +105,11 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
     heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
     liveness = settings.read("RS_LIVENESS_TIMEOUT")
-    sndbuf = settings.socket_send_buffer()  # `auto`: the kernel's, as 0 (only workers size theirs)
+    sndbuf = settings.socket_send_buffer()  # a size is set below; `auto` per connection (send_buffers.py)
     limits = dict(max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES") // count,  # the shards share it
                   max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"), max_rounds=settings.read("RS_MAX_ROUNDS"),
                   round_timeout=settings.read("RS_TIMEOUT"))
-    if limits["max_accumulator_bytes"] < max_chunk:
+    if count > 1 and limits["max_accumulator_bytes"] < max_chunk <= limits["max_accumulator_bytes"] * count:
         raise ConfigError(f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
                           f"{limits['max_accumulator_bytes']} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
                           f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
@@ -133,6 +134,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         if encrypt:
             encryption.secure_reducer(socket, token)
         bound = _bind(socket, host, port)
+        send_buffers = AcceptedBuffers(bound) if sndbuf == settings.SNDBUF_AUTO else None
         reducer = Reducer(
             socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
             max_chunk_bytes=max_chunk, **limits,
@@ -140,7 +142,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
             liveness_timeout=liveness,
             deterministic=deterministic,
             encrypt=encrypt,
-            shared=shared, shard=shard, shards=count,
+            shared=shared, shard=shard, shards=count, send_buffers=send_buffers,
         )
         try:
             if metrics_port:
@@ -158,7 +160,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                   max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
                   max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
                   timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
-                  sndbuf=sndbuf if sndbuf > 0 else "kernel", metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
+                  sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(sndbuf, sndbuf), metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
                   pid=os.getpid())
             _say_ready(ready_fd, bound)
             reducer.run(lambda: bool(stopping))

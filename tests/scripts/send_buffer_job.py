@@ -1,11 +1,13 @@
 """One rank for tests/test_socket_buffer.py on an emulated network: `python send_buffer_job.py MIB
-ITERS`. All-reduces MIB MiB of float32 ITERS times (checking each sum), then prints one JSON
-line: the send buffers its engine gave each reducer connection (send_buffers.py) and the
-kernel's view of them (ss's `tb`, per reducer port)."""
+ITERS HOLD`. All-reduces MIB MiB of float32 ITERS times (checking each sum), then prints one JSON
+line: the send buffers its engine gave each reducer connection (reduction_server/send_buffers.py)
+and the kernel's view of them (ss's `tb`, per reducer port); then keeps its connections HOLD
+seconds (the test reads the reducers' ends meanwhile)."""
 import json
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -30,6 +32,7 @@ def main() -> None:
                 kernel[peer] = int(re.search(r"\btb(\d+)", line).group(1))
         print(json.dumps({"rank": comm.rank, "right": bool(right), "locked": locked, "kernel": kernel,
                           "found": len(buffers.fds)}), flush=True)
+        time.sleep(float(sys.argv[3]))
         comm.barrier()
 
 
