@@ -157,7 +157,7 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("RS_SNDBUF", (*_BOTH, BENCH), "`auto`: each connection's, from its segment size, round trip and "
              "delivery rate", "kernel send buffer (SO_SNDBUF) of each connection: `auto`, 0 (the kernel's "
              "autotuning), or bytes, 4096 and up (a fixed 16384 keeps flows in step on a shaped cloud link, and "
-             "slows loopback; bench/RESULTS.md)", int, SNDBUF_AUTO, 0, MAX_SNDBUF),
+             "slows loopback; bench/RESULTS.md)", int, SNDBUF_AUTO, SNDBUF_AUTO, MAX_SNDBUF),  # see socket_send_buffer
     Variable("RS_IO_THREADS", (WORKERS,), "1", "libzmq I/O threads", int, 1, 1),
     # time limits
     Variable("RS_TIMEOUT", _BOTH, _seconds(DEFAULT_TIMEOUT),
