@@ -87,15 +87,8 @@ class Connections:
                 self._tell_groups(r, [group])
 
     def _tell_groups(self, r: int, groups: Sequence[int]) -> None:
-        for group in groups:
-            payload = self.groups[group]
-            try:  # far below libzmq's queue; a gone connection is noticed by the next chunk
-                self.sockets[r].send_multipart([protocol.text_header(MsgType.GROUP, payload, rank=self.me.rank,
-                                                                     world=self.me.world, job=self.me.job,
-                                                                     generation=self.me.generation, group=group),
-                                                payload], zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+        for group in groups:  # far below libzmq's queue; a gone connection is noticed by the next chunk
+            self.send_text(r, MsgType.GROUP, self.groups[group], group)
 
     def name(self, r: int) -> str:
         """Reducer r as messages name it: "reducer r (host:port)"."""
@@ -144,13 +137,14 @@ class Connections:
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
         self.slots.drop(r)  # a new connection gets a new segment: nothing old can reach it
-        self.send_handshake(r, MsgType.HELLO, json.dumps(facts).encode())
+        self.send_text(r, MsgType.HELLO, json.dumps(facts).encode())
 
-    def send_handshake(self, r: int, mtype: MsgType, payload: bytes) -> None:
-        """Queue a handshake message (HELLO, AUTH) to reducer r without blocking; if its
-        connection already failed, it is dropped (the monitor reports the failure)."""
+    def send_text(self, r: int, mtype: MsgType, payload: bytes, group: int = 0) -> None:
+        """Queue a small message (HELLO, AUTH, GROUP, PROGRESS) to reducer r without blocking; if
+        its connection already failed, it is dropped (the monitor reports the failure, and a new
+        connection's handshake says it all again)."""
         try:
-            self.sockets[r].send_multipart([self.me.header(mtype, payload), payload], zmq.NOBLOCK)
+            self.sockets[r].send_multipart([self.me.header(mtype, payload, group), payload], zmq.NOBLOCK)
         except zmq.Again:
             # The connection already failed (its security handshake was refused, or it dropped):
             # the monitor reports that, and a new connection is opened, or the reducer given up.
@@ -262,11 +256,7 @@ class Connections:
 
     def report(self, r: int, progress: Dict[int, int]) -> None:
         """Tell lost reducer r, back now, where this rank is in these groups (PROGRESS)."""
-        payload = protocol.seq_pairs_payload(progress.items())
-        try:
-            self.sockets[r].send_multipart([self.me.header(MsgType.PROGRESS, payload), payload], zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # its connection is gone again: the next readmission reports anew
+        self.send_text(r, MsgType.PROGRESS, protocol.seq_pairs_payload(progress.items()))
 
     def heartbeat_all(self) -> None:
         """Send a PING to every reducer not down, without blocking; a full queue or a gone connection skips it."""

@@ -78,7 +78,7 @@ class Handshake:
             facts["shared_memory"] = offer
         proof = auth.worker_proof(self.job_token, nonce, job=self.me.job, generation=self.me.generation,
                                   rank=self.me.rank, world=self.me.world)
-        conn.send_handshake(r, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
+        conn.send_text(r, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
         return None
 
     def unproved_welcome(self, r: int) -> str:

@@ -16,10 +16,10 @@ class Identity:
     job: int
     generation: int
 
-    def header(self, mtype: MsgType, payload: bytes = b"") -> bytes:
-        """The header of a handshake, PING or BYE message from this worker."""
+    def header(self, mtype: MsgType, payload: bytes = b"", group: int = 0) -> bytes:
+        """The header of a handshake, PING, BYE, GROUP or PROGRESS message from this worker."""
         return protocol.text_header(mtype, payload, rank=self.rank, world=self.world, job=self.job,
-                                    generation=self.generation)
+                                    generation=self.generation, group=group)
 
     def owns(self, h: protocol.Header) -> bool:
         """Whether an answer is about this worker's job and generation."""

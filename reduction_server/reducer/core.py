@@ -42,6 +42,17 @@ PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
 _BATCH = 256
 
 
+def _recv(socket: zmq.Socket) -> List[zmq.Frame]:
+    """One message's frames, without copies. Each frame's own `more` flag ends the loop:
+    recv_multipart asks the socket (getsockopt) after every frame, twice the cost."""
+    frame = socket.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = socket.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
+
+
 class Reducer:
     """One reducer: admission, membership, rounds and the outbox over one ROUTER socket."""
 
@@ -128,7 +139,7 @@ class Reducer:
                 if self.socket in events:
                     for _ in range(_BATCH):
                         try:
-                            frames = self._recv()
+                            frames = _recv(self.socket)
                         except zmq.Again:
                             break
                         self.handle(frames)
@@ -157,16 +168,6 @@ class Reducer:
         finally:
             self.socket.disable_monitor()
             monitor.close(linger=0)
-
-    def _recv(self) -> List[zmq.Frame]:
-        """One message's frames, without copies. Each frame's own `more` flag ends the loop:
-        recv_multipart asks the socket (getsockopt) after every frame, twice the cost."""
-        frame = self.socket.recv(_NOBLOCK, copy=False)
-        frames = [frame]
-        while frame.more:
-            frame = self.socket.recv(_NOBLOCK, copy=False)
-            frames.append(frame)
-        return frames
 
     def _drain_monitor(self, monitor: zmq.Socket) -> bool:
         """Read the socket's events; True if a connection closed that may be a worker's (a
