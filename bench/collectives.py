@@ -1,6 +1,6 @@
 """`reduction-server bench collectives`: FSDP's sharding collectives, reduce_scatter_tensor and
 all_gather_into_tensor, through the reducers beside Gloo's ring, same sizes, same run: on the
-emulated network (bench/netem.py: one namespace per host, every link shaped to the same rate,
+emulated network (bench/emulated_network.py: one namespace per host, every link shaped to the same rate,
 R = W reducer hosts by default), and on this machine's loopback (through sockets, `RS_SHM=0`).
 
 Through the reducers, reduce_scatter is one all-reduce per rank's piece, and all_gather one relay
@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import EmulatedNetwork, cleanup_on_sigterm, medians, plan_runs, run_gloo, run_reduction_server
+from .emulated_network import EmulatedNetwork, cleanup_on_sigterm
+from .netem import medians, plan_runs, run_gloo, run_reduction_server
 
 COLUMNS = ["peer", "collective", "W", "R", "mbit", "mib", "ms", "ms_range", "algbw_GBps", "vs_gloo"]
 _JOB = "reduction_server.bench.collectives_job"

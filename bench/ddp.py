@@ -1,5 +1,5 @@
 """`reduction-server bench ddp`: DistributedDataParallel training throughput (steps/s) on the
-emulated network (bench/netem.py: one namespace per host, every link shaped to the same rate),
+emulated network (bench/emulated_network.py: one namespace per host, every link shaped to the same rate),
 DDP over the reduction_server backend beside DDP over Gloo, same hosts, same run.
 
 The job (bench/ddp_job.py) trains an MLP of 24 D^2 + 9 D parameters with a small batch, so that a
@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from .netem import EmulatedNetwork, cleanup_on_sigterm, medians, plan_runs, run_gloo, run_reduction_server
+from .emulated_network import EmulatedNetwork, cleanup_on_sigterm
+from .netem import medians, plan_runs, run_gloo, run_reduction_server
 
 COLUMNS = ["peer", "W", "R", "mbit", "delay_ms", "params_M", "batch", "step_ms", "step_ms_range", "steps_per_s", "vs_gloo",
            "first_loss", "loss"]

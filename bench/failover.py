@@ -1,5 +1,5 @@
 """`reduction-server bench failover`: what losing a reducer costs, on the emulated network
-(bench/netem.py: one namespace per host, every link shaped to the same rate).
+(bench/emulated_network.py: one namespace per host, every link shaped to the same rate).
 
 Four runs of the same job (bench/failover_job.py: one all-reduce per step, rank 0 timing each),
 in turns on one network: R reducers undisturbed; the same with RS_FAILOVER=0 (no results kept:
@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from .netem import EmulatedNetwork, cleanup_on_sigterm, run_reduction_server
+from .emulated_network import EmulatedNetwork, cleanup_on_sigterm
+from .netem import run_reduction_server
 
 COLUMNS = ["run", "W", "R", "mbit", "mib", "step_ms", "loss_step_ms", "after_ms", "vs_undisturbed", "after_vs_fewer"]
 _JOB = "reduction_server.bench.failover_job"

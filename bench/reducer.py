@@ -8,6 +8,10 @@
   ZeroMQ/tcp, sending one, and one in-place float32 add, each per GiB; a reducer receives each
   byte once, sends it back once and adds it at most once, so it cannot cost less. vs_limit is
   their ratio;
+- duplex_s_per_GiB: the same limit with the socket part measured as the reducer moves its bytes,
+  both ways at once over the same connections (copy_limit.duplex: `shards` processes that return
+  every chunk to its sender under W peers with the workers' chunks and window), plus the add;
+  vs_duplex is the reducer's cost over it. On tcp loopback this is well above receive + send apart;
 - busiest_share: the share of the reducer's CPU time spent in its busiest thread, its name
   (libzmq's I/O threads are ZMQbg/IO/N), and the count of threads that did work. 1 / busiest_share
   (scales_to) is how many cores the reducer can keep busy before that thread is the limit;
@@ -28,7 +32,8 @@ from reduction_server.client.chunking import plan_chunks
 from . import copy_limit
 
 COLUMNS = ["W", "mib", "shards", "iters", "Gbit_s_in", "cpu_s_per_GiB", "limit_s_per_GiB", "vs_limit", "recv", "send",
-           "add", "threads", "busiest_share", "busiest", "scales_to", "per_core_Gbit_s", "host_Gbit_s"]
+           "add", "duplex_s_per_GiB", "vs_duplex", "threads", "busiest_share", "busiest", "scales_to",
+           "per_core_Gbit_s", "host_Gbit_s"]
 
 
 def _chunk_bytes(mib: float) -> int:
@@ -39,14 +44,18 @@ def _chunk_bytes(mib: float) -> int:
 
 def run(worlds: Sequence[int] = (2, 4), sizes_mib: Sequence[float] = (64,), shards: Sequence[int] = (1, 2, 4),
         iters: int = 20, limit_gib: float = 2.0) -> List[Dict]:
-    """One row per size x W x shards; the copy limit measured for each size's chunks, before its
-    loads, in the same run."""
+    """One row per size x W x shards; the copy limits measured for each size's chunks (and each
+    W's, both ways), before its loads, in the same run."""
     rows: List[Dict] = []
+    window = settings.tuning("RS_WINDOW")
     for mib in sizes_mib:
-        sockets = copy_limit.sockets(limit_gib, _chunk_bytes(mib))
+        chunk = _chunk_bytes(mib)
+        sockets = copy_limit.sockets(limit_gib, chunk)
         add = copy_limit.add(limit_gib)
         limit = sockets["recv"] + sockets["send"] + add
         loads = [(w, n) for w in worlds for n in shards]
+        duplex = {(world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
+                  for world, count in loads}
         for world, count in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
             load = reducer_load.run(world, mib, iters, count)
             name, share = load.busiest()
@@ -54,7 +63,9 @@ def run(worlds: Sequence[int] = (2, 4), sizes_mib: Sequence[float] = (64,), shar
             rows.append({"W": world, "mib": mib, "shards": count, "iters": iters, "Gbit_s_in": load.gbit_s_in,
                          "cpu_s_per_GiB": load.cpu_s_per_gib, "limit_s_per_GiB": limit,
                          "vs_limit": load.cpu_s_per_gib / limit, "recv": sockets["recv"], "send": sockets["send"],
-                         "add": add, "threads": load.busy_threads(), "busiest_share": share, "busiest": name,
+                         "add": add, "duplex_s_per_GiB": duplex[world, count],
+                         "vs_duplex": load.cpu_s_per_gib / duplex[world, count], "threads": load.busy_threads(),
+                         "busiest_share": share, "busiest": name,
                          "scales_to": 1 / share, "per_core_Gbit_s": per_core,
                          "host_Gbit_s": per_core * min(count, 1 / share)})
     return rows

@@ -14,56 +14,38 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from .children import (POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit,
                        signal_name, stop_all, wait_briefly)
-from . import settings
-from .cluster_spec import join_address
 from .elastic_launch import Elastic
-from .settings import ONE_HOST_PIPELINE_DEPTH
+from .local_layout import Layout, check_arguments, job_environment, plan_layout, worker_environment
 
 _PREFIX = "reduction-server run:"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
 _READER_JOIN_S = 2.0  # how long to wait for the last output after the children are gone
 _READY_S = 60.0  # how long a reducer may take to listen (imports, bind) before the job gives up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
 _RESTART = -1  # _outcome(): a worker failed, and the group may start again
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where the job's processes listen."""
-
-    bind_host: str  # what the reducers bind
-    connect_host: str  # what the workers connect to
-    reducer_ports: List[int]
-    master_port: int
-
-    def reducer_addresses(self) -> List[str]:
-        return [join_address(self.connect_host, port) for port in self.reducer_ports]
 
 
 @dataclass
 class _Job:
-    layout: _Layout
+    layout: Layout
     np: int
     command: List[str]
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
     max_restarts: int = 0
     elastic: Optional[Elastic] = None  # --min-np/--max-np: workers come and go (elastic_launch.py)
     restarts: int = 0  # how many times the worker group has been started again
-    env: Dict[str, str] = field(default_factory=dict)  # what every child sees (_job_environment)
+    env: Dict[str, str] = field(default_factory=dict)  # what every child sees (job_environment)
     workers: List[Child] = field(default_factory=list)
     reducers: List[Child] = field(default_factory=list)
     worker_readers: List[threading.Thread] = field(default_factory=list)  # copying each worker's output
@@ -108,7 +90,7 @@ class _Job:
             self.elastic.close()
 
     def _spawn_all(self) -> Optional[int]:
-        env = self.env = _job_environment(self.layout, self.np)
+        env = self.env = job_environment(self.layout, self.np)
         die_with_parent = die_with_parent_hook()
         # Reducers first, and workers only once every reducer listens: a port that another process
         # holds fails the job here, before any worker could reach a stranger there.
@@ -158,7 +140,7 @@ class _Job:
 
     def _spawn_worker(self, env: Dict[str, str], rank: int, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
         """Worker `rank` (in an elastic job, worker id `rank`: its rank comes from the rendezvous)."""
-        env = _worker_environment(env, self.layout, rank, self.np)
+        env = worker_environment(env, self.layout, rank, self.np)
         if self.elastic is not None:
             return self._spawn(self.workers, f"worker {rank}", self.command, self.elastic.worker_env(env, rank),
                                die_with_parent)
@@ -319,11 +301,11 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
             return _usage_error("--max-restarts restarts the whole group; an elastic job (--min-np/--max-np) "
                                 "goes on without the failed worker: choose one")
         elastic = Elastic(low, high, _say, discovery)
-    problem = _check_arguments(np, reducers, command, port_base, metrics_port)
+    problem = check_arguments(np, reducers, command, port_base, metrics_port)
     if problem is not None:
         return _usage_error(problem)
     try:
-        layout = _plan_layout(host, reducers, port_base)
+        layout = plan_layout(host, reducers, port_base)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
     job = _Job(layout, np, list(command), metrics_port, max_restarts, elastic)
@@ -340,82 +322,6 @@ def _join(readers: List[threading.Thread]) -> None:
     for reader in readers:
         # Bounded: a process that escaped its group could hold a pipe open forever.
         reader.join(max(0.0, deadline - time.monotonic()))
-
-
-def _check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int],
-                     metrics_port: Optional[int] = None) -> Optional[str]:
-    if np < 1:
-        return f"-np must be at least 1 (got {np})"
-    if reducers < 1:
-        return f"--reducers must be at least 1 (got {reducers})"
-    if port_base is not None and not (1 <= port_base and port_base + reducers - 1 <= 65535):
-        return (f"--port-base {port_base} with {reducers} reducer(s) needs ports "
-                f"{port_base}-{port_base + reducers - 1}, outside 1-65535")
-    if metrics_port and not (1 <= metrics_port and metrics_port + reducers - 1 <= 65535):
-        return (f"--metrics-port {metrics_port} with {reducers} reducer(s) needs ports "
-                f"{metrics_port}-{metrics_port + reducers - 1}, outside 1-65535")
-    if not command:
-        return "no command given (usage: reduction-server run -np W --reducers R -- CMD ...)"
-    return None
-
-
-def _plan_layout(host: str, reducers: int, port_base: Optional[int]) -> _Layout:
-    if port_base is None:
-        *reducer_ports, master_port = _free_ports(host, reducers + 1, avoid=())
-    else:
-        reducer_ports = list(range(port_base, port_base + reducers))
-        (master_port,) = _free_ports(host, 1, avoid=reducer_ports)
-    # A wildcard bind address is not something to connect to; the loopback reaches it.
-    connect_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return _Layout(host, connect_host, reducer_ports, master_port)
-
-
-def _free_ports(host: str, count: int, avoid: Collection[int]) -> List[int]:
-    """`count` distinct ports free on `host` right now (bound to port 0 and read back).
-
-    Every socket stays open until all ports are picked, so the kernel never hands one out twice.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sockets: List[socket.socket] = []
-    ports: List[int] = []
-    try:
-        while len(ports) < count:
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.bind(address)
-            port = sock.getsockname()[1]
-            if port not in avoid:
-                ports.append(port)
-        return ports
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _job_environment(layout: _Layout, np: int) -> Dict[str, str]:
-    """What every child sees: the launcher's environment plus the job's shared facts."""
-    env = dict(os.environ)
-    for name in _FOREIGN_JOB_VARS:
-        env.pop(name, None)
-    env.update(
-        # A caller-provided token lets processes outside this launcher join the same job.
-        RS_JOB_TOKEN=settings.read("RS_JOB_TOKEN") or secrets.token_hex(16),
-        RS_REDUCERS=",".join(layout.reducer_addresses()),
-        RS_WORLD_SIZE=str(np),
-        PYTHONUNBUFFERED="1",  # so Python children's lines show up as they happen
-    )
-    # Every rank is on this host: fewer, larger chunks (the caller's setting wins, as on every rank).
-    if not env.get("RS_PIPELINE_DEPTH", "").strip():
-        env["RS_PIPELINE_DEPTH"] = str(ONE_HOST_PIPELINE_DEPTH)
-    settings.read("RS_PIPELINE_DEPTH", env)  # a bad value is refused here, naming it, not in every rank
-    return env
-
-
-def _worker_environment(env: Dict[str, str], layout: _Layout, rank: int, np: int) -> Dict[str, str]:
-    # One machine: the local rank is the rank.
-    ranks = dict(RS_RANK=rank, RANK=rank, WORLD_SIZE=np, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=np,
-                 MASTER_ADDR=layout.connect_host, MASTER_PORT=layout.master_port)
-    return dict(env, **{name: str(value) for name, value in ranks.items()})
 
 
 @contextlib.contextmanager

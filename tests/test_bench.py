@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("pytest_benchmark", reason="the bench extra is not installed (pip install '.[bench]')")
 pytest.importorskip("matplotlib", reason="the bench extra is not installed (pip install '.[bench]')")
 
-from reduction_server.bench import kernels, loopback, netem  # noqa: E402
+from reduction_server.bench import emulated_network, kernels, loopback, netem  # noqa: E402
 
 
 def run_suite(suite, out, *options):
@@ -196,8 +196,8 @@ def test_collectives_suite(tmp_path):
 
 def test_reducer_suite(tmp_path):
     """One reducer under two workers' load over tcp, as one shard and as two: its CPU per GiB
-    beside the copy limit of the same run, and how its CPU time splits over its threads (and
-    its shards' threads)."""
+    beside the copy limits of the same run (one way and both ways), and how its CPU time splits
+    over its threads (and its shards' threads)."""
     from reduction_server.bench import reducer
 
     table, rows = run_suite("reducer", tmp_path)
@@ -207,6 +207,9 @@ def test_reducer_suite(tmp_path):
         assert row["limit_s_per_GiB"] == pytest.approx(row["recv"] + row["send"] + row["add"])
         assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
         assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
+        # both ways at once: the reflector's own CPU time, and the same add
+        assert row["duplex_s_per_GiB"] > row["add"]
+        assert row["vs_duplex"] == pytest.approx(row["cpu_s_per_GiB"] / row["duplex_s_per_GiB"])
         assert row["threads"] >= 1 and 1 / row["threads"] <= row["busiest_share"] <= 1
         assert isinstance(row["busiest"], str) and row["busiest"]  # the busiest thread's name
         assert row["scales_to"] == pytest.approx(1 / row["busiest_share"])
@@ -268,15 +271,15 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
 @pytest.mark.parametrize("step", [("netns", "add"), ("link", "add"), ("link", "set")],
                          ids=["namespace made", "veth pair made", "host end moved"])
 def test_netem_deletes_what_an_interrupt_left_half_made(monkeypatch, step):
-    made = netem._ip
+    made = emulated_network._ip
 
     def interrupted(*args):
         made(*args)
         if args[:2] == step and any(a.endswith(("-h0", "h0")) for a in args[2:]):
             raise KeyboardInterrupt  # a SIGINT that lands while `ip` runs: done, but not returned
 
-    monkeypatch.setattr(netem, "_ip", interrupted)
-    net = netem.EmulatedNetwork(2, 100)
+    monkeypatch.setattr(emulated_network, "_ip", interrupted)
+    net = emulated_network.EmulatedNetwork(2, 100)
     with pytest.raises(KeyboardInterrupt):
         net.__enter__()
     assert not [name for name in _bench_namespaces() if name.startswith(f"{net.tag}-")]
@@ -285,15 +288,13 @@ def test_netem_deletes_what_an_interrupt_left_half_made(monkeypatch, step):
 
 @needs_root
 def test_netem_sweeps_veths_a_killed_run_left():
-    from reduction_server.bench import netem
-
     gone = subprocess.Popen(["true"])
     gone.wait()  # a run SIGKILLed while adding host 0 leaves its veth pair in this namespace
     name = f"rs{gone.pid}h0"
     subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"rs{gone.pid}s0"], check=True)
     try:
-        assert name in netem.stale_links()
-        with netem.cleanup_on_sigterm():  # what every run does first
+        assert name in emulated_network.stale_links()
+        with emulated_network.cleanup_on_sigterm():  # what every run does first
             pass
         assert not [link for link in _links() if link.startswith(f"rs{gone.pid}")]
     finally:
@@ -302,7 +303,7 @@ def test_netem_sweeps_veths_a_killed_run_left():
 
 @needs_root
 def test_netem_switch_skips_the_firewall_hooks_of_this_host():
-    hooks = [t for t in netem.BRIDGE_NETFILTER if os.path.exists(f"/proc/sys/net/bridge/bridge-nf-call-{t}")]
+    hooks = [t for t in emulated_network.BRIDGE_NETFILTER if os.path.exists(f"/proc/sys/net/bridge/bridge-nf-call-{t}")]
     if not hooks:
         pytest.skip("br_netfilter is not loaded here: bridged frames never reach the firewall")
 
@@ -313,7 +314,7 @@ def test_netem_switch_skips_the_firewall_hooks_of_this_host():
         return out.strip()
 
     outside = {t: setting(t) for t in hooks}
-    with netem.EmulatedNetwork(2, 100) as net:
+    with emulated_network.EmulatedNetwork(2, 100) as net:
         assert {t: setting(t, net.switch) for t in hooks} == {t: "0" for t in hooks}
         assert {t: setting(t) for t in hooks} == outside  # this host's own setting is left alone
 
@@ -378,7 +379,7 @@ def test_netem_delays_each_link_or_says_why_it_cannot():
     trip between two hosts crosses four delayed links); a kernel without the netem qdisc is refused
     by name, before any host exists, and what was made is gone."""
     before = _bench_namespaces()
-    net = netem.EmulatedNetwork(2, 100, delay_ms=5)
+    net = emulated_network.EmulatedNetwork(2, 100, delay_ms=5)
     try:
         net.__enter__()
     except OSError as exc:
@@ -408,7 +409,7 @@ def test_netem_delays_each_link_or_says_why_it_cannot():
 
 
 def test_netem_refuses_without_root(monkeypatch, capsys, tmp_path):
-    from reduction_server.bench.netem import EmulatedNetwork
+    from reduction_server.bench.emulated_network import EmulatedNetwork
     from reduction_server.cli import main
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)

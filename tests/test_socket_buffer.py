@@ -96,7 +96,7 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
     its host's link with the other); each reducer gives its two accepted connections the same
     as it admits them; the kernel holds twice what it was given; and every all-reduce is right.
     The engine found each connection among its descriptors."""
-    from reduction_server.bench.netem import EmulatedNetwork
+    from reduction_server.bench.emulated_network import EmulatedNetwork
 
     token, world = os.urandom(16).hex(), 2
     env = child_env({"RS_JOB_TOKEN": token, "RS_SHARDS": "1", "RS_SNDBUF": "auto"})
