@@ -142,6 +142,24 @@ def test_sigterm_stops_every_shard_and_sigkill_of_the_supervisor_takes_them_alon
         assert not alive, f"shards outlived their supervisor ({sig!r})"
 
 
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("3", "3")])
+def test_shards_start_no_blas_threads_unless_asked(given, expected):
+    """A reducer does no linear algebra: its shards run NumPy's OpenBLAS on one thread (not a
+    spinning thread per core in each of them), unless the environment says otherwise."""
+    env = child_env({"RS_JOB_TOKEN": TOKEN})
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--shards", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "listening" in proc.stdout.readline()
+        assert [kid.environ().get("OPENBLAS_NUM_THREADS") for kid in _shards(proc)] == [expected, expected]
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
 def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

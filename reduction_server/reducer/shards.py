@@ -136,6 +136,9 @@ class Supervisor:
         self.base = port
         self.shards: List[Shard] = []
         self.hook = die_with_parent_hook()
+        # A reducer does no linear algebra: without this, NumPy's OpenBLAS starts a thread per core
+        # in every shard, and each spins for a while at start (bench/RESULTS.md, "Shards").
+        self.env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
 
     def _command(self, shard: Shard, ready: int) -> List[str]:
         cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", self.host, "--port", str(shard.port),
@@ -155,7 +158,7 @@ class Supervisor:
         ready_r, ready_w = os.pipe()
         try:
             shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, preexec_fn=self.hook)
+                                          stdout=subprocess.DEVNULL, env=self.env, preexec_fn=self.hook)
         except OSError as exc:  # fork or exec failed (no memory, too many processes)
             os.close(ready_r)
             shard.proc = None
