@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "their arrival order (default: RS_DETERMINISTIC, else off)")
     serve.add_argument("--metrics-port", type=_port, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: RS_METRICS_PORT; "
-                            "0 or unset: off); shard s serves them on PORT+s")
+                            "0 or unset: off); a sharded reducer serves every shard's there, labelled `shard`")
     serve.add_argument("--shards", default=None, metavar="N|auto",
                        help="reducer processes to run, on ports PORT .. PORT+N-1, each a share of every worker's "
                             "chunks; auto: one per core this process may use (default: RS_SHARDS, else auto)")

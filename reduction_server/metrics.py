@@ -111,7 +111,30 @@ class _Histogram:
         return family
 
 
-class ReducerMetrics:
+class MetricsServer:
+    """A registry served at http://HOST:PORT/metrics from a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._server: Optional[WSGIServer] = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Start serving (port 0: one the kernel picks); the port served. ConfigError when it is taken."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): "
+                              f"{exc}") from None
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class ReducerMetrics(MetricsServer):
     """The timings the reducer observes when metrics are on, and the registry they are served from."""
 
     def __init__(self, reducer: Any) -> None:  # a reducer.Reducer
@@ -119,12 +142,11 @@ class ReducerMetrics:
         self.latency = _Histogram(LATENCY_BUCKETS)
         self.lag_count: List[int] = []  # by rank
         self.lag_sum: List[float] = []
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.registry.register(_ReducerCollector(reducer))
         self.registry.register(self)
         ProcessCollector(registry=self.registry)  # CPU seconds, resident memory, open fds
         self._label = str(reducer.index)
-        self._server: Optional[WSGIServer] = None
 
     def contributed(self, rank: int, started: float, arrived: float) -> None:
         """A contribution of `rank` that arrived at `arrived` (time.monotonic()) and has just been
@@ -153,17 +175,3 @@ class ReducerMetrics:
             if count:
                 lag.add_metric([self._label, str(rank)], count_value=count, sum_value=total)
         yield lag
-
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics on host:port from a daemon thread."""
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): "
-                              f"{exc}") from None
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

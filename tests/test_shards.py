@@ -22,11 +22,14 @@ from reduction_server import CollectiveError, ConfigError
 from reduction_server.reducer import shards as shard_count
 
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.metrics import scrape, value
+from helpers.ports import free_port_range
 from helpers.training import FAST, Run
 
 from reduction_server.client.engine.endpoints import Endpoint, expand
 
 _STOPPED = re.compile(r"stopped reducer=(\d+) shard=(\d+) completed=(\d+)")
+_BYTES_IN = re.compile(r"stopped reducer=0 shard=(\d+) .*?\bbytes_in=(\d+)")
 
 
 def _shards(proc: subprocess.Popen) -> List[psutil.Process]:
@@ -79,6 +82,43 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
     done = _completed(logs)
     assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], logs
     assert all(n >= 8 for n in done.values()), done  # 4 collectives of >= 8 chunks each, over 4 endpoints
+
+
+def test_a_sharded_reducer_serves_every_shards_metrics_on_its_one_metrics_port():
+    """`serve --shards 2` with a metrics port: one scrape there gives both shards' series, each
+    labelled with its shard (what each received is what its stop line says), and `shard_up` for
+    each; a killed shard shows as down, then, started again, as up with a restart counted. The
+    shards' own pages are on the loopback at ports of their own: nothing listens on port + 1."""
+    port = free_port_range(2)
+    with reducers(1, extra_env={"RS_SHARDS": "2", "RS_METRICS_PORT": str(port)}) as group:
+        def make(rank: int) -> rs.Communicator:
+            return rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, connect_timeout=20, timeout=20)
+
+        def body(comm: rs.Communicator, rank: int) -> bool:
+            return all(np.array_equal(comm.all_reduce(np.ones(1_000_000, np.float32)), np.full(1_000_000, 2.0))
+                       for _ in range(3))
+
+        assert run_ranks(2, make, body, limit=60) == [True, True]
+        samples = scrape(port)
+        received = {s: value(samples, "reduction_server_received_bytes_total", shard=str(s)) for s in (0, 1)}
+        assert all(value(samples, "reduction_server_shard_up", shard=str(s)) == 1 for s in (0, 1))
+        assert all(samples[("process_cpu_seconds_total", (("shard", str(s)),))] > 0 for s in (0, 1))  # each its own
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port + 1), timeout=5).close()
+
+        victim = _shards(group.procs[0])[1]
+        victim.kill()
+        victim.wait(10)
+        assert value(scrape(port), "reduction_server_shard_up", shard="1") == 0  # restarted after a backoff
+        deadline = time.monotonic() + 30
+        while value(now := scrape(port), "reduction_server_shard_up", shard="1") == 0:
+            assert time.monotonic() < deadline, "shard 1 was not started again"
+            time.sleep(0.1)
+        assert value(now, "reduction_server_shard_restarts_total", shard="1") == 1
+        assert value(now, "reduction_server_shard_restarts_total", shard="0") == 0
+        logs = group.stop()
+    stopped = {int(s): int(n) for log in logs for s, n in _BYTES_IN.findall(log)}
+    assert received[0] > 0 and received[1] > 0 and received[0] == stopped[0], (received, stopped)
 
 
 def test_a_reducer_of_one_shard_beside_a_sharded_one():

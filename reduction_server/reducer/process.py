@@ -53,11 +53,11 @@ def _stopping() -> List[bool]:
     return stopping
 
 
-def _say_ready(ready_fd: Optional[int], port: int) -> None:
+def _say_ready(ready_fd: Optional[int], port: int, metrics_port: Optional[int] = None) -> None:
     if ready_fd is not None:
         try:
             with os.fdopen(ready_fd, "w") as ready:
-                ready.write(f"{port}\n")
+                ready.write(f"{port}\n" if metrics_port is None else f"{port} {metrics_port}\n")
         except BrokenPipeError:
             pass  # the launcher gave up on this reducer already, and stops it
 
@@ -114,8 +114,6 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                           f"{limits['max_accumulator_bytes']} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
                           f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
     shared = shared_memory.enabled()
-    if metrics_port and metrics_port + count - 1 > 65535:
-        raise ConfigError(f"--metrics-port {metrics_port} with {count} shards: their metrics ports would pass 65535")
     if shard is None and count > 1:
         return _supervise(Supervisor(host=host, port=port, index=index, shards=count, workers=workers,
                                      deterministic=deterministic, metrics_port=metrics_port),
@@ -145,11 +143,14 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
             shared=shared, shard=shard, shards=count, send_buffers=send_buffers,
         )
         try:
+            metrics_at = None
             if metrics_port:
                 from ..metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
 
                 reducer.metrics = ReducerMetrics(reducer)
-                reducer.metrics.serve(host, metrics_port)
+                # A shard's page is for its supervisor only (shard_metrics.py), at a port it is told of.
+                metrics_at = ("127.0.0.1", 0) if count > 1 else (host, metrics_port)
+                metrics_at = (metrics_at[0], reducer.metrics.serve(*metrics_at))
             stopping = _stopping()
             print(f"{reducer.name.split(' (')[0]} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
                   f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
@@ -160,9 +161,9 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                   max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
                   max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
                   timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
-                  sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(sndbuf, sndbuf), metrics=f"http://{host}:{metrics_port}/metrics" if metrics_port else "off",
+                  sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(sndbuf, sndbuf), metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
                   pid=os.getpid())
-            _say_ready(ready_fd, bound)
+            _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and count > 1 else None)
             reducer.run(lambda: bool(stopping))
         finally:
             if reducer.metrics is not None:
@@ -181,7 +182,13 @@ def _supervise(supervisor: Supervisor, *, token: str, encrypt: bool, ready_fd: O
     """Run the shards of one reducer until SIGTERM or SIGINT (shards.py)."""
     stopping = _stopping()
     index, count = supervisor.index, supervisor.count
+    metrics = None
     try:
+        if supervisor.metrics_port:  # first: a taken port starts no shard
+            from ..shard_metrics import ShardMetrics
+
+            metrics = ShardMetrics(supervisor)
+            metrics.serve(supervisor.host, supervisor.metrics_port)
         base = supervisor.start()
         address = f"{supervisor.host}:{base}"
         print(f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1}) "
@@ -194,6 +201,8 @@ def _supervise(supervisor: Supervisor, *, token: str, encrypt: bool, ready_fd: O
         supervisor.watch(lambda: bool(stopping))
     finally:
         supervisor.stop()
+        if metrics is not None:
+            metrics.stop()
     event(log, NOTICE, "stopped", reducer=index, shards=count,
           shard_restarts=sum(s.restarts for s in supervisor.shards))
     return 0

@@ -6,7 +6,8 @@ reducer processes instead, shard s listening on port + s. Shard 0 (the address i
 the cluster spec) says N in its WELCOME, and every worker connects to each shard and spreads its
 chunks over all of them (client/engine/endpoints.py). Shards share nothing: each proves the job
 token bound to its shard number, keeps its own rounds, holds 1/N of the accumulator budget and
-serves metrics on metrics_port + s.
+serves its metrics to this process, which serves every shard's on the one metrics port
+(shard_metrics.py).
 
 This process supervises them: it starts them, says the reducer listens once all of them do, stops
 them all on SIGTERM or SIGINT, and starts a shard that died again at its port (workers treat it as
@@ -121,6 +122,7 @@ class Shard:
     restart_at: Optional[float] = None
     restarts: int = field(default=0)
     failures: int = 0  # deaths in a row, each within STEADY_S of its start (the backoff doubles with them)
+    metrics_port: Optional[int] = None  # its metrics page on the loopback, for shard_metrics.py
 
 
 class Supervisor:
@@ -148,8 +150,8 @@ class Supervisor:
             cmd += ["--workers", str(self.workers)]
         if self.deterministic:
             cmd.append("--deterministic")
-        if self.metrics_port:
-            cmd += ["--metrics-port", str(self.metrics_port + shard.number)]
+        if self.metrics_port:  # the shard serves them on a loopback port it names when ready
+            cmd += ["--metrics-port", str(self.metrics_port)]
         return cmd
 
     def _spawn(self, shard: Shard) -> Optional[str]:
@@ -171,7 +173,9 @@ class Supervisor:
         finally:
             os.close(ready_r)
             shard.started = time.monotonic()  # a shard that cannot start dies "at once" (the backoff)
-        if said == str(shard.port):
+        port, _, metrics = said.partition(" ")
+        if port == str(shard.port):
+            shard.metrics_port = int(metrics) if metrics.isdigit() else None
             return None
         if readable:  # it closed the pipe without a word: it exited
             return f"{where} exited with status {shard.proc.wait()} before it listened (its message is above)"
