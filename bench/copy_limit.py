@@ -109,24 +109,29 @@ def _peer(ports: str, messages: int, size: int, window: int) -> None:
         sock.close(linger=-1)
 
 
-def _measure(listeners: List[List[str]], senders: List[List[str]]) -> Dict:
+def _measure(listeners: List[List[str]], senders: List[List[str]], timeout: float = 600) -> Dict:
     """Start the listening sides, then `senders` (each given the listeners' ports, joined by
-    commas, as its first argument); the listeners' JSON results and the senders' outputs."""
+    commas, as its first argument); the listeners' JSON results and the senders' outputs. Every
+    process is gone when it returns or raises (after `timeout` seconds in all at the most)."""
+    deadline = time.monotonic() + timeout
     started = [subprocess.Popen([*_JOB, *args], stdout=subprocess.PIPE, text=True, cwd="/") for args in listeners]
+    procs: List[subprocess.Popen] = []
     try:
         ports = ",".join(str(json.loads(proc.stdout.readline())["port"]) for proc in started)
         procs = [subprocess.Popen([*_JOB, args[0], ports, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, cwd="/") for args in senders]
-        outputs = [proc.communicate(timeout=600) for proc in procs]
+        outputs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
         for proc, (_, err) in zip(procs, outputs):
             if proc.returncode != 0:
                 raise RuntimeError(f"a sending side failed: {err[-2000:]}")
         results = [json.loads(proc.stdout.readline()) for proc in started]
         for proc in started:
-            proc.wait(timeout=60)
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for proc in started:
-            proc.kill()
+        for proc in [*started, *procs]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     return {"listeners": results, "senders": [out for out, _ in outputs]}
 
 

@@ -215,6 +215,19 @@ def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
         probe.bind(("127.0.0.1", port))
 
 
+def test_a_taken_metrics_port_stops_a_sharded_reducer_before_any_shard_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
+                               "--shards", "2", "--metrics-port", str(metrics)], env=child_env(),
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{metrics}" in proc.stderr, proc.stderr
+    assert "shard=" not in proc.stderr, proc.stderr  # a shard that started would have logged it (stderr is shared)
+
+
 @pytest.mark.parametrize("args, words", [(["--shards", "0"], "--shards='0' must be `auto` or 1..256"),
                                          (["--shards", "lots"], "--shards='lots' is neither `auto` nor"),
                                          (["--port", "65535", "--shards", "2"], "would pass 65535")])

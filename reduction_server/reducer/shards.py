@@ -150,13 +150,14 @@ class Supervisor:
             cmd += ["--workers", str(self.workers)]
         if self.deterministic:
             cmd.append("--deterministic")
-        if self.metrics_port:  # the shard serves them on a loopback port it names when ready
-            cmd += ["--metrics-port", str(self.metrics_port)]
-        return cmd
+        # Nonzero: the shard serves its metrics on a loopback port it names when ready; 0: none
+        # (not RS_METRICS_PORT from the environment, which the supervisor has read already).
+        return cmd + ["--metrics-port", str(self.metrics_port or 0)]
 
     def _spawn(self, shard: Shard) -> Optional[str]:
         """Start `shard` and wait until it listens; why it could not, or None."""
         where = f"shard {shard.number} of reducer {self.index} (port {shard.port})"
+        shard.metrics_port = None  # until this process names its own: the old one's may be anyone's now
         ready_r, ready_w = os.pipe()
         try:
             shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
@@ -209,7 +210,7 @@ class Supervisor:
                 if shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
                     shard.failures = shard.failures + 1 if now - shard.started < STEADY_S else 0
                     backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** shard.failures)
-                    shard.restart_at = now + backoff
+                    shard.restart_at, shard.metrics_port = now + backoff, None
                     event(log, NOTICE, "shard_died", reducer=self.index, shard=shard.number, port=shard.port,
                           status=shard.proc.returncode if shard.proc is not None else "not started",
                           restart_in_s=f"{backoff:g}")
