@@ -24,7 +24,7 @@ from .metrics import PREFIX, MetricsServer
 
 #: a shard whose page has not come within this long of the scrape counts as down for that scrape
 SCRAPE_TIMEOUT_S = 2.0
-_MAX_READERS = 16  # threads reading shards' pages at once
+_MAX_READERS = 64  # threads reading shards' pages at once (one per shard, up to this)
 
 
 def read_page(port: Optional[int], timeout: float = SCRAPE_TIMEOUT_S) -> Optional[List[Metric]]:
@@ -60,7 +60,8 @@ class _ShardsCollector:
 
     def __init__(self, supervisor: Any) -> None:  # a shards.Supervisor: shards.py imports this module lazily
         self.supervisor = supervisor
-        self.readers = ThreadPoolExecutor(max_workers=_MAX_READERS, thread_name_prefix="shard-metrics")
+        self.readers = ThreadPoolExecutor(max_workers=max(1, min(_MAX_READERS, supervisor.count)),
+                                          thread_name_prefix="shard-metrics")
         self.own = ProcessCollector(registry=None)
 
     def describe(self) -> List[Metric]:

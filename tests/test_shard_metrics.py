@@ -41,6 +41,10 @@ class _Supervisor:
     index: int
     shards: List[_Shard]
 
+    @property
+    def count(self) -> int:
+        return len(self.shards)
+
 
 def _page(received: float) -> tuple:
     """A reducer-like metrics page on the loopback: (server, port)."""
