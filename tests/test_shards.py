@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import List
 
@@ -198,6 +199,45 @@ def test_shards_start_no_blas_threads_unless_asked(given, expected):
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def _until(condition, what: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
+    """While one shard's new process has not said it listens, the supervisor still watches the
+    others: a shard killed meanwhile is started again at once."""
+    monkeypatch.setenv("RS_JOB_TOKEN", TOKEN)
+    supervisor = shard_count.Supervisor(host="127.0.0.1", port=0, index=0, shards=2, workers=None,
+                                        deterministic=False, metrics_port=0)
+    stop = threading.Event()
+    watcher = threading.Thread(target=supervisor.watch, args=(stop.is_set,), daemon=True)
+    try:
+        supervisor.start()
+        command = supervisor._command
+        monkeypatch.setattr(supervisor, "_command",  # shard 1's next process never says it listens
+                            lambda shard, ready: ["sleep", "60"] if shard.number == 1 else command(shard, ready))
+        watcher.start()
+        zero, one = supervisor.shards
+        first = zero.proc.pid
+        one.proc.kill()
+        _until(lambda: one.ready is not None, "shard 1 was not started again")
+        zero.proc.kill()
+        _until(lambda: zero.proc.pid != first and zero.ready is None and zero.proc.poll() is None,
+               "shard 0 was not started again while shard 1 was starting")
+        assert one.ready is not None and zero.restarts == one.restarts == 1
+        with socket.create_connection(("127.0.0.1", zero.port), timeout=5):
+            pass  # shard 0 listens again
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(5)
+        supervisor.stop()
+    assert all(shard.proc.poll() is not None for shard in supervisor.shards)
 
 
 def test_a_taken_shard_port_is_named_and_nothing_is_left_running():

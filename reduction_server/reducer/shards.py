@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 from .. import settings
 from ..children import die_with_parent_hook
@@ -123,6 +123,8 @@ class Shard:
     restarts: int = field(default=0)
     failures: int = 0  # deaths in a row, each within STEADY_S of its start (the backoff doubles with them)
     metrics_port: Optional[int] = None  # its metrics page on the loopback, for shard_metrics.py
+    ready: Optional[int] = None  # while it starts: the read end of the pipe it says it listens on
+    ready_by: float = 0.0  # when it must have said so
 
 
 class Supervisor:
@@ -154,9 +156,12 @@ class Supervisor:
         # (not RS_METRICS_PORT from the environment, which the supervisor has read already).
         return cmd + ["--metrics-port", str(self.metrics_port or 0)]
 
-    def _spawn(self, shard: Shard) -> Optional[str]:
-        """Start `shard` and wait until it listens; why it could not, or None."""
-        where = f"shard {shard.number} of reducer {self.index} (port {shard.port})"
+    def _where(self, shard: Shard) -> str:
+        return f"shard {shard.number} of reducer {self.index} (port {shard.port})"
+
+    def _launch(self, shard: Shard) -> Optional[str]:
+        """Start `shard`'s process, which says on a pipe when it listens (_settle); why it could
+        not be started, or None."""
         shard.metrics_port = None  # until this process names its own: the old one's may be anyone's now
         ready_r, ready_w = os.pipe()
         try:
@@ -165,49 +170,69 @@ class Supervisor:
         except OSError as exc:  # fork or exec failed (no memory, too many processes)
             os.close(ready_r)
             shard.proc = None
-            return f"{where} could not be started: {exc}"
+            return f"{self._where(shard)} could not be started: {exc}"
         finally:
             os.close(ready_w)
-        try:
-            readable, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
-            said = os.read(ready_r, 64).decode(errors="replace").strip() if readable else ""
-        finally:
-            os.close(ready_r)
-            shard.started = time.monotonic()  # a shard that cannot start dies "at once" (the backoff)
+        shard.ready, shard.ready_by = ready_r, time.monotonic() + READY_TIMEOUT_S
+        return None
+
+    def _settle(self, shard: Shard, wait: float) -> Tuple[bool, Optional[str]]:
+        """Whether `shard`, launched, has ended starting (waiting up to `wait` s for it), and why it
+        failed: it exited, or it did not listen within READY_TIMEOUT_S (it is killed then)."""
+        readable, _, _ = select.select([shard.ready], [], [], max(0.0, wait))
+        if not readable and time.monotonic() < shard.ready_by:
+            return False, None
+        said = os.read(shard.ready, 64).decode(errors="replace").strip() if readable else ""
+        os.close(shard.ready)
+        shard.ready, shard.started = None, time.monotonic()  # one that cannot start dies "at once" (the backoff)
         port, _, metrics = said.partition(" ")
         if port == str(shard.port):
             shard.metrics_port = int(metrics) if metrics.isdigit() else None
-            return None
+            return True, None
         if readable:  # it closed the pipe without a word: it exited
-            return f"{where} exited with status {shard.proc.wait()} before it listened (its message is above)"
+            return True, f"{self._where(shard)} exited with status {shard.proc.wait()} before it listened " \
+                         "(its message is above)"
         shard.proc.kill()
         shard.proc.wait()
-        return f"{where} did not listen within {READY_TIMEOUT_S:g} s"
+        return True, f"{self._where(shard)} did not listen within {READY_TIMEOUT_S:g} s"
 
     def start(self) -> int:
-        """Start every shard; the first one's port once all listen. A ListenError says which could not."""
+        """Start every shard, all at once; the first one's port once all listen. A ListenError says
+        which could not."""
         for _ in range(1 if self.fixed_port else _PORT_TRIES):
             base = self.base or free_run(self.host, self.count)
             self.shards = [Shard(s, base + s) for s in range(self.count)]
-            failed = None
+            failed, bad = None, None
             for shard in self.shards:
-                failed = self._spawn(shard)
+                failed, bad = self._launch(shard), shard
+                if failed:
+                    break
+            for shard in self.shards if not failed else []:
+                _, failed = self._settle(shard, shard.ready_by - time.monotonic())
+                bad = shard
                 if failed:
                     break
             if not failed:
                 self.base = base
                 return base
             self.stop()
-            if shard.proc is None or shard.proc.returncode != 1:  # 1: it could not listen (cli.py)
+            if bad.proc is None or bad.proc.returncode != 1:  # 1: it could not listen (cli.py)
                 break  # not a port another program took meanwhile: other ports would not help
         raise ListenError(f"reducer {self.index} could not start its {self.count} shards: {failed}")
 
     def watch(self, should_stop) -> None:
-        """Until should_stop(): start a shard that died again at its port, backing off when it keeps dying."""
+        """Until should_stop(): start a shard that died again at its port, backing off when it
+        keeps dying. A shard that is starting holds up nothing: the others are watched meanwhile."""
         while not should_stop():
             now = time.monotonic()
             for shard in self.shards:
-                if shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
+                if shard.ready is not None:  # starting again
+                    ended, failed = self._settle(shard, 0)
+                    if ended:  # one that failed is dead now: the next turn backs off and starts it again
+                        event(log, NOTICE, "shard_restarted" if not failed else "shard_restart_failed",
+                              reducer=self.index, shard=shard.number, port=shard.port, restarts=shard.restarts,
+                              **({"reason": failed} if failed else {}))
+                elif shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
                     shard.failures = shard.failures + 1 if now - shard.started < STEADY_S else 0
                     backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** shard.failures)
                     shard.restart_at, shard.metrics_port = now + backoff, None
@@ -217,14 +242,18 @@ class Supervisor:
                 elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
                     shard.restart_at = None
                     shard.restarts += 1
-                    failed = self._spawn(shard)
-                    event(log, NOTICE, "shard_restarted" if not failed else "shard_restart_failed",
-                          reducer=self.index, shard=shard.number, port=shard.port, restarts=shard.restarts,
-                          **({"reason": failed} if failed else {}))
+                    failed = self._launch(shard)
+                    if failed:
+                        event(log, NOTICE, "shard_restart_failed", reducer=self.index, shard=shard.number,
+                              port=shard.port, restarts=shard.restarts, reason=failed)
             time.sleep(_POLL_S)
 
     def stop(self) -> None:
         """SIGTERM every shard, then SIGKILL those still there after a grace period."""
+        for shard in self.shards:
+            if shard.ready is not None:
+                os.close(shard.ready)
+                shard.ready = None
         running = [s.proc for s in self.shards if s.proc is not None and s.proc.poll() is None]
         for proc in running:
             proc.terminate()
