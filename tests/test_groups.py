@@ -14,7 +14,7 @@ from reduction_server.client.buffers import wire_view
 from reduction_server.client.group import Group, group_id
 from reduction_server.protocol import ErrorCode, MsgType
 from helpers.cluster import reducers
-from helpers.jobs import connect, new_job, run_job
+from helpers.jobs import connect, new_job, run_job, until
 from helpers.peers import JOB, Peer, data
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,13 +156,6 @@ def test_a_group_outside_the_rules_is_refused_by_name():
         assert reducer.alive()
 
 
-def _until(condition, what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {limit:g} s for {what}"
-        time.sleep(0.01)
-
-
 def test_a_restarted_reducer_learns_the_groups_again():
     """The reducers keep groups per job in memory: a reducer restarted at its address hears every
     group again from each worker it admits again, before any of the group's chunks."""
@@ -176,11 +169,11 @@ def test_a_restarted_reducer_learns_the_groups_again():
             if rank == 0:
                 single.procs[0].kill()
                 single.procs[0].wait()
-            _until(lambda: 0 in down, "the engine to see reducer 0 gone")
+            until(lambda: 0 in down, "the engine to see reducer 0 gone")
             both.wait()
             if rank == 0:
                 single.restart(0)
-            _until(lambda: 0 not in down, "the engine to be admitted again")
+            until(lambda: 0 not in down, "the engine to be admitted again")
             return first, sub.all_reduce(np.array([10.0 * (rank + 1)])).tolist()
 
         results = run_job(2, body, group=single, limit=60)

@@ -23,6 +23,7 @@ from reduction_server import CollectiveError, ConfigError
 from reduction_server.reducer import shards as shard_count
 
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
+from helpers.jobs import until
 from helpers.metrics import scrape, value
 from helpers.ports import free_port_range
 from helpers.training import FAST, Run
@@ -201,13 +202,6 @@ def test_shards_start_no_blas_threads_unless_asked(given, expected):
         proc.wait(15)
 
 
-def _until(condition, what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
     """While one shard's new process has not said it listens, the supervisor still watches the
     others: a shard killed meanwhile is started again at once."""
@@ -225,10 +219,10 @@ def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
         zero, one = supervisor.shards
         first = zero.proc.pid
         one.proc.kill()
-        _until(lambda: one.ready is not None, "shard 1 was not started again")
+        until(lambda: one.ready is not None, "shard 1 to be started again")
         zero.proc.kill()
-        _until(lambda: zero.proc.pid != first and zero.ready is None and zero.proc.poll() is None,
-               "shard 0 was not started again while shard 1 was starting")
+        until(lambda: zero.proc.pid != first and zero.ready is None and zero.proc.poll() is None,
+              "shard 0 to be started again while shard 1 was starting")
         assert one.ready is not None and zero.restarts == one.restarts == 1
         with socket.create_connection(("127.0.0.1", zero.port), timeout=5):
             pass  # shard 0 listens again

@@ -149,8 +149,8 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
 
                 reducer.metrics = ReducerMetrics(reducer)
                 # A shard's page is for its supervisor only (shard_metrics.py), at a port it is told of.
-                metrics_at = ("127.0.0.1", 0) if count > 1 else (host, metrics_port)
-                metrics_at = (metrics_at[0], reducer.metrics.serve(*metrics_at))
+                metrics_host = "127.0.0.1" if count > 1 else host
+                metrics_at = (metrics_host, reducer.metrics.serve(metrics_host, 0 if count > 1 else metrics_port))
             stopping = _stopping()
             print(f"{reducer.name.split(' (')[0]} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
                   f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "

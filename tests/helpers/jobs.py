@@ -104,6 +104,14 @@ def job_loop(comm: rs.Communicator, started: threading.Event, keep_going: thread
             return n, failures
 
 
+def until(condition: Callable[[], Any], what: str, limit: float = 20.0) -> None:
+    """Wait until condition() holds, failing after `limit` seconds, naming `what` was awaited."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {limit:g} s for {what}"
+        time.sleep(0.01)
+
+
 def wait_until_idle(group, index: int = 0, quiet: float = 0.5, limit: float = 20.0) -> None:
     """Wait until the reducer has stopped using CPU for `quiet` seconds (it drained its input)."""
     proc = psutil.Process(group.procs[index].pid)
