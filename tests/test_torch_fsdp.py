@@ -3,6 +3,8 @@ real ranks (tests/scripts/torch_fsdp.py): sharded training equals a single proce
 the concatenated batch, over a 1-D mesh (W=2, W=4) and as HSDP over a 2-D replicate x shard mesh
 (W=4), whose replicate dimension's all-reduce runs in a subgroup; and with bf16 parameters and
 fp32 reduction, equal to the same job over Gloo."""
+import re
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,19 @@ def job(world: int, mesh: str, precision: str, backend: str = "reduction_server"
         return run_workers(world, group, "torch_fsdp.py", [backend, mesh, precision], extra_env=extra, timeout=300)
 
 
+def gloo_job(world: int, mesh: str, precision: str) -> list:
+    """The peer's run. Gloo's rank 0 once died of SIGABRT in CI ("terminate called without an
+    active exception", from inside torch, nothing of ours loaded): a run that a signal kills is
+    run again, once, and the first failure is printed."""
+    try:
+        return job(world, mesh, precision, backend="gloo")
+    except AssertionError as failure:
+        if not re.match(r"rank \d+ exited -\d+:", str(failure)):
+            raise
+        print(f"the Gloo peer died of a signal, run again: {failure}")
+        return job(world, mesh, precision, backend="gloo")
+
+
 def weights(results: list, key: str = "weights") -> np.ndarray:
     first = np.array(results[0][key])
     for r in results[1:]:  # every rank gathers the same full weights
@@ -40,5 +55,5 @@ def test_sharded_training_equals_one_process_on_the_whole_batch(world, mesh):
 
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
 def test_bf16_parameters_with_fp32_reduction_match_gloo(mesh):
-    ours, gloo = weights(job(4, mesh, "bf16")), weights(job(4, mesh, "bf16", backend="gloo"))
+    ours, gloo = weights(job(4, mesh, "bf16")), weights(gloo_job(4, mesh, "bf16"))
     assert np.abs(ours - gloo).max() <= BF16, np.abs(ours - gloo).max()

@@ -34,6 +34,7 @@ def unreachable(url: str) -> Optional[str]:
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG") and not k.startswith("RS_")}
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a process that a fatal signal kills prints every thread's stack
     env["RS_SHARDS"] = os.environ.get("RS_SHARDS", "1")  # conftest.py
     env.update(extra or {})
     return env
