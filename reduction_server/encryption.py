@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from .errors import ConfigError
 
@@ -66,12 +65,10 @@ def secure_worker(socket: zmq.Socket, token: str) -> None:
     socket.curve_publickey, socket.curve_secretkey = _keypair(token, _WORKER_LABEL)
 
 
-def handshake_failure(frames: List[bytes], encrypt: bool) -> Optional[Tuple[str, bool]]:
-    """What a socket monitor message says about the security handshake: None if it is not a
-    handshake failure, else (reason, certain); `certain` is False for a failure that could also
-    be a connection dropped in the middle of the handshake."""
-    message = parse_monitor_message(frames)
-    event, value = message["event"], message["value"]
+def handshake_failure(event: int, value: int, encrypt: bool) -> Optional[Tuple[str, bool]]:
+    """What a socket monitor event (parsed: zmq.utils.monitor) says about the security handshake:
+    None if it is not a handshake failure, else (reason, certain); `certain` is False for a
+    failure that could also be a connection dropped in the middle of the handshake."""
     if not event & HANDSHAKE_FAILED:
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:

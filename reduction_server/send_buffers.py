@@ -9,11 +9,11 @@ segments). So:
 
 - a connection of Ethernet-sized segments starts with FLOOR_SEGMENTS of them (16 KiB) before it
   carries data: a worker's from its route's MTU before it connects (a connected UDP socket's
-  IP_MTU: nothing is sent; `EndpointBuffers`), a reducer's as the worker is admitted, before any
-  chunk (its MSS from TCP_INFO; `AcceptedBuffers`). Set from the start it works as a fixed
-  RS_SNDBUF does; set once a flow has run with a large buffer, it gained half as much. Loopback
-  and jumbo frames keep the kernel's autotuning (Linux stops autotuning a socket whose buffer is
-  set);
+  IP_MTU: nothing is sent; `EndpointBuffers`), a reducer's as it accepts the connection, before
+  it welcomes the worker and so before any chunk (its MSS from TCP_INFO; `AcceptedBuffers`).
+  Set from the start it works as a fixed RS_SNDBUF does; set once a flow has run with a large
+  buffer, it gained half as much. Loopback and jumbo frames keep the kernel's autotuning (Linux
+  stops autotuning a socket whose buffer is set);
 - every turn (a worker's MEASURE_S, a reducer's housekeeping tick) those connections' TCP_INFO
   is read (the minimum round trip, and the delivery rate while not application-limited) and each
   gets the median of its last WANTS_KEPT wants, max(FLOOR_SEGMENTS x MSS, HEADROOM x rate x
@@ -22,8 +22,9 @@ segments). So:
   the buffer, limits the flow (up to net.core.wmem_max); a flow that shares a link with others
   keeps the floor.
 
-libzmq does not expose its TCP sockets: each connection's is found among this process's file
-descriptors (Linux's /proc), a worker's by its peer address, a reducer's by its local port.
+libzmq does not expose its TCP sockets: a worker finds each connection's among this process's
+file descriptors (Linux's /proc) by its peer address; a reducer's socket monitor names the
+descriptor of each connection it accepts (EVENT_ACCEPTED).
 """
 from __future__ import annotations
 
@@ -182,30 +183,28 @@ class AcceptedBuffers(Buffers):
     def __init__(self, port: int) -> None:
         super().__init__()
         self.port = port
-        self.seen: Set[Hashable] = set()  # every connection looked at (given a buffer or not)
 
-    def admit(self) -> None:
-        """Give each connection accepted since the last call its floor, when its segments are
-        Ethernet-sized: called as a worker is admitted, before it sends any chunk."""
-        if not self.enabled:
-            return
-        for fd, sock in _sockets(set(self.fds.values())):
-            try:
-                key = _peer(sock)
-                if key is None or key in self.seen or sock.getsockname()[1] != self.port:
-                    continue
-                self.seen.add(key)
-                info = _read_info(sock)
-                size = want(info[0], 0.0, 0) if info is not None else LOCK_MAX + 1
-                if size <= LOCK_MAX:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-                    self.locked[key], self.fds[key] = size, fd
-            except OSError:
-                continue
-            finally:
-                sock.close()
-        if len(self.seen) > 4 * len(self.locked) + 4096:  # connections come and go: keep it bounded
-            self.seen = set(self.locked)
+    def accepted(self, fd: int) -> None:
+        """Give the connection just accepted on descriptor `fd` (the reducer's socket monitor
+        names it) its floor, when its segments are Ethernet-sized: before its worker is welcomed
+        and so before it sends any chunk."""
+        sock = _open(fd)
+        if sock is None:
+            return  # closed already
+        try:
+            key = _peer(sock)
+            if key is None or sock.getsockname()[1] != self.port:
+                return  # closed, and the number is another descriptor's by now
+            info = _read_info(sock)
+            size = want(info[0], 0.0, 0) if info is not None else LOCK_MAX + 1
+            if size <= LOCK_MAX:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+                self.forget(key)  # a new connection from an address a closed one had
+                self.locked[key], self.fds[key] = size, fd
+        except OSError:
+            return  # it closed meanwhile
+        finally:
+            sock.close()
 
     def _matches(self, key: Hashable, sock: socket.socket) -> bool:
         try:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +86,36 @@ def test_what_a_connection_wants_follows_its_bandwidth_delay_product():
     assert sizing.want(1448, 25e6, 4000) == 262144  # 2 x 100 KB in flight, rounded up
     assert sizing.want(65483, 1e9, 20) == 1 << 20  # loopback: 11 of its segments, over LOCK_MAX
     assert sizing.want(1448, 1.25e9, 50) > sizing.LOCK_MAX  # 10 Gbit/s over 50 us: autotuned
+
+
+def test_a_reducer_gives_each_accepted_connection_its_floor_by_the_descriptor_it_is_told():
+    """AcceptedBuffers.accepted(fd), as the reducer's socket monitor calls it: a connection of
+    Ethernet-sized segments (the client's TCP_MAXSEG) gets the floor; a loopback-sized one keeps
+    autotuning; a descriptor that is closed or is another port's by now is left alone."""
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_server(("127.0.0.1", 0)) as other:
+        port = listener.getsockname()[1]
+        buffers = sizing.AcceptedBuffers(port)
+        small = socket.socket()
+        small.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1400)
+        small.connect(("127.0.0.1", port))
+        large = socket.create_connection(("127.0.0.1", port))
+        stranger = socket.create_connection(other.getsockname())
+        (a, a_peer), (b, _), (c, _) = listener.accept(), listener.accept(), other.accept()
+        closed = socket.socket()
+        gone = closed.detach()
+        os.close(gone)
+        try:
+            before = b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            for fd in (a.fileno(), b.fileno(), c.fileno(), gone):
+                buffers.accepted(fd)
+            assert buffers.locked == {a_peer: 16384} and buffers.fds == {a_peer: a.fileno()}
+            assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 16384  # Linux doubles it
+            assert b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before
+        finally:
+            for sock in (small, large, stranger, a, b, c):
+                sock.close()
+    buffers.measure()  # the connection is gone: so is what was measured on it
+    assert buffers.locked == {} and buffers.fds == {}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulated network needs root (namespaces, veth links, tc)")

@@ -35,15 +35,15 @@ class Watch:
         its security handshake failed for good."""
         closed, final = False, None
         while monitor.poll(0):
-            frames = monitor.recv_multipart()
-            kind = parse_monitor_message(frames)["event"]
+            message = parse_monitor_message(monitor.recv_multipart())
+            kind = message["event"]
             if kind == zmq.EVENT_CONNECTED:
                 self.progress[r] = max(self.progress[r], CONNECTED)
             elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
                 closed = True
                 if kind == zmq.EVENT_CLOSED and self.progress[r] < CONNECTED:  # the connect itself failed
                     self.progress[r] = REFUSED
-            failure = encryption.handshake_failure(frames, self.encrypt) if kind & encryption.HANDSHAKE_FAILED else None
+            failure = encryption.handshake_failure(kind, message["value"], self.encrypt)
             if failure is not None:
                 count, since = self.failures[r]
                 now = time.monotonic()

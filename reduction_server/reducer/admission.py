@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import zmq
 
 from .. import auth, protocol, shared_memory
-from ..send_buffers import AcceptedBuffers
 from ..log import event, get_logger
 from ..protocol import ErrorCode, Header, MsgType
 from ..settings import MAX_WINDOW
@@ -42,7 +41,7 @@ class Admission:
 
     def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
                  encrypt: bool, shared: bool, shard: int = 0, shards: int = 1,
-                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
+                 read_events: Callable[[], None] = lambda: None) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
@@ -53,7 +52,7 @@ class Admission:
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
         self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
-        self.send_buffers = send_buffers  # RS_SNDBUF=auto: each connection's, from what it measures
+        self.read_events = read_events  # the socket monitor's news, read before a WELCOME
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
         self.admissions = 0
 
@@ -138,8 +137,9 @@ class Admission:
                                                             max_slot_bytes=self.rounds.max_chunk_bytes)
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
-        if self.send_buffers is not None:  # before the WELCOME: the worker sends no chunk before it
-            self.send_buffers.admit()
+        # The monitor named this worker's connection as it was accepted, before its HELLO: reading
+        # it now sets the connection's send buffer (RS_SNDBUF=auto) before the worker sends a chunk.
+        self.read_events()
         welcome = json.dumps({"index": self.index, "shard": self.shard, "shards": self.shards,
                               "world_size": members.world,
                               "max_chunk_bytes": self.rounds.max_chunk_bytes,

@@ -12,6 +12,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .. import encryption, protocol
 from ..accumulator import AccumulatorPool
@@ -82,7 +83,9 @@ class Reducer:
                              deterministic=deterministic)
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
                                    encrypt=encrypt, shared=shared, shard=shard, shards=shards,
-                                   send_buffers=send_buffers)
+                                   read_events=self._read_events)
+        self.send_buffers = send_buffers  # RS_SNDBUF=auto: each connection's, from what it measures
+        self.monitor: Optional[zmq.Socket] = None  # the socket's events, while run() runs
         self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
         self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
@@ -124,13 +127,16 @@ class Reducer:
         """Serve until should_stop() says so (it is asked at least every 100 ms)."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API).
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED)
+        # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API);
+        # accepts, whose descriptor is the connection's send buffer to set.
+        accepts = zmq.EVENT_ACCEPTED if self.send_buffers is not None else 0
+        monitor = self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED
+                                                                | accepts)
         poller.register(monitor, zmq.POLLIN)
         tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
         next_tick = time.monotonic() + tick
         next_heartbeat = time.monotonic() + self.heartbeat_interval
-        members, send_buffers = self.members, self.admission.send_buffers
+        members, send_buffers = self.members, self.send_buffers
         try:
             while not should_stop():
                 wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
@@ -147,8 +153,8 @@ class Reducer:
                     # After a batch: a worker that closed its connection sent BYE first, and libzmq
                     # may fail a send to it before that BYE is read. Read, then judge.
                     members.check_unreachable()
-                if monitor in events and self._drain_monitor(monitor):
-                    self.probes = [self.clock.now + d for d in PROBE_DELAYS]
+                if monitor in events:
+                    self._read_events()
                 self.pool.reap()
                 now = self.clock.now = time.monotonic()
                 if self.probes and now >= self.probes[0]:
@@ -166,15 +172,21 @@ class Reducer:
                         send_buffers.measure()
                     next_tick = now + tick
         finally:
+            self.monitor = None
             self.socket.disable_monitor()
             monitor.close(linger=0)
 
-    def _drain_monitor(self, monitor: zmq.Socket) -> bool:
-        """Read the socket's events; True if a connection closed that may be a worker's (a
-        failed security handshake is logged instead: that peer was never admitted)."""
-        closed = 0
-        while monitor.poll(0):
-            failure = encryption.handshake_failure(monitor.recv_multipart(), self.encrypt)
+    def _read_events(self) -> None:
+        """Read the socket's events: an accepted connection gets its send buffer; one that closed
+        and may be a worker's has the heartbeat peers probed; a failed security handshake is
+        logged (that peer was never admitted)."""
+        monitor, closed = self.monitor, 0
+        while monitor is not None and monitor.poll(0):
+            message = parse_monitor_message(monitor.recv_multipart())
+            if message["event"] == zmq.EVENT_ACCEPTED:
+                self.send_buffers.accepted(message["value"])
+                continue
+            failure = encryption.handshake_failure(message["event"], message["value"], self.encrypt)
             if failure is None:
                 closed += 1
                 continue
@@ -188,7 +200,8 @@ class Reducer:
                 self.next_handshake_log[reason] = self.clock.now + 10.0
                 event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
                       reason=reason, certain=certain, failures=self.handshake_failures)
-        return closed > 0
+        if closed > 0:
+            self.probes = [self.clock.now + d for d in PROBE_DELAYS]
 
     def _gone(self, identity: bytes) -> None:
         """A send found identity's connection closed: forget its strikes now, judge its rank after the batch."""
