@@ -6,18 +6,16 @@ sender as INTERNAL).
 """
 from __future__ import annotations
 
-import logging
 import time
 import traceback
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from .. import encryption, protocol
+from .. import protocol
 from ..accumulator import AccumulatorPool
 from ..errors import ProtocolError
-from ..log import event, get_logger
+from ..log import get_logger
 from ..protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
 from ..send_buffers import AcceptedBuffers
 from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
@@ -28,6 +26,7 @@ from .fold import Payload
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
+from .socket_events import SocketEvents
 
 if TYPE_CHECKING:
     from ..metrics import ReducerMetrics
@@ -72,7 +71,6 @@ class Reducer:
         self.name = f"reducer {index}" + (f" shard {shard}" if shards > 1 else "") + (f" ({address})" if address else "")
         self.round_timeout = round_timeout
         self.heartbeat_interval = heartbeat_interval
-        self.encrypt = encrypt
         self.clock = Clock()
         self.clock.now = self.started = time.monotonic()
         self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
@@ -84,10 +82,7 @@ class Reducer:
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
                                    encrypt=encrypt, shared=shared, shard=shard, shards=shards,
                                    read_events=self._read_events)
-        self.send_buffers = send_buffers  # RS_SNDBUF=auto: each connection's, from what it measures
-        self.monitor: Optional[zmq.Socket] = None  # the socket's events, while run() runs
-        self.handshake_failures = 0  # connections whose security handshake failed (logged, rate-limited)
-        self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
+        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt, send_buffers=send_buffers)
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.bytes_in = 0
         self.bytes_shared_in = 0  # of bytes_in, those that came through shared memory
@@ -127,16 +122,12 @@ class Reducer:
         """Serve until should_stop() says so (it is asked at least every 100 ms)."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        # Disconnects, to notice a killed worker at once (ROUTER_NOTIFY needs libzmq's draft API);
-        # accepts, whose descriptor is the connection's send buffer to set.
-        accepts = zmq.EVENT_ACCEPTED if self.send_buffers is not None else 0
-        monitor = self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED
-                                                                | accepts)
+        monitor = self.events.open()
         poller.register(monitor, zmq.POLLIN)
         tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
         next_tick = time.monotonic() + tick
         next_heartbeat = time.monotonic() + self.heartbeat_interval
-        members, send_buffers = self.members, self.send_buffers
+        members, send_buffers = self.members, self.events.send_buffers
         try:
             while not should_stop():
                 wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
@@ -172,35 +163,12 @@ class Reducer:
                         send_buffers.measure()
                     next_tick = now + tick
         finally:
-            self.monitor = None
-            self.socket.disable_monitor()
-            monitor.close(linger=0)
+            self.events.close()
 
     def _read_events(self) -> None:
-        """Read the socket's events: an accepted connection gets its send buffer; one that closed
-        and may be a worker's has the heartbeat peers probed; a failed security handshake is
-        logged (that peer was never admitted)."""
-        monitor, closed = self.monitor, 0
-        while monitor is not None and monitor.poll(0):
-            message = parse_monitor_message(monitor.recv_multipart())
-            if message["event"] == zmq.EVENT_ACCEPTED:
-                self.send_buffers.accepted(message["value"])
-                continue
-            failure = encryption.handshake_failure(message["event"], message["value"], self.encrypt)
-            if failure is None:
-                closed += 1
-                continue
-            reason, certain = failure
-            # A failure of known cause is followed by its EVENT_DISCONNECTED; one of unknown cause
-            # may be any connection dropped mid-handshake (a peer that gave up first), so it counts
-            # as a closed connection and is logged below the warning level.
-            closed += -1 if certain else 1
-            self.handshake_failures += 1
-            if self.clock.now >= self.next_handshake_log.get(reason, 0.0):  # a worker retries every 100 ms
-                self.next_handshake_log[reason] = self.clock.now + 10.0
-                event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
-                      reason=reason, certain=certain, failures=self.handshake_failures)
-        if closed > 0:
+        """The socket monitor's news (socket_events.py); a closed connection that may be a
+        worker's has the heartbeat peers probed."""
+        if self.events.read():
             self.probes = [self.clock.now + d for d in PROBE_DELAYS]
 
     def _gone(self, identity: bytes) -> None:

@@ -1,0 +1,77 @@
+"""What libzmq's socket monitor says about a reducer's connections.
+
+- An accepted connection is given its send buffer (`RS_SNDBUF=auto`, send_buffers.py). The
+  monitor names its descriptor.
+- A closed connection may be a killed worker's. The reducer then probes its heartbeat peers
+  (ROUTER_NOTIFY would say whose, but it needs libzmq's draft API).
+- A failed security handshake is logged, at most every 10 s for each reason: that peer was never
+  admitted.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .. import encryption
+from ..log import event, get_logger
+from ..send_buffers import AcceptedBuffers
+from .clock import Clock
+
+log = get_logger("reducer")
+
+#: seconds between two log lines for the same handshake failure (a worker retries every 100 ms)
+_HANDSHAKE_LOG_S = 10.0
+
+
+class SocketEvents:
+    """The monitor of one reducer's socket, read from open() until close()."""
+
+    def __init__(self, socket: zmq.Socket, clock: Clock, *, index: int, encrypt: bool,
+                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
+        self.socket = socket
+        self.clock = clock
+        self.index = index
+        self.encrypt = encrypt
+        self.send_buffers = send_buffers
+        self.monitor: Optional[zmq.Socket] = None
+        self.handshake_failures = 0  # connections whose security handshake failed
+        self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
+
+    def open(self) -> zmq.Socket:
+        """Start monitoring the socket; the monitor's own socket, to poll."""
+        accepts = zmq.EVENT_ACCEPTED if self.send_buffers is not None else 0
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | encryption.HANDSHAKE_FAILED | accepts)
+        return self.monitor
+
+    def close(self) -> None:
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def read(self) -> bool:
+        """Read every event so far; True if a connection closed that may be a worker's."""
+        monitor, closed = self.monitor, 0
+        while monitor is not None and monitor.poll(0):
+            message = parse_monitor_message(monitor.recv_multipart())
+            if message["event"] == zmq.EVENT_ACCEPTED:
+                self.send_buffers.accepted(message["value"])
+                continue
+            failure = encryption.handshake_failure(message["event"], message["value"], self.encrypt)
+            if failure is None:
+                closed += 1
+                continue
+            reason, certain = failure
+            # A failure of known cause is followed by its EVENT_DISCONNECTED; one of unknown cause
+            # may be any connection dropped mid-handshake (a peer that gave up first), so it counts
+            # as a closed connection and is logged below the warning level.
+            closed += -1 if certain else 1
+            self.handshake_failures += 1
+            if self.clock.now >= self.next_handshake_log.get(reason, 0.0):
+                self.next_handshake_log[reason] = self.clock.now + _HANDSHAKE_LOG_S
+                event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
+                      reason=reason, certain=certain, failures=self.handshake_failures)
+        return closed > 0
