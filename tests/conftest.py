@@ -17,8 +17,10 @@ import pytest
 from helpers.source_tree import ROOT  # imports nothing of reduction_server
 
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
-# One process per reducer unless a test asks for shards (test_shards.py): tests that stop or kill
-# "the reducer" mean that one process. RS_SHARDS=2 python -m pytest runs every reducer sharded.
+# One process per reducer unless a test asks for shards (test_shards.py, test_failover.py); a test
+# of one reducer process itself pins it (helpers.cluster.ONE_PROCESS), and one that stops or kills
+# a reducer signals its shards too (Reducers.signal). RS_SHARDS=2 python -m pytest runs every
+# other reducer sharded, as `serve` runs by default on a host of several cores.
 os.environ.setdefault("RS_SHARDS", "1")
 
 import reduction_server.client as rs  # noqa: E402  (after the tree left sys.path)

@@ -16,7 +16,7 @@ import pytest
 
 from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
 
-from helpers.cluster import child_env, reducers
+from helpers.cluster import ONE_PROCESS, child_env, reducers
 from helpers.metrics import scrape, value
 from helpers.ports import free_port_range
 from helpers.jobs import check_sum_works, communicator
@@ -150,7 +150,7 @@ def test_a_16_bit_result_that_does_not_fit_fails_every_rank_at_once():
     """A float16 round's float32 accumulator fits the reducer's memory but its rounded result
     does not: every rank gets TOO_LARGE at once (not a timeout), and the memory comes back."""
     count = 4096  # 16 KiB float32 accumulator, 8 KiB float16 result; 20 KiB of memory holds one, not both
-    with reducers(1, workers=2, extra_env={"RS_MAX_ACCUMULATOR_BYTES": str(20 << 10)}) as group:
+    with reducers(1, workers=2, extra_env={"RS_MAX_ACCUMULATOR_BYTES": str(20 << 10), **ONE_PROCESS}) as group:
         a, b = peers(group, 2, job=0xF16)
         half = np.ones(count, np.float16).tobytes()
         for rank, peer in enumerate((a, b)):
@@ -190,7 +190,7 @@ def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round
             time.sleep(0.05)
         return True
 
-    env = {"RS_METRICS_PORT": str(port), "RS_DETERMINISTIC": str(int(deterministic))}
+    env = {"RS_METRICS_PORT": str(port), "RS_DETERMINISTIC": str(int(deterministic)), **ONE_PROCESS}
     with reducers(1, workers=2, extra_env=env) as group:
         a, b = peers(group, 2, job=0xAD0)
         for seq, op, expected, order in ((1, ReduceOp.SUM, 3, "ab"), (2, ReduceOp.AVG, 1.5, "ab"),

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers.cluster import SCRIPTS, child_env, collect
-from helpers.ports import free_ports
+from helpers.ports import free_port_range
 
 CASES = {"sequential": [{"dtype": d, "op": o, "count": 70_001, "seed": i}
                         for i, (d, o) in enumerate([("float32", "sum"), ("float16", "avg"), ("int64", "max"),
@@ -39,7 +39,8 @@ def tf_config(ports, workers, task_type, index):
 
 @pytest.mark.parametrize("variable", ["CLUSTER_SPEC", "TF_CONFIG"])
 def test_job_from_the_cluster_spec(variable):
-    workers, ports = 3, free_ports(2)
+    base = free_port_range(16)  # 8 ports each: room for a sharded reducer's shards (RS_SHARDS)
+    workers, ports = 3, [base, base + 8]
     make = vertex_spec if variable == "CLUSTER_SPEC" else tf_config
     reducer_type, worker_types = ("workerpool2", ["workerpool0", "workerpool1", "workerpool1"]) \
         if variable == "CLUSTER_SPEC" else ("ps", ["chief", "worker", "worker"])
@@ -53,9 +54,9 @@ def test_job_from_the_cluster_spec(variable):
             reducers.append(subprocess.Popen([sys.executable, "-m", "reduction_server", "serve"], env=env,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for i, proc in enumerate(reducers):
-            line = proc.stdout.readline()
-            assert f"reducer {i} listening on tcp://127.0.0.1:{ports[i]} workers={workers}" in line, \
-                line + proc.stderr.read()
+            line = proc.stdout.readline()  # its log is read at the end: it is still running here
+            assert f"reducer {i} listening on tcp://127.0.0.1:{ports[i]} " in line and f" workers={workers} " in line, \
+                line
         ranks = []
         for rank in range(workers):
             env = child_env({**common, variable: make(ports, workers, worker_types[rank], worker_index[rank])})

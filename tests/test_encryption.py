@@ -19,7 +19,7 @@ import reduction_server.client as rs
 from reduction_server import CollectiveError, protocol
 from reduction_server.errors import ConfigError
 
-from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
+from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
 from helpers.jobs import check_sum_works
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,7 +125,8 @@ def test_the_bytes_on_the_wire_are_encrypted(encrypt):
     number in every header and the payload's bytes; CurveZMQ shows neither."""
     payload = np.frombuffer(b"GRADIENT" * 4096, np.float64).copy()  # a pattern easy to spot
     magic = protocol.MAGIC.to_bytes(4, "little")
-    with reducers(1, extra_env=ENCRYPT if encrypt else {}) as group:
+    # One process: the tap relays one port, and a sharded reducer's shards listen on the next ones.
+    with reducers(1, extra_env={**(ENCRYPT if encrypt else {}), **ONE_PROCESS}) as group:
         tap = Tap(group.addresses[0])
         try:
             # Frames, not shared-memory slots: the payload must cross the (tapped) wire.

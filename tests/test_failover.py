@@ -4,8 +4,9 @@ reproducible: RS_FAILOVER_SEED); every run must finish, every step's collectives
 (each worker checks them against a NumPy reference), and in deterministic mode the final weights
 must be bitwise equal to an undisturbed run's. Killed reducers are restarted at their
 address and must be used again, from a collective every rank agrees on, before they are killed
-again. RS_FAILOVER_RUNS sets how many runs of each kind (longer campaigns); the default keeps CI to
-a few minutes."""
+again; one run of each kind has reducers of 2 shards, as `serve` runs by default on a host of
+several cores. RS_FAILOVER_RUNS sets how many runs of each kind (longer campaigns); the default
+keeps CI to a few minutes."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from helpers.cluster import TOKEN, reducers
+from helpers.cluster import ONE_PROCESS, TOKEN, reducers
 from helpers.training import FAST, STEPS, Run
 
 R = 3
@@ -32,32 +33,34 @@ Plan = List[Tuple[int, float, str, Tuple[int, ...]]]
 REJOIN_STEPS = 30
 
 
-def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL,
-        extra: Optional[Dict[str, str]] = None) -> Tuple[List[dict], float]:
-    """One training run on fresh reducers, signalling (`sig`) and restarting reducers as `plan`
-    says; the ranks' results and the run's wall time."""
+def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL, extra: Optional[Dict[str, str]] = None,
+        shards: Optional[int] = None) -> Tuple[List[dict], float]:
+    """One training run on fresh reducers (of `shards` shards each; None: RS_SHARDS), signalling
+    (`sig`) and restarting reducers as `plan` says; the ranks' results and the run's wall time."""
     started = time.monotonic()
-    with reducers(R, extra_env={"RS_DETERMINISTIC": "1" if exact else "0", **FAST}) as group:
+    env = {"RS_DETERMINISTIC": "1" if exact else "0", **FAST, **({"RS_SHARDS": str(shards)} if shards else {})}
+    with reducers(R, extra_env=env) as group:
         job = Run(group, exact, extra)
         down = set()
+        settled = 0  # nothing happens before this step: a restarted reducer's REJOIN_STEPS
         try:
             for step, delay, action, which in plan:
-                job.wait_for_step(step)
+                job.wait_for_step(max(step, settled))
                 time.sleep(delay)  # anywhere inside the next step: sending, summing, or answering
                 for i in which:
                     if action == "restart":
                         group.restart(i)
                         down.discard(i)
                     else:
-                        group.procs[i].send_signal(sig)
-                        if sig == signal.SIGKILL:
-                            group.procs[i].wait(5)
+                        group.signal(i, sig)
                         down.add(i)
+                if action == "restart":  # counted from when it listens: a sharded one starts for a while
+                    settled = job.step + REJOIN_STEPS
             results = job.finish()
         finally:
             if sig == signal.SIGSTOP:
                 for i in down:
-                    group.procs[i].send_signal(signal.SIGCONT)
+                    group.signal(i, signal.SIGCONT)
         assert all(group.procs[i].poll() is None for i in range(R) if i not in down or sig != signal.SIGKILL)
     return results, time.monotonic() - started
 
@@ -94,6 +97,7 @@ def check(results: Sequence[dict], plan: Plan, reference: Optional[str]) -> None
     for res in results:
         assert res["mismatch_count"] == 0, res
         assert res["lost"] == hit, res
+        assert len(res["lost_endpoints"]) == len(hit) * res["endpoints"] // R, res  # every shard of each
         assert res["moved"] > 0, res
         assert (res["rejoined_chunks"] > 0) == restarted, res
         if reference is not None:
@@ -126,6 +130,18 @@ def test_reducers_killed_at_random_points_leave_every_step_right_and_the_weights
         check(results, plan, undisturbed)
 
 
+def test_sharded_reducers_killed_at_random_points_leave_every_step_right_and_the_weights_bitwise_equal(
+        undisturbed: str):
+    """Reducers of 2 shards, as `serve` runs on a host of 2 cores or more (RS_SHARDS=auto): a run
+    of each kind, every shard of a killed reducer lost with it, and the same bits as unsharded."""
+    for together in (False, True):
+        plan = random_plan(random.Random(SEED + 11 + together), together)
+        results, took = run(plan, shards=2)
+        print(f"sharded: {plan}: {took:.1f} s; chunks on a reducer that came back "
+              f"{[res['rejoined_chunks'] for res in results]}")
+        check(results, plan, undisturbed)
+
+
 def test_failover_in_the_default_mode_keeps_every_step_right():
     """Arrival-order sums: checked to float32 rounding (int32 and broadcasts bitwise), and every
     rank ends with the same weights."""
@@ -152,7 +168,8 @@ def test_a_spare_reducer_takes_the_chunks_of_a_lost_one(undisturbed: str):
     print(f"spare: {took:.1f} s, its chunks per rank {[res['rejoined_chunks'] for res in results]}")
     for res in results:
         assert res["mismatch_count"] == 0 and res["digest"] == undisturbed, res
-        assert res["lost"] == [0, 2] and res["joins"] == 1, res  # the spare counts as lost until it joins
+        assert res["lost"] == [0, 2], res  # the spare counts as lost until it joins
+        assert res["joins"] == res["endpoints"] // R, res  # once, by each of its shards (RS_SHARDS)
         assert res["rejoined_chunks"] > 0, res
 
 
@@ -169,7 +186,7 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
     from helpers.peers import Peer, data
 
     n = 1000
-    with reducers(2, extra_env=FAST) as group:
+    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
         peers = [Peer(address) for address in group.addresses]
         for p in peers:
             p.handshake(1, 2)
@@ -180,8 +197,7 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
             handle = comm.all_reduce_async(mine)  # seq 0: one chunk, on reducer 0
             peers[0].send(data(1, 2, seq=0, count=n), theirs.tobytes())
             assert np.array_equal(handle.wait(5), mine + theirs)
-            group.procs[0].send_signal(signal.SIGKILL)
-            group.procs[0].wait(5)
+            group.signal(0, signal.SIGKILL)
             # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
             peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())
             header, payload = peers[1].recv(10)
@@ -253,7 +269,7 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
     monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
     n = 64
     ones = np.ones(n, np.float32)
-    with reducers(2, extra_env=FAST) as group:
+    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
         peers = [Peer(address) for address in group.addresses]
         for p in peers:
             p.handshake(1, 2)
@@ -275,8 +291,7 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
         try:
             for _ in range(4):
                 step(seq % 2, MsgType.DATA)
-            group.procs[1].kill()
-            group.procs[1].wait(5)
+            group.signal(1, signal.SIGKILL)
             peers[1].close()
             for _ in range(4):  # odd seqs belong to reducer 1: moved to reducer 0
                 step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)

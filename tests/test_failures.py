@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import psutil
 import pytest
 
 from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers, run_workers
@@ -202,12 +202,10 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
                                      "progress": True}, env)
         try:
             workers.wait_for("ready", range(3))
-            stopped = psutil.Process(group.procs[1].pid)
-            stopped.suspend()
+            group.signal(1, signal.SIGSTOP)
             workers.wait_until_still(range(3), quiet=1.0, timeout=QUIET / 2)
             killed_at = time.time()
-            group.procs[1].kill()
-            group.procs[1].wait()
+            group.signal(1, signal.SIGKILL)
             workers.wait_for("waiting", range(3), timeout=30)
             errors = {r: workers.lines[r][-1]["error"] for r in range(3)}
             group.restart(1)
@@ -240,8 +238,7 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
         workers = Workers(3, group, {"mode": "between", "count": 1 << 20, "go": str(go)}, env)
         try:
             workers.wait_for("ready", range(3))
-            group.procs[1].kill()
-            group.procs[1].wait()
+            group.signal(1, signal.SIGKILL)
             time.sleep(0.5)  # every worker has seen its connection close before it starts the collective
             go.touch()
             if comes_back:
@@ -279,10 +276,10 @@ def test_a_reducer_that_is_silent_is_declared_lost_after_the_liveness_timeout():
         try:
             workers.wait_for("ready", range(2))
             stopped_at = time.time()
-            group.procs[0].send_signal(19)  # SIGSTOP
+            group.signal(0, signal.SIGSTOP)
             results = workers.finish([0, 1])
         finally:
-            group.procs[0].send_signal(18)  # SIGCONT
+            group.signal(0, signal.SIGCONT)
             workers.kill_all()
         for r in range(2):
             res = results[r]
@@ -328,7 +325,7 @@ def test_a_silent_worker_is_declared_lost_after_the_liveness_timeout():
         try:
             workers.wait_for("ready", range(3))
             stopped_at = time.time()
-            workers.procs[2].send_signal(19)  # SIGSTOP
+            workers.procs[2].send_signal(signal.SIGSTOP)
             results = workers.finish([0, 1])
         finally:
             workers.kill_all()

@@ -2,6 +2,7 @@
 beside the job's, exact results, groups announced two ways, a member lost, hand-driven peers
 that break the rules, and a reducer restarted under a group."""
 import re
+import signal
 import threading
 import time
 
@@ -167,8 +168,7 @@ def test_a_restarted_reducer_learns_the_groups_again():
             down = comm._engine.connections.down  # the engine's own view of reducer 0
             both.wait()
             if rank == 0:
-                single.procs[0].kill()
-                single.procs[0].wait()
+                single.signal(0, signal.SIGKILL)
             until(lambda: 0 in down, "the engine to see reducer 0 gone")
             both.wait()
             if rank == 0:
@@ -216,5 +216,5 @@ def test_a_broadcast_root_gets_no_copy_of_its_own_data():
 
         assert run_job(3, body, group=single) == [(2.0, 2.0, 8.0, 8.0)] * 3
         log = single.stop()[0]
-    sent = [int(v) for v in re.findall(r"stopped .*?\bbytes_out=(\d+)", log)]
-    assert sent == [2 * 2 * 4 * n], log[-2000:]
+    sent = [int(v) for v in re.findall(r"stopped .*?\bbytes_out=(\d+)", log)]  # a line per shard
+    assert sent and sum(sent) == 2 * 2 * 4 * n, log[-2000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from helpers.cluster import TOKEN, child_env, reducers
+from helpers.cluster import ONE_PROCESS, TOKEN, child_env, reducers
 from helpers.jobs import run_job
 from helpers.metrics import Samples, scrape, value
 from helpers.ports import free_port_range
@@ -30,7 +30,7 @@ CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.int6
 
 def test_metrics_show_what_the_job_did():
     port = free_port_range(1)
-    env = {"RS_METRICS_PORT": str(port), "RS_MAX_ACCUMULATOR_BYTES": str(BUDGET)}
+    env = {"RS_METRICS_PORT": str(port), "RS_MAX_ACCUMULATOR_BYTES": str(BUDGET), **ONE_PROCESS}
     with reducers(1, workers=WORLD, token=TOKEN, extra_env=env) as group:
         before = scrape(port)
         assert value(before, "reduction_server_received_bytes_total") == 0

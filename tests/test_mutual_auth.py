@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import threading
 import time
 from typing import List
@@ -150,7 +151,8 @@ def test_a_worker_never_lets_libzmq_reconnect_a_connection():
     with a new socket and a new proof."""
     with reducers(1, workers=1, token=TOKEN) as group:
         with rs.Communicator(group.addresses, 0, 1, job_token=TOKEN) as comm:
-            assert [s.getsockopt(zmq.RECONNECT_IVL) for s in comm._engine.connections.sockets] == [-1]
+            # a socket per shard where the reducer runs several (RS_SHARDS)
+            assert {s.getsockopt(zmq.RECONNECT_IVL) for s in comm._engine.connections.sockets} == {-1}
 
 
 def test_a_genuine_reducer_on_this_host_still_gets_the_shared_memory_offer():
@@ -183,8 +185,7 @@ def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch)
         try:
             x = np.ones(1000, np.float32)
             np.testing.assert_array_equal(comm.all_reduce(x), x)
-            group.procs[0].kill()
-            group.procs[0].wait()
+            group.signal(0, signal.SIGKILL)
             group.restart(0, child_env({"RS_JOB_TOKEN": "another-jobs-token", **env}))
             deadline, error = time.monotonic() + 20, ""
             while "did not prove" not in error and time.monotonic() < deadline:
@@ -197,6 +198,6 @@ def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch)
         finally:
             comm.close()
         log = group.stop()[0]
-    assert re.search(r"reducer 0 \(127\.0\.0\.1:\d+\) did not prove the job token \(RS_JOB_TOKEN\): its "
+    assert re.search(r"reducer 0 (shard \d+ )?\(127\.0\.0\.1:\d+\) did not prove the job token \(RS_JOB_TOKEN\): its "
                      r"RS_JOB_TOKEN is not this worker's .* \(when it came back\)", error), error
     assert stopped_summary(log)["bytes_in"] == "0"  # the restarted stranger's own summary

@@ -6,7 +6,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from helpers.cluster import reducers, run_workers
+from helpers.cluster import ONE_PROCESS, reducers, run_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,8 +28,9 @@ def events(log: str) -> List[Dict[str, str]]:
 
 
 def clean_job(extra_env=None) -> Tuple[str, List[Dict[str, str]]]:
-    """The reducer's address and its log's events, for a job that runs without a problem."""
-    with reducers(1, workers=WORLD, extra_env=extra_env) as group:
+    """The reducer's address and its log's events, for a job that runs without a problem (one
+    process: a sharded reducer's shards log each their own events)."""
+    with reducers(1, workers=WORLD, extra_env={**(extra_env or {}), **ONE_PROCESS}) as group:
         results = run_workers(WORLD, group, "allreduce_worker.py", [json.dumps(JOB)])
         assert all(r["failures"] == [] for r in results), results
         return group.addresses[0], events(group.stop()[0])

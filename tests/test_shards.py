@@ -20,6 +20,7 @@ import pytest
 
 import reduction_server.client as rs
 from reduction_server import CollectiveError, ConfigError
+from reduction_server.errors import ListenError
 from reduction_server.reducer import shards as shard_count
 
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
@@ -164,7 +165,8 @@ def test_a_killed_shard_is_restarted_and_the_job_ends_bitwise_as_unsharded():
     assert all(log.count("shard_restarted") == 1 for log in logs), logs
     for res in results:
         assert res["mismatch_count"] == 0, res
-        assert res["lost"] == [1, 2], res  # endpoints: r0s0 0, r1s0 1, r0s1 2, r1s1 3
+        assert res["lost"] == [0, 1], res  # reducers
+        assert res["lost_endpoints"] == [1, 2], res  # r0s0 0, r1s0 1, r0s1 2, r1s1 3
         assert res["rejoined_chunks"] > 0, res
         assert res["digest"] == reference[0]["digest"], res
 
@@ -242,10 +244,37 @@ def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
         proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
                                str(port), "--shards", "2"], env=child_env(), capture_output=True, text=True,
                               timeout=60)
-    assert proc.returncode != 0
-    assert f"{port + 1}" in proc.stderr and "already in use" in proc.stderr, proc.stderr
-    assert "could not start its 2 shards" in proc.stderr, proc.stderr
-    with socket.socket() as probe:  # shard 0 is gone too: its port is free again
+    assert proc.returncode == 1
+    # Checked before any shard starts: one line, as an unsharded reducer says it, and no shard's log.
+    assert proc.stderr.splitlines() == [
+        f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port + 1}, shard 1's port (--port + 1): the "
+        "port is already in use (another reducer or program listens there); stop it, or choose another port "
+        "(--port; 0 picks a free one)"], proc.stderr
+    assert proc.stdout == ""
+    with socket.socket() as probe:  # nothing listens at shard 0's port
+        probe.bind(("127.0.0.1", port))
+
+
+def test_a_shard_port_taken_after_the_check_stops_every_shard_and_is_named(monkeypatch):
+    """Another program may take a port between the supervisor's check and the shard's bind: the
+    shard says why and exits, and the supervisor stops the others and names it."""
+    monkeypatch.setenv("RS_JOB_TOKEN", TOKEN)
+    monkeypatch.setattr(shard_count, "check_free", lambda host, base, n: None)  # the race, made certain
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1
+        supervisor = shard_count.Supervisor(host="127.0.0.1", port=port, index=0, shards=2, workers=None,
+                                            deterministic=False, metrics_port=0)
+        try:
+            with pytest.raises(ListenError) as failed:
+                supervisor.start()
+        finally:
+            supervisor.stop()
+    assert str(failed.value) == (f"reducer 0 could not start its 2 shards: shard 1 of reducer 0 (port {port + 1}) "
+                                 "exited with status 1 before it listened (its message is above)")
+    assert all(shard.proc is None or shard.proc.poll() is not None for shard in supervisor.shards)
+    with socket.socket() as probe:  # shard 0 was stopped: its port is free again
         probe.bind(("127.0.0.1", port))
 
 

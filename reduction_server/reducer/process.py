@@ -28,20 +28,13 @@ def _bind(socket: zmq.Socket, host: str, port: int) -> int:
     """Bind and return the port; a ListenError says in one line why it cannot, and what to do."""
     if ":" in host:
         socket.setsockopt(zmq.IPV6, 1)
-        host = f"[{host}]"
+    address = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
     try:
         if port == 0:
-            return socket.bind_to_random_port(f"tcp://{host}")
-        socket.bind(f"tcp://{host}:{port}")
+            return socket.bind_to_random_port(address)
+        socket.bind(f"{address}:{port}")
     except zmq.ZMQError as exc:
-        where = f"tcp://{host}:{port or '*'}"
-        if exc.errno == zmq.EADDRINUSE:
-            raise ListenError(f"cannot listen on {where}: the port is already in use (another reducer or program "
-                              "listens there); stop it, or choose another port (--port; 0 picks a free one)") from None
-        if exc.errno == zmq.EADDRNOTAVAIL:
-            raise ListenError(f"cannot listen on {where}: {host} is not an address of this host "
-                              "(--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)") from None
-        raise ListenError(f"cannot listen on {where}: {exc}") from None
+        raise ListenError.binding(host, port, exc.errno, str(exc)) from None
     return port
 
 

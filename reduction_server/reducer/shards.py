@@ -90,9 +90,8 @@ def free_run(host: str, n: int) -> int:
         with socket.socket(family) as probe:
             try:
                 probe.bind((host, 0))
-            except OSError as exc:  # the same words as one reducer's bind (process.py)
-                raise ListenError(f"cannot listen on {host}: {exc.strerror or exc} (--host / RS_BIND_HOST: an "
-                                  "address of this host; 0.0.0.0 listens on all of them)") from None
+            except OSError as exc:
+                raise ListenError.binding(host, 0, exc.errno, exc.strerror or str(exc)) from None
             base = probe.getsockname()[1]
         if base + n - 1 > 65535:
             continue
@@ -109,6 +108,19 @@ def free_run(host: str, n: int) -> int:
             for s in held:
                 s.close()
     raise ListenError(f"cannot find {n} consecutive free ports on {host} for --shards {n}; give --port")
+
+
+def check_free(host: str, base: int, n: int) -> None:
+    """A ListenError in one reducer's words (process.py) naming the first of the ports base ..
+    base+n-1 that cannot be bound on `host` now: said once, before any shard starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in range(base, base + n):
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds: TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ListenError.binding(host, port, exc.errno, exc.strerror or str(exc), port - base) from None
 
 
 @dataclass
@@ -199,6 +211,8 @@ class Supervisor:
     def start(self) -> int:
         """Start every shard, all at once; the first one's port once all listen. A ListenError says
         which could not."""
+        if self.fixed_port:
+            check_free(self.host, self.base, self.count)
         for _ in range(1 if self.fixed_port else _PORT_TRIES):
             base = self.base or free_run(self.host, self.count)
             self.shards = [Shard(s, base + s) for s in range(self.count)]

@@ -1,9 +1,11 @@
 """Test harness: real reducer processes and real worker processes on loopback."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,11 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import psutil
+
 from .source_tree import ROOT
 
 SCRIPTS = ROOT / "tests" / "scripts"
 #: the job token of the reducer groups and workers the helpers start, unless a test gives another
 TOKEN = "test-token"
+#: for a test of one reducer process itself (hand-driven peers on its one port, its own logs,
+#: metrics or budgets): one shard whatever RS_SHARDS says (conftest.py)
+ONE_PROCESS = {"RS_SHARDS": "1"}
 _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
 
 
@@ -81,6 +88,23 @@ class Reducers:
             proc.wait()
             assert time.monotonic() < deadline, f"reducer {i} could not bind its port again: {line!r}"
             time.sleep(0.2)  # the port may linger for a moment
+
+    def signal(self, i: int, sig: int) -> None:
+        """`sig` to the group's i-th reducer and to each of its shards where it runs several
+        (RS_SHARDS), as a frozen (SIGSTOP) or lost (SIGKILL) host does to all of them at once; the
+        supervisor first, so that it cannot start a shard again in between. SIGKILL reaps them."""
+        proc = self.procs[i]
+        try:
+            shards = psutil.Process(proc.pid).children()
+        except psutil.NoSuchProcess:
+            shards = []
+        proc.send_signal(sig)
+        for shard in shards:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                shard.send_signal(sig)
+        if sig == signal.SIGKILL:
+            proc.wait(5)
+            psutil.wait_procs(shards, timeout=5)
 
     def _command(self, host: str, port: str, index: int) -> List[str]:
         """`serve` for reducer `index` of this group, at host:port."""

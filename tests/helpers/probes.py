@@ -9,8 +9,9 @@ import psutil
 
 
 def rss(pid: int) -> int:
-    """Resident memory, bytes."""
-    return psutil.Process(pid).memory_info().rss
+    """Resident memory of the process and its children (a sharded reducer's shards), bytes."""
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
 
 
 def open_fds(pid: int) -> int:

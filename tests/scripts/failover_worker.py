@@ -54,9 +54,12 @@ def main() -> None:
             if rank == 0:
                 print(f"STEP {step}", flush=True)
         failover = comm._engine.failover
+        ends = comm._engine.endpoints  # failover counts each shard of a reducer (RS_SHARDS) apart
         digest = hashlib.sha256(b"".join(p.tobytes() for p in params)).hexdigest()
         print(json.dumps({"rank": rank, "mismatches": mismatches[:5], "mismatch_count": len(mismatches),
-                          "digest": digest, "lost": sorted(failover.lost), "moved": failover.moved_chunks,
+                          "digest": digest, "lost": sorted({ends[e].reducer for e in failover.lost}),
+                          "lost_endpoints": sorted(failover.lost), "endpoints": len(ends),
+                          "moved": failover.moved_chunks,
                           "finals": failover.finals, "joins": failover.joins,
                           "rejoined_chunks": failover.rejoined_chunks}),
               flush=True)
