@@ -255,6 +255,17 @@ def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
         probe.bind(("127.0.0.1", port))
 
 
+def test_the_port_check_leaves_what_is_not_an_address_to_libzmq():
+    """libzmq binds an interface's name (`--host lo`); the check, which cannot, says nothing then."""
+    base = free_port_range(2)
+    shard_count.check_free("lo", base, 2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        with pytest.raises(ListenError, match=f"127.0.0.1:{base + 1}, shard 1's port"):
+            shard_count.check_free("127.0.0.1", base, 2)
+
+
 def test_a_shard_port_taken_after_the_check_stops_every_shard_and_is_named(monkeypatch):
     """Another program may take a port between the supervisor's check and the shard's bind: the
     shard says why and exits, and the supervisor stops the others and names it."""

@@ -125,7 +125,8 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
     every worker connection starts with 16 KiB (eleven 1448-byte segments on a 1500-byte route)
     and stays within twice that, its measured bandwidth-delay product being smaller (it shares
     its host's link with the other); each reducer gives its two accepted connections the same
-    as it admits them; the kernel holds twice what it was given; and every all-reduce is right.
+    as it admits them, and at most LOCK_MAX after; the kernel holds twice what it was given; and
+    every all-reduce is right.
     The engine found each connection among its descriptors."""
     from reduction_server.bench.emulated_network import EmulatedNetwork
 
@@ -154,9 +155,12 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
         addresses = reducers_spec.split(",")
         assert sorted(res["locked"]) == sorted(addresses) and set(res["locked"].values()) <= {16384, 32768}, line
         assert [res["kernel"][a] for a in addresses] == [2 * res["locked"][a] for a in addresses], line
-    for out in ends:  # each reducer's two accepted connections, given 16 or 32 KiB, doubled by the kernel
+    # Each reducer's two accepted connections, given 16 KiB and then what they measure, doubled by
+    # the kernel. A reducer's connection has measured more than its share of the link (64 KiB, once
+    # in about 25 runs), so up to LOCK_MAX; autotuning would give megabytes.
+    for out in ends:
         sizes = [int(tb) for tb in re.findall(r"\btb(\d+)", out)]
-        assert len(sizes) == 2 and set(sizes) <= {32768, 65536}, out
+        assert len(sizes) == 2 and set(sizes) <= {32768, 65536, 2 * sizing.LOCK_MAX}, out
 
 
 def test_a_reducer_refuses_a_bad_rs_sndbuf():

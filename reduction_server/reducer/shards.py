@@ -16,6 +16,7 @@ it is killed with SIGKILL.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
@@ -120,6 +121,8 @@ def check_free(host: str, base: int, n: int) -> None:
             try:
                 probe.bind((host, port))
             except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    return  # not an address (libzmq also binds an interface's name): the shards say
                 raise ListenError.binding(host, port, exc.errno, exc.strerror or str(exc), port - base) from None
 
 
