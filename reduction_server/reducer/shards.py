@@ -96,18 +96,11 @@ def free_run(host: str, n: int) -> int:
             base = probe.getsockname()[1]
         if base + n - 1 > 65535:
             continue
-        held: List[socket.socket] = []
         try:
-            for port in range(base, base + n):
-                s = socket.socket(family)
-                held.append(s)
-                s.bind((host, port))
+            check_free(host, base, n)
             return base
-        except OSError:
+        except ListenError:
             continue
-        finally:
-            for s in held:
-                s.close()
     raise ListenError(f"cannot find {n} consecutive free ports on {host} for --shards {n}; give --port")
 
 
