@@ -12,13 +12,16 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from tqdm import tqdm
 
-COLUMNS = ["peer", "W", "R", "mib", "ms", "algbw_GBps", "busbw_GBps(ring)", "vs_gloo"]
+from .netem import medians
+
+COLUMNS = ["peer", "W", "R", "mib", "ms", "ms_range", "algbw_GBps", "busbw_GBps(ring)", "vs_gloo", "vs_gloo_range"]
 _JOB = [sys.executable, "-m", "reduction_server.bench.allreduce_job"]
 
 
@@ -45,31 +48,58 @@ def _command(peer: str, world: int, reducers: int, sizes: str, iters: int) -> Li
 
 
 def _measure(peer: str, world: int, reducers: int, sizes_mib: Sequence[float], iters: int) -> List[Dict]:
+    """One run of the job: bytes and seconds per all-reduce of each size."""
     sizes = ",".join(f"{s:g}" for s in sizes_mib)
-    label, extra = TRANSPORTS.get(peer, (peer, {}))
+    extra = TRANSPORTS.get(peer, (peer, {}))[1]
     proc = subprocess.run(_command(peer, world, reducers, sizes, iters), capture_output=True, text=True,
                           timeout=900, cwd="/", env={**os.environ, **extra})
     points = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '{"bytes"' in line]
     if proc.returncode != 0 or len(points) != len(sizes_mib):
         raise RuntimeError(f"{peer} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = []
-    for mib, p in zip(sizes_mib, points):
-        algbw = p["bytes"] / p["seconds"] / 1e9
-        rows.append({"peer": label, "W": world, "R": reducers if peer in TRANSPORTS else "-", "mib": mib, "ms": p["seconds"] * 1e3,
-                     "algbw_GBps": algbw, "busbw_GBps(ring)": algbw * 2 * (world - 1) / world})
-    return rows
+    return points
 
 
 def run(worlds: Sequence[int] = (2, 4), reducers: Sequence[int] = (1, 2),
-        sizes_mib: Sequence[float] = (1, 4, 16, 64, 256), peers: Sequence[str] = (), iters: int = 0) -> List[Dict]:
-    """Rows for every peer x W (x R for this project) x size; vs_gloo is algbw / Gloo's."""
+        sizes_mib: Sequence[float] = (1, 4, 16, 64, 256), peers: Sequence[str] = (), iters: int = 0,
+        rounds: int = 1) -> List[Dict]:
+    """Rows for every peer x W (x R for this project) x size. With rounds > 1 the jobs of one W
+    run in turns that many times, so that every peer meets the same quiet and busy moments; a
+    row gives the median time and the range of its turns, vs_gloo is Gloo's median over its
+    own, and vs_gloo_range the lowest and highest ratio of one turn's pair (Gloo's own spread
+    here moves a single run's ratio by 0.15)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     peers = list(peers) or available_peers()
-    jobs = [(p, w, 1) for w in worlds for p in peers] + [(t, w, r) for w in worlds for r in reducers for t in TRANSPORTS]
     rows: List[Dict] = []
-    for peer, world, r in tqdm(jobs, desc="loopback", unit="job"):
-        rows += _measure(peer, world, r, sizes_mib, iters)
-    gloo = {(row["W"], row["mib"]): row["algbw_GBps"] for row in rows if row["peer"] == "gloo"}
-    for row in rows:
-        if (row["W"], row["mib"]) in gloo:
-            row["vs_gloo"] = row["algbw_GBps"] / gloo[row["W"], row["mib"]]
+    with tqdm(total=rounds * len(worlds) * (len(peers) + len(reducers) * len(TRANSPORTS)), desc="loopback",
+              unit="job") as progress:
+        for world in worlds:
+            jobs = [(p, 1) for p in peers] + [(t, r) for r in reducers for t in TRANSPORTS]
+            turns: Dict[Tuple[str, int], List[List[Dict]]] = {job: [] for job in jobs}
+            for _ in range(rounds):
+                for peer, r in jobs:
+                    turns[peer, r].append(_measure(peer, world, r, sizes_mib, iters))
+                    progress.update()
+            rows += _rows(world, sizes_mib, turns)
+    return rows
+
+
+def _rows(world: int, sizes_mib: Sequence[float], turns: Dict[Tuple[str, int], List[List[Dict]]]) -> List[Dict]:
+    """One row per job and size from each job's seconds per turn."""
+    gloo = turns.get(("gloo", 1))
+    rows = []
+    for (peer, r), runs in turns.items():
+        for i, mib in enumerate(sizes_mib):
+            seconds = [run[i]["seconds"] for run in runs]
+            point = medians(seconds)
+            algbw = runs[0][i]["bytes"] / point["seconds"] / 1e9
+            row = {"peer": TRANSPORTS.get(peer, (peer,))[0], "W": world, "R": r if peer in TRANSPORTS else "-",
+                   "mib": mib, "rounds": len(runs), "ms": point["seconds"] * 1e3, "ms_range": point["range"],
+                   "algbw_GBps": algbw, "busbw_GBps(ring)": algbw * 2 * (world - 1) / world}
+            if gloo is not None:
+                theirs = [run[i]["seconds"] for run in gloo]
+                ratios = [g / ours for g, ours in zip(theirs, seconds)]
+                row["vs_gloo"] = statistics.median(theirs) / point["seconds"]
+                row["vs_gloo_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            rows.append(row)
     return rows

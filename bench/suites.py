@@ -16,7 +16,7 @@ SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "fail
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
           "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant", "shards": "--shards"}
-_ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib"},
+_ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib", "rounds"},
             "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
             "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
             "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
@@ -50,8 +50,8 @@ def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
 
 def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
          sweep: Optional[Dict[str, Any]] = None) -> List[Path]:
-    """Run `suite`; returns the files written. `rounds`: netem and ddp run the peers in turns
-    that many times on one emulated network and report medians. `sweep`: run()'s keywords
+    """Run `suite`; returns the files written. `rounds`: the suites that take it (SWEEPS) run
+    the peers in turns that many times and report medians. `sweep`: run()'s keywords
     (SWEEPS) that replace the suite's configuration; a suite refuses one it does not take."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")

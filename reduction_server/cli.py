@@ -219,8 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
     bench.add_argument("--rounds", type=int, default=1,
-                       help="netem, ddp, collectives and failover: run the peers in turns this many times on the same network "
-                            "and report medians (default 1; a shared machine's noise needs 3 or more)")
+                       help="loopback, netem, ddp, collectives and failover: run the peers in turns this many times (on the "
+                            "same network) and report medians (default 1; a shared machine's noise needs 3 or more)")
     sweep = "replaces the suite's (or --quick's) configuration"
     bench.add_argument("--workers", type=_positive_list(int), default=None, dest="worlds", metavar="W,...",
                        help=f"worker counts W to sweep (loopback, netem, ddp, collectives, failover); {sweep}")

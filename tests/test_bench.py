@@ -41,19 +41,25 @@ def test_kernels_suite(tmp_path):
 
 
 def test_loopback_suite(tmp_path):
-    table, rows = run_suite("loopback", tmp_path)
+    table, rows = run_suite("loopback", tmp_path, "--rounds", "2")
     ours = [r for r in rows if r["peer"].startswith("reduction-server")]
     assert [(r["peer"], r["W"], r["R"], r["mib"]) for r in ours] == [  # shared memory, and tcp sockets
         ("reduction-server", 2, 1, 0.25), ("reduction-server", 2, 1, 1),
         ("reduction-server (tcp)", 2, 1, 0.25), ("reduction-server (tcp)", 2, 1, 1)]
     for row in rows:
+        assert row["rounds"] == 2
         assert row["algbw_GBps"] == pytest.approx(row["mib"] * (1 << 20) / (row["ms"] / 1e3) / 1e9)
         assert row["busbw_GBps(ring)"] == pytest.approx(row["algbw_GBps"] * 2 * (row["W"] - 1) / row["W"])
-    if "gloo" in loopback.available_peers():  # the peer ran in the same run, and the ratio is to it
+        fastest, slowest = map(int, row["ms_range"].split("-"))  # the two turns, around their median
+        assert fastest <= round(row["ms"]) <= slowest
+    if "gloo" in loopback.available_peers():  # the peer ran in the same turns, and the ratio is to it
         gloo = {r["mib"]: r["algbw_GBps"] for r in rows if r["peer"] == "gloo"}
         assert set(gloo) == {0.25, 1}
         for row in ours:
             assert row["vs_gloo"] == pytest.approx(row["algbw_GBps"] / gloo[row["mib"]])
+            low, high = map(float, row["vs_gloo_range"].split("-"))  # each turn's ratio, around the medians'
+            assert low <= round(row["vs_gloo"], 2) <= high
+    assert table.splitlines()[0].split() == loopback.COLUMNS
 
 
 def test_unknown_suite_is_refused():
@@ -333,7 +339,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["kernels", "--rounds", "3"], "--rounds is for the netem, ddp, collectives and failover suites, not kernels"),
+    (["kernels", "--rounds", "3"], "--rounds is for the loopback, netem, ddp, collectives and failover suites, not kernels"),
     (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
     (["kernels", "--workers", "2"],
      "--workers is for the loopback, netem, ddp, collectives, reducer and failover suites, not kernels"),

@@ -13,9 +13,10 @@ import reduction_server
 import reduction_server.client as rs
 from reduction_server import settings
 from helpers.cluster import TOKEN, reducers
-from helpers.jobs import connect, new_job, run_job
+from helpers.jobs import connect, new_job, run_job, until
+from helpers.metrics import scrape, value
 from helpers.reference import TWO_RANKS
-from helpers.ports import free_ports
+from helpers.ports import free_port_range, free_ports
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,6 +165,27 @@ def test_close_fails_pending_collectives(group):
     comm.close()
     with pytest.raises(rs.CollectiveError, match="closed"):
         h.wait(timeout=5)
+
+
+@pytest.mark.parametrize("how", ["closed", "vanished"])
+def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
+    """Rank 1 connects and is gone before rank 0 connects: rank 0's collective fails at once
+    with rank 1's loss, not at its timeout (a reducer used to forget the loss as its last
+    admitted rank went)."""
+    port = free_port_range(1)
+    with reducers(1, token=TOKEN, extra_env={"RS_METRICS_PORT": str(port)}) as group:
+        job = new_job()
+        early = connect(group, 1, 2, job)
+        if how == "closed":
+            early.close()  # BYE
+        else:
+            early._engine.close()  # no goodbye, as if its process died
+        until(lambda: value(scrape(port), "reduction_server_peers_connected") == 0, "the reducer to see rank 1 gone")
+        with connect(group, 0, 2, job, timeout=30) as comm:
+            with pytest.raises(rs.CollectiveError) as info:
+                comm.all_reduce(np.ones(3, np.float32))
+    message = str(info.value)
+    assert "rank 1" in message and "was lost" in message and "timed out" not in message, message
 
 
 def test_timeout_names_rank_reducer_and_seq(group):

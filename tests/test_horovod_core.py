@@ -168,9 +168,8 @@ def test_shutdown_of_one_rank_fails_what_the_others_wait_for(group):
 
 
 def test_a_rank_that_vanishes_fails_the_others_within_the_liveness_timeout(group):
-    # Both admitted first: a reducer forgets a loss once every rank it admitted is gone (a second
-    # communicator of the job starts afresh), so a rank 1 gone before rank 0 came would be waited
-    # for until RS_TIMEOUT instead.
+    # Both admitted first: a rank lost mid-job. One gone before the others come:
+    # test_communicator_lifetime.
     both = threading.Barrier(2)
 
     def body(coord, rank):

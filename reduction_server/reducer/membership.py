@@ -3,13 +3,15 @@
 A rank is admitted by the handshake (admission.py) and lost when its connection closes (a send
 to it fails: outbox.py), when it says BYE, or when it is dropped for malformed messages. A lost
 rank stays lost, and the rounds that need it fail at once, until it is admitted again or a new
-job or generation replaces the one served.
+job or generation replaces the one served. Losses are forgotten when every rank of the world has
+come and all are gone (the job, or one communicator of it, is over), not before: a rank that dies
+before the others connect still fails their rounds when they come.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .. import protocol, shared_memory
 from ..log import event, get_logger
@@ -63,6 +65,7 @@ class Membership:
         self.peers: Dict[bytes, Peer] = {}
         self.rank_identity: Dict[int, bytes] = {}
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
+        self.came: Set[int] = set()  # ranks admitted since the losses were last forgotten
         self.gone: List[bytes] = []  # identities a send found gone, judged after the batch (check_unreachable)
         # Groups of the job's ranks other than all of them (0): id -> ranks, as their members announce them.
         self.groups: Dict[int, Tuple[int, ...]] = {}
@@ -83,8 +86,7 @@ class Membership:
     def start_job(self, job: Tuple[int, int], world: int) -> None:
         """A new job or generation replaces the one served: its ranks and its losses are dropped."""
         self.rank_identity.clear()
-        self.lost.clear()
-        self.forget_groups()
+        self.forget_losses()
         self.peers = {i: p for i, p in self.peers.items() if (p.job, p.generation) == job}
         self.job = job
         self.world = self.fixed_world or world
@@ -96,6 +98,7 @@ class Membership:
             self.peers.pop(old, None)
         peer.admitted = True
         self.rank_identity[peer.rank] = peer.identity
+        self.came.add(peer.rank)
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
 
@@ -119,11 +122,17 @@ class Membership:
         effects = self.on_lost(rank, text)
         event(log, logging.INFO if quiet else logging.WARNING, "rank_lost", reducer=self.index, rank=rank,
               reason=reason, **effects)
-        if not self.rank_identity:
-            # Every rank has gone: the job is over (or all of it failed). Ranks that connect
-            # again with the same job and generation (a second communicator) start afresh.
-            self.lost.clear()
-            self.forget_groups()
+        if not self.rank_identity and self.world is not None and len(self.came) >= self.world:
+            # Every rank came and all have gone: the job is over (or all of it failed). Ranks that
+            # connect again with the same job and generation (a second communicator) start afresh.
+            # Until every rank has come, a loss is kept for those still on their way.
+            self.forget_losses()
+
+    def forget_losses(self) -> None:
+        """Start afresh: no rank lost, none come yet, no groups announced."""
+        self.lost.clear()
+        self.came.clear()
+        self.forget_groups()
 
     def ping_peers(self) -> None:
         """Send a PING to every worker that heartbeats; a send to one whose connection is gone
