@@ -237,10 +237,10 @@ def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
 
 
 def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
+    port = free_port_range(2)  # not next to an ephemeral port, which another connection may hold
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port + 1))  # shard 1 would need the taken one
         taken.listen()
-        port = taken.getsockname()[1] - 1  # shard 1 would need the taken one
         proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
                                str(port), "--shards", "2"], env=child_env(), capture_output=True, text=True,
                               timeout=60)
@@ -271,10 +271,10 @@ def test_a_shard_port_taken_after_the_check_stops_every_shard_and_is_named(monke
     shard says why and exits, and the supervisor stops the others and names it."""
     monkeypatch.setenv("RS_JOB_TOKEN", TOKEN)
     monkeypatch.setattr(shard_count, "check_free", lambda host, base, n: None)  # the race, made certain
+    port = free_port_range(2)
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port + 1))
         taken.listen()
-        port = taken.getsockname()[1] - 1
         supervisor = shard_count.Supervisor(host="127.0.0.1", port=port, index=0, shards=2, workers=None,
                                             deterministic=False, metrics_port=0)
         try:
