@@ -70,11 +70,10 @@ def run(worlds: Sequence[int] = (2, 4), reducers: Sequence[int] = (1, 2),
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     peers = list(peers) or available_peers()
+    jobs = [(p, 1) for p in peers] + [(t, r) for r in reducers for t in TRANSPORTS]
     rows: List[Dict] = []
-    with tqdm(total=rounds * len(worlds) * (len(peers) + len(reducers) * len(TRANSPORTS)), desc="loopback",
-              unit="job") as progress:
+    with tqdm(total=rounds * len(worlds) * len(jobs), desc="loopback", unit="job") as progress:
         for world in worlds:
-            jobs = [(p, 1) for p in peers] + [(t, r) for r in reducers for t in TRANSPORTS]
             turns: Dict[Tuple[str, int], List[List[Dict]]] = {job: [] for job in jobs}
             for _ in range(rounds):
                 for peer, r in jobs:

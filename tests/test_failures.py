@@ -21,6 +21,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from reduction_server import settings
+
 from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers, run_workers
 from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK
 from helpers.probes import rss
@@ -32,7 +34,7 @@ def names_reducer(text: str, i: int, address: str) -> bool:
     """Whether `text` names reducer i at `address`, or one of its shards (shard s at port + s)."""
     host, port = address.rsplit(":", 1)
     return f"reducer {i} ({address})" in text or any(
-        f"reducer {i} shard {s} ({host}:{int(port) + s})" in text for s in range(65))
+        f"reducer {i} shard {s} ({host}:{int(port) + s})" in text for s in range(settings.MAX_SHARDS))
 
 
 class Workers:
