@@ -3,6 +3,9 @@ handles, broadcast and barrier, closing and failures, torch tensors. Configurati
 all_reduce's results: test_communicator.py.
 """
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -167,6 +170,15 @@ def test_close_fails_pending_collectives(group):
         h.wait(timeout=5)
 
 
+_VANISHING_RANK = """
+import os, signal, sys
+import reduction_server.client as rs
+addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+comm = rs.Communicator(addresses, 1, 2, job_id=job, job_token=token, connect_timeout=10)  # held: no BYE
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 @pytest.mark.parametrize("how", ["closed", "vanished"])
 def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
     """Rank 1 connects and is gone before rank 0 connects: rank 0's collective fails at once
@@ -175,19 +187,80 @@ def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
     port = free_port_range(1)
     with reducers(1, token=TOKEN, extra_env={"RS_METRICS_PORT": str(port)}) as group:
         job = new_job()
-        early = connect(group, 1, 2, job)
         if how == "closed":
-            early.close()  # BYE
-        else:
-            early._engine.close()  # no goodbye, as if its process died
-        connected = "reduction_server_peers_connected"  # one sample per shard where it runs several
-        until(lambda: sum(v for (name, _), v in scrape(port).items() if name == connected) == 0,
-              "the reducer to see rank 1 gone")
+            connect(group, 1, 2, job).close()  # BYE
+        else:  # no goodbye: its process dies
+            died = subprocess.run([sys.executable, "-c", _VANISHING_RANK, ",".join(group.addresses), str(job), TOKEN],
+                                  capture_output=True, text=True, timeout=40)
+            assert died.returncode == -signal.SIGKILL, died.stderr
+        until(lambda: _connected(port) == 0, "the reducer to see rank 1 gone")
         with connect(group, 0, 2, job, timeout=30) as comm:
             with pytest.raises(rs.CollectiveError) as info:
                 comm.all_reduce(np.ones(3, np.float32))
     message = str(info.value)
     assert "rank 1" in message and "was lost" in message and "timed out" not in message, message
+    assert ("(BYE)" in message) == (how == "closed"), message  # a process that died said no goodbye
+
+
+# Rank 1 of a world of 3 connects beside rank 0 and leaves; rank 0's collective fails with that
+# loss, and rank 0 exits. Rank 2 never came, so the reducer keeps the loss for it.
+_PARTIAL_RUN = """
+import sys
+import numpy as np
+import reduction_server.client as rs
+addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+ranks = [rs.Communicator(addresses, r, 3, job_id=job, job_token=token, timeout=10, connect_timeout=10) for r in (0, 1)]
+ranks[1].close()
+try:
+    ranks[0].all_reduce(np.ones(3, np.float32))
+except rs.CollectiveError as exc:
+    print(exc)
+"""
+
+
+def _connected(port: int) -> float:
+    """Admitted ranks of a reducer, summed over its shards (one sample each)."""
+    return sum(v for (name, _), v in scrape(port).items() if name == "reduction_server_peers_connected")
+
+
+@pytest.mark.parametrize("how", ["another process", "another world size", "after RS_TIMEOUT"])
+def test_a_job_started_again_is_not_failed_by_what_its_last_run_lost(how):
+    """A run of a job failed before every rank came; the job is started again under the same id
+    and generation (a long-lived reducer pool, the same token): the new run works, though the
+    reducer kept the old run's loss, and its failed round, for ranks still on their way."""
+    port = free_port_range(1)
+    env = {"RS_METRICS_PORT": str(port), **({"RS_TIMEOUT": "3"} if how == "after RS_TIMEOUT" else {})}
+    world = 2 if how == "another world size" else 3
+    with reducers(1, token=TOKEN, extra_env=env) as group:
+        job = new_job()
+        before = subprocess.run([sys.executable, "-c", _PARTIAL_RUN, ",".join(group.addresses), str(job), TOKEN],
+                                capture_output=True, text=True, timeout=40)
+        assert "rank 1" in before.stdout and "was lost" in before.stdout, before.stdout + before.stderr
+        until(lambda: _connected(port) == 0, "the reducer to see the first run gone")
+        if how == "after RS_TIMEOUT":
+            time.sleep(3)
+        # The new run's rank 0 comes first, and its rank 1 only after rank 0 has started its
+        # collective, which would fail at once if the old loss of rank 1 still counted.
+        first = connect(group, 0, world, job, timeout=20)
+        started = threading.Event()
+
+        def make(rank):
+            if rank == 0:
+                return first
+            if rank == 1:
+                assert started.wait(10)
+                time.sleep(0.3)
+            return connect(group, rank, world, job, timeout=20)
+
+        def body(comm, rank):
+            handle = comm.all_reduce_async(np.full(5, rank + 1.0, np.float32))
+            started.set()
+            return handle.wait(20)
+
+        results = run_job(world, body, make=make, limit=40)
+    total = sum(range(1, world + 1))
+    for result in results:
+        np.testing.assert_array_equal(result, np.full(5, total, np.float32))
 
 
 def test_timeout_names_rank_reducer_and_seq(group):

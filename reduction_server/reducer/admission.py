@@ -97,7 +97,8 @@ class Admission:
                                    shard=self.shard)
         nonce = auth.new_nonce()
         self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
-                                            hello_at=self.clock.now)
+                                            hello_at=self.clock.now,
+                                            heartbeats=isinstance(info, dict) and info.get("heartbeats") is True)
         payload = auth.challenge(nonce, proof)
         self.outbox.send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
                                                          job=h.job, generation=h.generation,
@@ -123,6 +124,8 @@ class Admission:
             return self.outbox.reject(identity, f"rank {peer.rank}: AUTH payload after the proof is not valid JSON: {exc}")
         if members.job != (peer.job, peer.generation):
             self._start_job(peer)
+        elif over := members.run_over(peer):
+            self._start_job(peer, over)
         elif members.world != peer.world:
             del members.peers[identity]
             return self.outbox.reject(identity, (
@@ -150,11 +153,15 @@ class Admission:
         event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
               job=hex(peer.job), generation=peer.generation)
 
-    def _start_job(self, peer: Peer) -> None:
-        """A new job or generation replaces the old one: its rounds and peers are dropped."""
+    def _start_job(self, peer: Peer, run_over: Optional[str] = None) -> None:
+        """A new job or generation replaces the old one, or a new run of the job the one that is
+        over (`run_over` says why): its rounds, losses and peers are dropped."""
         old = self.members.job
         dropped = self.rounds.drop_all()
-        if old is not None:
+        if run_over is not None:
+            event(log, logging.INFO, "run_over", reducer=self.index, job=hex(peer.job), generation=peer.generation,
+                  reason=run_over, dropped_rounds=dropped)
+        elif old is not None:
             event(log, logging.WARNING, "job_replaced", reducer=self.index, old_job=hex(old[0]),
                   old_generation=old[1], job=hex(peer.job), generation=peer.generation, dropped_rounds=dropped)
         self.members.start_job((peer.job, peer.generation), peer.world)

@@ -75,7 +75,8 @@ class Reducer:
         self.clock.now = self.started = time.monotonic()
         self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
         self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
-        self.members = Membership(self.outbox, index, world_size, liveness_timeout, on_lost=self._rank_lost)
+        self.members = Membership(self.outbox, self.clock, index, world_size, liveness_timeout,
+                                  loss_memory=round_timeout, on_lost=self._rank_lost)
         self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic)

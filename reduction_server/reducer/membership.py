@@ -3,9 +3,12 @@
 A rank is admitted by the handshake (admission.py) and lost when its connection closes (a send
 to it fails: outbox.py), when it says BYE, or when it is dropped for malformed messages. A lost
 rank stays lost, and the rounds that need it fail at once, until it is admitted again or a new
-job or generation replaces the one served. Losses are forgotten when every rank of the world has
-come and all are gone (the job, or one communicator of it, is over), not before: a rank that dies
-before the others connect still fails their rounds when they come.
+job or generation replaces the one served. Losses are forgotten when the run they belong to is
+over, not before: a rank that dies before the others connect still fails their rounds when they
+come. A run is over when every rank of the world has come and all are gone (the job, or one
+communicator of it, ended); and, while none of its ranks is connected, when a lost rank comes back
+from another process (the job was started again under the same id and generation), or when none
+has been connected for the round timeout.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .. import protocol, shared_memory
 from ..log import event, get_logger
 from ..protocol import MsgType
 from ..round import format_ranks
+from .clock import Clock
 from .outbox import Outbox
 from .rejoin import Rejoin
 
@@ -44,6 +48,11 @@ class Peer:
     hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
     segment: Optional[shared_memory.Segment] = None  # its shared-memory slots, when it shares this host
 
+    def process(self) -> Optional[Tuple[object, object]]:
+        """(host, pid) of the worker process, as its HELLO said; None when it said neither."""
+        info = self.info if isinstance(self.info, dict) else {}
+        return None if "host" not in info and "pid" not in info else (info.get("host"), info.get("pid"))
+
     def describe(self) -> str:
         info = self.info if isinstance(self.info, dict) else {}
         where = ", ".join(f"{k} {info[k]}" for k in ("host", "pid") if k in info)
@@ -53,19 +62,23 @@ class Peer:
 class Membership:
     """The peers of the job served, by identity and by rank."""
 
-    def __init__(self, outbox: Outbox, index: int, fixed_world: Optional[int], liveness_timeout: float,
-                 on_lost: Callable[[int, str], Dict[str, int]]) -> None:
+    def __init__(self, outbox: Outbox, clock: Clock, index: int, fixed_world: Optional[int], liveness_timeout: float,
+                 loss_memory: float, on_lost: Callable[[int, str], Dict[str, int]]) -> None:
         self.outbox = outbox
+        self.clock = clock
         self.index = index
         self.fixed_world = fixed_world  # from --workers / the cluster spec; None: learn it
         self.world: Optional[int] = fixed_world
         self.job: Optional[Tuple[int, int]] = None  # (job id, generation) now served
         self.liveness_timeout = liveness_timeout
+        self.loss_memory = loss_memory  # how long losses outlive the last connected rank of an incomplete run
         self.on_lost = on_lost  # fails the rounds a lost rank leaves incomplete; returns what to log
         self.peers: Dict[bytes, Peer] = {}
         self.rank_identity: Dict[int, bytes] = {}
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
         self.came: Set[int] = set()  # ranks admitted since the losses were last forgotten
+        self.lost_process: Dict[int, Optional[Tuple[object, object]]] = {}  # rank -> Peer.process() of the one lost
+        self.empty_since = 0.0  # when the last connected rank was lost
         self.gone: List[bytes] = []  # identities a send found gone, judged after the batch (check_unreachable)
         # Groups of the job's ranks other than all of them (0): id -> ranks, as their members announce them.
         self.groups: Dict[int, Tuple[int, ...]] = {}
@@ -102,6 +115,25 @@ class Membership:
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
 
+    def run_over(self, peer: Peer) -> Optional[str]:
+        """Why the run of this job that the reducer remembers is over, as `peer` of the same job
+        and generation is admitted (None: peer may be one of its ranks). Only while none of its
+        ranks is connected: then a peer that says another world size starts the job afresh
+        (unless the reducer was told the world), and so does a lost rank that comes back from
+        another process, or any rank once none has been connected for the round timeout."""
+        if self.rank_identity:
+            return None
+        if self.world != peer.world and self.fixed_world is None:
+            return f"rank {peer.rank} says the world size is {peer.world}, the run before said {self.world}"
+        if not self.lost:
+            return None
+        if self.clock.now - self.empty_since >= self.loss_memory:
+            return f"no rank was connected for {self.loss_memory:g} s"
+        before = self.lost_process.get(peer.rank)
+        if peer.rank in self.lost and before is not None and before != peer.process():
+            return f"rank {peer.rank}, lost before, came back from another process"
+        return None
+
     def leave(self, identity: bytes) -> None:
         """A BYE: the peer leaves on purpose."""
         peer = self.holder(identity)
@@ -119,18 +151,22 @@ class Membership:
         who = peer.describe() if peer is not None else f"rank {rank}"
         text = f"{who} was lost: {reason}"
         self.lost[rank] = text
+        self.lost_process[rank] = peer.process() if peer is not None else None
         effects = self.on_lost(rank, text)
         event(log, logging.INFO if quiet else logging.WARNING, "rank_lost", reducer=self.index, rank=rank,
               reason=reason, **effects)
         if not self.rank_identity and self.world is not None and len(self.came) >= self.world:
             # Every rank came and all have gone: the job is over (or all of it failed). Ranks that
             # connect again with the same job and generation (a second communicator) start afresh.
-            # Until every rank has come, a loss is kept for those still on their way.
+            # Until every rank has come, a loss is kept for those still on their way (run_over).
             self.forget_losses()
+        elif not self.rank_identity:
+            self.empty_since = self.clock.now
 
     def forget_losses(self) -> None:
         """Start afresh: no rank lost, none come yet, no groups announced."""
         self.lost.clear()
+        self.lost_process.clear()
         self.came.clear()
         self.forget_groups()
 
