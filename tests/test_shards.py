@@ -87,6 +87,26 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
     assert all(n >= 8 for n in done.values()), done  # 4 collectives of >= 8 chunks each, over 4 endpoints
 
 
+def test_a_rank_that_connects_to_the_shards_is_no_loss_to_a_collective_waiting_for_it():
+    """A worker's first connection, to shard 0, closes once the worker has connected to every
+    shard: rank 0's collective, already waiting on every shard for rank 1, completes."""
+    with reducers(1, extra_env={"RS_SHARDS": "2"}) as group:
+        started = threading.Event()
+
+        def make(rank: int) -> rs.Communicator:
+            if rank == 1:
+                assert started.wait(20)
+                time.sleep(0.3)
+            return rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, connect_timeout=20, timeout=20)
+
+        def body(comm: rs.Communicator, rank: int) -> list:
+            handle = comm.all_reduce_async(np.full(200_000, rank + 1, np.int64))  # chunks on both shards
+            started.set()
+            return handle.wait(20).tolist()[::50_000]
+
+        assert run_ranks(2, make, body, limit=60) == [[3] * 4] * 2
+
+
 def test_a_sharded_reducer_serves_every_shards_metrics_on_its_one_metrics_port():
     """`serve --shards 2` with a metrics port: one scrape there gives both shards' series, each
     labelled with its shard (what each received is what its stop line says), and `shard_up` for
