@@ -170,9 +170,13 @@ def test_close_fails_pending_collectives(group):
         h.wait(timeout=5)
 
 
+# Rank 1 connects and dies before its engine sends a PING (they are switched off), so only its
+# HELLO's "heartbeats" tells the reducer to probe it when its connection closes.
 _VANISHING_RANK = """
 import os, signal, sys
 import reduction_server.client as rs
+from reduction_server.client.engine.connections import Connections
+Connections.heartbeat_all = lambda self: None
 addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
 comm = rs.Communicator(addresses, 1, 2, job_id=job, job_token=token, connect_timeout=10)  # held: no BYE
 os.kill(os.getpid(), signal.SIGKILL)
@@ -202,14 +206,14 @@ def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
     assert ("(BYE)" in message) == (how == "closed"), message  # a process that died said no goodbye
 
 
-# Rank 1 of a world of 3 connects beside rank 0 and leaves; rank 0's collective fails with that
-# loss, and rank 0 exits. Rank 2 never came, so the reducer keeps the loss for it.
+# Ranks 1 and 2 of a world of 3 connect; rank 2 leaves, rank 1's collective fails with that loss,
+# and rank 1 exits. Rank 0 never came, so the reducer keeps both losses for it.
 _PARTIAL_RUN = """
 import sys
 import numpy as np
 import reduction_server.client as rs
 addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
-ranks = [rs.Communicator(addresses, r, 3, job_id=job, job_token=token, timeout=10, connect_timeout=10) for r in (0, 1)]
+ranks = [rs.Communicator(addresses, r, 3, job_id=job, job_token=token, timeout=10, connect_timeout=10) for r in (1, 2)]
 ranks[1].close()
 try:
     ranks[0].all_reduce(np.ones(3, np.float32))
@@ -223,31 +227,44 @@ def _connected(port: int) -> float:
     return sum(v for (name, _), v in scrape(port).items() if name == "reduction_server_peers_connected")
 
 
-@pytest.mark.parametrize("how", ["another process", "another world size", "after RS_TIMEOUT"])
+# how the old run ended, the new run's world size and the rank of it that comes first: each case
+# leaves the reducer one reason only to take the new run for a new one
+_STARTED_AGAIN = {
+    "a lost rank from another process": ("partial", 3, 1),
+    "after RS_TIMEOUT": ("partial", 3, 0),  # rank 0 never came before
+    "another world size after a whole run": ("whole", 2, 0),
+}
+
+
+@pytest.mark.parametrize("how", list(_STARTED_AGAIN))
 def test_a_job_started_again_is_not_failed_by_what_its_last_run_lost(how):
-    """A run of a job failed before every rank came; the job is started again under the same id
-    and generation (a long-lived reducer pool, the same token): the new run works, though the
-    reducer kept the old run's loss, and its failed round, for ranks still on their way."""
+    """A job is started again under the same id and generation (a long-lived reducer pool, the
+    same token) after a run that failed before every rank came, or after a whole run with another
+    world size: the new run works. Its last rank comes after the others' collective started,
+    which would fail at once if an old loss still counted (the other cases)."""
+    ended, world, first_rank = _STARTED_AGAIN[how]
     port = free_port_range(1)
-    env = {"RS_METRICS_PORT": str(port), **({"RS_TIMEOUT": "3"} if how == "after RS_TIMEOUT" else {})}
-    world = 2 if how == "another world size" else 3
+    timeout = 6  # RS_TIMEOUT: the new run's collective takes well under it
+    env = {"RS_METRICS_PORT": str(port), "RS_TIMEOUT": str(timeout)}
     with reducers(1, token=TOKEN, extra_env=env) as group:
         job = new_job()
-        before = subprocess.run([sys.executable, "-c", _PARTIAL_RUN, ",".join(group.addresses), str(job), TOKEN],
-                                capture_output=True, text=True, timeout=40)
-        assert "rank 1" in before.stdout and "was lost" in before.stdout, before.stdout + before.stderr
+        if ended == "partial":
+            before = subprocess.run([sys.executable, "-c", _PARTIAL_RUN, ",".join(group.addresses), str(job), TOKEN],
+                                    capture_output=True, text=True, timeout=40)
+            assert "rank 2" in before.stdout and "was lost" in before.stdout, before.stdout + before.stderr
+        else:
+            run_job(3, lambda comm, rank: comm.all_reduce(np.ones(2)), make=lambda rank: connect(group, rank, 3, job))
         until(lambda: _connected(port) == 0, "the reducer to see the first run gone")
         if how == "after RS_TIMEOUT":
-            time.sleep(3)
-        # The new run's rank 0 comes first, and its rank 1 only after rank 0 has started its
-        # collective, which would fail at once if the old loss of rank 1 still counted.
-        first = connect(group, 0, world, job, timeout=20)
+            time.sleep(timeout)
+        first = connect(group, first_rank, world, job, timeout=20)
+        last = world - 1
         started = threading.Event()
 
         def make(rank):
-            if rank == 0:
+            if rank == first_rank:
                 return first
-            if rank == 1:
+            if rank == last:
                 assert started.wait(10)
                 time.sleep(0.3)
             return connect(group, rank, world, job, timeout=20)

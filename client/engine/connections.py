@@ -132,8 +132,8 @@ class Connections:
         self.nonces[r] = auth.new_nonce()
         if self.progress[r] != REFUSED:  # refused stays refused until a connection is made
             self.progress[r] = CONNECTING
-        # "heartbeats": this engine PINGs every reducer from its admission on, so a reducer probes
-        # it from then (a worker killed before its first PING is seen lost at once).
+        # "heartbeats": this engine PINGs its reducers once it runs, so a reducer may probe it from
+        # its admission on (a worker killed before its first PING is seen lost at once).
         facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__,
                                  "nonce": self.nonces[r].hex(), "heartbeats": True}
         if rejoin:  # a reducer serving another job by now must not be taken back by this one

@@ -187,16 +187,20 @@ class Engine:
         if max(shards) == 1:
             return
         first = self.connections
-        self._options["connect_timeout"] = max(0.1, deadline - time.monotonic())  # one limit for both rounds
-        self._build(*endpoints.expand(self._reducers, shards, self._spares))
-        self.connections.poller.register(self._wake_r, zmq.POLLIN)
-        self.connections.open_all()
         try:
+            self._options["connect_timeout"] = max(0.1, deadline - time.monotonic())  # one limit for both rounds
+            ends = endpoints.expand(self._reducers, shards, self._spares)
+            endpoints.make_room(first.context, len(ends[0]) + len(first.sockets), self._me.rank)  # both sets open
+            self._build(*ends)
+            self.connections.poller.register(self._wake_r, zmq.POLLIN)
+            self.connections.open_all()
             self.handshake.wait_for_all()
         finally:
             # Only now: each reducer's shard 0 has taken this rank's new connection in place of the
-            # first, so the first one's closing is not taken for this rank's loss.
-            first.close(bye=False)
+            # first, so the first one's closing is not taken for this rank's loss. (Not built: the
+            # first is still self.connections, which _main closes.)
+            if self.connections is not first:
+                first.close(bye=False)
         for e, said in zip(self.endpoints, self.handshake.shards):
             if said != shards[e.reducer]:
                 raise CollectiveError(f"rank {self._me.rank}: {e.name()} says its reducer runs {said} shards, but "

@@ -154,8 +154,8 @@ class Admission:
               job=hex(peer.job), generation=peer.generation)
 
     def _start_job(self, peer: Peer, run_over: Optional[str] = None) -> None:
-        """A new job or generation replaces the old one, or a new run of the job the one that is
-        over (`run_over` says why): its rounds, losses and peers are dropped."""
+        """A new job or generation replaces the old one, or a new run of the job replaces the one
+        that is over (`run_over` says why): the old one's rounds, losses and peers are dropped."""
         old = self.members.job
         dropped = self.rounds.drop_all()
         if run_over is not None:

@@ -6,9 +6,10 @@ rank stays lost, and the rounds that need it fail at once, until it is admitted 
 job or generation replaces the one served. Losses are forgotten when the run they belong to is
 over, not before: a rank that dies before the others connect still fails their rounds when they
 come. A run is over when every rank of the world has come and all are gone (the job, or one
-communicator of it, ended); and, while none of its ranks is connected, when a lost rank comes back
-from another process (the job was started again under the same id and generation), or when none
-has been connected for the round timeout.
+communicator of it, ended: a next run may then say another world size); and, while none of its
+ranks is connected, when a lost rank comes back from another process (the job was started again
+under the same id and generation), or when none has been connected for the round timeout. Each
+reducer (each shard) judges this from the ranks that reach it, in the order they come.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class Peer:
     admitted: bool = False
     nonce: bytes = b""
     info: Optional[dict] = None  # the HELLO's JSON: host, pid, client version
-    heartbeats: bool = False  # it sends PINGs: silence longer than the liveness timeout is a loss
+    heartbeats: bool = False  # it PINGs (or said in HELLO it will): probed for a closed connection
     max_seq: Dict[int, int] = field(default_factory=dict)  # group -> highest seq it contributed to there
     hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
     segment: Optional[shared_memory.Segment] = None  # its shared-memory slots, when it shares this host
@@ -112,25 +113,27 @@ class Membership:
         peer.admitted = True
         self.rank_identity[peer.rank] = peer.identity
         self.came.add(peer.rank)
+        self.lost_process.pop(peer.rank, None)
         if self.lost.pop(peer.rank, None) is not None:
             event(log, logging.INFO, "rank_readmitted", reducer=self.index, rank=peer.rank)
 
     def run_over(self, peer: Peer) -> Optional[str]:
         """Why the run of this job that the reducer remembers is over, as `peer` of the same job
         and generation is admitted (None: peer may be one of its ranks). Only while none of its
-        ranks is connected: then a peer that says another world size starts the job afresh
-        (unless the reducer was told the world), and so does a lost rank that comes back from
-        another process, or any rank once none has been connected for the round timeout."""
+        ranks is connected: when the last run ended whole, a peer that says another world size
+        starts the job afresh; when ranks were lost before every rank came, a lost rank that comes
+        back from another process does, and any rank once none has been connected for the round
+        timeout. (A reducer told the world refused another world size at HELLO.)"""
         if self.rank_identity:
             return None
-        if self.world != peer.world and self.fixed_world is None:
-            return f"rank {peer.rank} says the world size is {peer.world}, the run before said {self.world}"
         if not self.lost:
+            if self.world != peer.world:
+                return f"rank {peer.rank} says the world size is {peer.world}, the run before said {self.world}"
             return None
         if self.clock.now - self.empty_since >= self.loss_memory:
             return f"no rank was connected for {self.loss_memory:g} s"
         before = self.lost_process.get(peer.rank)
-        if peer.rank in self.lost and before is not None and before != peer.process():
+        if before is not None and before != peer.process():
             return f"rank {peer.rank}, lost before, came back from another process"
         return None
 
