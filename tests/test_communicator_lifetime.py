@@ -170,14 +170,21 @@ def test_close_fails_pending_collectives(group):
         h.wait(timeout=5)
 
 
+def _ranks_elsewhere(group, job: int, body: str) -> subprocess.CompletedProcess:
+    """Run `body` in another Python process, which has `rs`, `addresses`, `job` and `token` of
+    this job to make its ranks' Communicators with."""
+    head = ("import sys\nimport reduction_server.client as rs\n"
+            "addresses, job, token = sys.argv[1].split(','), int(sys.argv[2]), sys.argv[3]\n")
+    return subprocess.run([sys.executable, "-c", head + body, ",".join(group.addresses), str(job), TOKEN],
+                          capture_output=True, text=True, timeout=40)
+
+
 # Rank 1 connects and dies before its engine sends a PING (they are switched off), so only its
 # HELLO's "heartbeats" tells the reducer to probe it when its connection closes.
 _VANISHING_RANK = """
-import os, signal, sys
-import reduction_server.client as rs
+import os, signal
 from reduction_server.client.engine.connections import Connections
 Connections.heartbeat_all = lambda self: None
-addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
 comm = rs.Communicator(addresses, 1, 2, job_id=job, job_token=token, connect_timeout=10)  # held: no BYE
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -194,8 +201,7 @@ def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
         if how == "closed":
             connect(group, 1, 2, job).close()  # BYE
         else:  # no goodbye: its process dies
-            died = subprocess.run([sys.executable, "-c", _VANISHING_RANK, ",".join(group.addresses), str(job), TOKEN],
-                                  capture_output=True, text=True, timeout=40)
+            died = _ranks_elsewhere(group, job, _VANISHING_RANK)
             assert died.returncode == -signal.SIGKILL, died.stderr
         until(lambda: _connected(port) == 0, "the reducer to see rank 1 gone")
         with connect(group, 0, 2, job, timeout=30) as comm:
@@ -209,10 +215,7 @@ def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
 # Ranks 1 and 2 of a world of 3 connect; rank 2 leaves, rank 1's collective fails with that loss,
 # and rank 1 exits. Rank 0 never came, so the reducer keeps both losses for it.
 _PARTIAL_RUN = """
-import sys
 import numpy as np
-import reduction_server.client as rs
-addresses, job, token = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
 ranks = [rs.Communicator(addresses, r, 3, job_id=job, job_token=token, timeout=10, connect_timeout=10) for r in (1, 2)]
 ranks[1].close()
 try:
@@ -249,8 +252,7 @@ def test_a_job_started_again_is_not_failed_by_what_its_last_run_lost(how):
     with reducers(1, token=TOKEN, extra_env=env) as group:
         job = new_job()
         if ended == "partial":
-            before = subprocess.run([sys.executable, "-c", _PARTIAL_RUN, ",".join(group.addresses), str(job), TOKEN],
-                                    capture_output=True, text=True, timeout=40)
+            before = _ranks_elsewhere(group, job, _PARTIAL_RUN)
             assert "rank 2" in before.stdout and "was lost" in before.stdout, before.stdout + before.stderr
         else:
             run_job(3, lambda comm, rank: comm.all_reduce(np.ones(2)), make=lambda rank: connect(group, rank, 3, job))

@@ -29,7 +29,7 @@ from helpers.metrics import scrape, value
 from helpers.ports import free_port_range
 from helpers.training import FAST, Run
 
-from reduction_server.client.engine.endpoints import Endpoint, expand
+from reduction_server.client.engine.endpoints import Endpoint, check_shard_counts, expand
 
 _STOPPED = re.compile(r"stopped reducer=(\d+) shard=(\d+) completed=(\d+)")
 _BYTES_IN = re.compile(r"stopped reducer=0 shard=(\d+) .*?\bbytes_in=(\d+)")
@@ -53,6 +53,14 @@ def test_the_plan_order_is_shard_by_shard_with_the_spares_last():
     assert spare == 3
     assert Endpoint(0, 1, "a:11", sharded=True).name() == "reducer 0 shard 1 (a:11)"
     assert expand(["[::1]:5"], [2], 0)[0][1].address == "[::1]:6"
+
+
+def test_a_shard_that_names_another_shard_count_than_its_shard_0_is_refused_by_name():
+    ends, _ = expand(["a:10", "b:20"], [2, 1], spares=0)
+    check_shard_counts(ends, [2, 1, 2], [2, 1], rank=3)  # every shard agrees with its shard 0
+    with pytest.raises(CollectiveError, match=r"rank 3: reducer 0 shard 1 \(a:11\) says its reducer runs 3 "
+                                              r"shards, but its shard 0 said 2"):
+        check_shard_counts(ends, [2, 1, 3], [2, 1], rank=3)
 
 
 def test_auto_is_the_cores_this_process_may_use_and_bad_counts_are_named():

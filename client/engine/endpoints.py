@@ -76,3 +76,13 @@ def make_room(context: zmq.Context, count: int, rank: int) -> None:
                               f"{need} open files, and this process may open at most {hard} (ulimit -n): raise "
                               "the limit, or run fewer shards per reducer (RS_SHARDS on the reducers)")
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def check_shard_counts(ends: Sequence[Endpoint], said: Sequence[int], first_said: Sequence[int], rank: int) -> None:
+    """CollectiveError unless every shard's WELCOME (`said`, by endpoint) names the shard count
+    its reducer's shard 0 named first (`first_said`, by reducer)."""
+    for e, count in zip(ends, said):
+        if count != first_said[e.reducer]:
+            raise CollectiveError(f"rank {rank}: {e.name()} says its reducer runs {count} shards, but its shard 0 "
+                                  f"said {first_said[e.reducer]}: another program listens on one of the shards' "
+                                  "ports, or the reducer restarted with other --shards meanwhile")

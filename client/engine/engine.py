@@ -61,14 +61,14 @@ class Engine:
         self._options = dict(enabled=failover, shared=shared, slot_bytes=slot_bytes, job_token=job_token,
                              encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
                              io_threads=io_threads, connect_timeout=connect_timeout)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
         self._build(endpoints.listed(reducers), spares)
         self._queue: Deque[Collective] = deque()
         self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
         self._closed_groups: List[int] = []  # groups whose kept results (failover.py) can go
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
         self._closing = False
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
@@ -89,6 +89,7 @@ class Engine:
         self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, job_token=o["job_token"],
                                        encrypt=o["encrypt"], heartbeat=o["heartbeat"], liveness=o["liveness"],
                                        sndbuf=o["sndbuf"], io_threads=o["io_threads"])
+        self.connections.poller.register(self._wake_r, zmq.POLLIN)
         self.handshake = Handshake(me, self.connections, self.slots, o["job_token"], o["connect_timeout"])
         self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
@@ -192,7 +193,6 @@ class Engine:
             ends = endpoints.expand(self._reducers, shards, self._spares)
             endpoints.make_room(first.context, len(ends[0]) + len(first.sockets), self._me.rank)  # both sets open
             self._build(*ends)
-            self.connections.poller.register(self._wake_r, zmq.POLLIN)
             self.connections.open_all()
             self.handshake.wait_for_all()
         finally:
@@ -201,14 +201,9 @@ class Engine:
             # first is still self.connections, which _main closes.)
             if self.connections is not first:
                 first.close(bye=False)
-        for e, said in zip(self.endpoints, self.handshake.shards):
-            if said != shards[e.reducer]:
-                raise CollectiveError(f"rank {self._me.rank}: {e.name()} says its reducer runs {said} shards, but "
-                                      f"its shard 0 said {shards[e.reducer]}: another program listens on one of "
-                                      "the shards' ports, or the reducer restarted with other --shards meanwhile")
+        endpoints.check_shard_counts(self.endpoints, self.handshake.shards, shards, self._me.rank)
 
     def _main(self) -> None:
-        self.connections.poller.register(self._wake_r, zmq.POLLIN)
         try:
             self._connect()
         except BaseException as exc:  # reported to the constructor
