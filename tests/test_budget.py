@@ -224,3 +224,46 @@ def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round
                 assert header.type is MsgType.RESULT and header.seq == seq, body[:200]
                 assert np.all(np.frombuffer(body, np.float16 if dtype is DType.FLOAT16 else np.float32) == 2)
         assert group.alive()
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["copied", "tracked"])
+def test_a_small_result_leaves_the_pool_as_it_is_sent_and_a_large_one_once_libzmq_has_sent_it(small):
+    """A result under COPIED_RESULT_BYTES goes out as a copy that libzmq owns, and its memory is
+    back in the pool at once: a rank that does not read its results pins none of the budget, and
+    the others' rounds go on. A larger one is sent from the accumulator itself, which counts until
+    libzmq has sent it: that rank's unread results fill the budget, and a round is refused
+    (TOO_LARGE) long before the last."""
+    from reduction_server.reducer.fold import COPIED_RESULT_BYTES
+
+    count = COPIED_RESULT_BYTES // 4 // (4 if small else 1)  # float32: 64 KiB, or 256 KiB
+    port = free_port_range(1)
+    # 16 MiB of results for the rank that does not read: more than its kernel buffers take (4 MiB)
+    # and the budget (1 MiB) together
+    rounds = (16 << 20) // (count * 4)
+    env = {"RS_METRICS_PORT": str(port), "RS_MAX_ACCUMULATOR_BYTES": str(BUDGET), **ONE_PROCESS}
+    with reducers(1, workers=2, extra_env=env) as group:
+        a = Peer(group.addresses[0])
+        sleeper = Peer(group.addresses[0], RCVHWM=1, RCVBUF=4096)
+        for rank, peer in enumerate((a, sleeper)):
+            peer.handshake(rank, 2, job=0x5EE)
+        refused = None
+        for seq in range(1, rounds + 1):
+            a.send(data(0, job=0x5EE, seq=seq, count=count), payload(1, count))
+            sleeper.send(data(1, job=0x5EE, seq=seq, count=count), payload(2, count))
+            header, body = a.recv()
+            if header.type is MsgType.ERROR:
+                refused = seq, body.decode()
+                break
+            assert header.type is MsgType.RESULT and header.seq == seq, (header, body[:200])
+            assert np.all(np.frombuffer(body, np.float32) == 3)
+        live = scrape(port)
+        memory = [value(live, "reduction_server_accumulator_bytes", state=s) for s in ("in_use", "held")]
+        if small:
+            assert refused is None, refused
+            assert memory == [0, 0], memory
+        else:
+            assert refused is not None and refused[0] < rounds, (rounds, memory)
+            assert "RS_MAX_ACCUMULATOR_BYTES" in refused[1], refused
+        assert group.alive()
+        for peer in (a, sleeper):
+            peer.close()

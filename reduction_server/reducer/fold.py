@@ -2,10 +2,10 @@
 
 The first contribution is loaded into an accumulator from the pool (float32 for the 16-bit
 floats), or, for a dtype that accumulates in itself, becomes the accumulator: a shared-memory
-slot, or a received frame of its own, summed into in place and sent back as the result without a
-copy. The others are folded in by the native kernels (the GIL released). In deterministic mode
-they are folded in rank order whatever their arrival order, early ones held until their turn.
-Every byte kept is charged to the pool's budget and to a rank's (accumulator.py).
+slot, or a received frame of its own, summed into in place and sent back as the result. The
+others are folded in by the native kernels (the GIL released). In deterministic mode they are
+folded in rank order whatever their arrival order, early ones held until their turn. Every byte
+kept is charged to the pool's budget and to a rank's (accumulator.py).
 """
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ Result = Union[zmq.Frame, np.ndarray]  # a broadcast root's frame as it came, or
 #: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
 #: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
 BATCHED_RECV_BYTES = 64 << 10
+#: below this, a result goes out copied into a message libzmq owns, and its memory returns to the
+#: pool at once: a copy costs less than a zero-copy send's tracking (an Event per frame, and a
+#: wake-up of pyzmq's collector thread once libzmq frees it): 15-20 % of a reducer's CPU at 64-128
+#: KiB chunks (bench/RESULTS.md, "Reducer CPU cost and sizing"). A peer's send queue (ZeroMQ's
+#: SNDHWM, 1000 messages) bounds what such copies can hold for a peer that does not read.
+COPIED_RESULT_BYTES = 256 << 10
 
 
 class Folder:
@@ -107,18 +113,19 @@ class Folder:
 
     @staticmethod
     def frame(rnd: Round, out: Result) -> zmq.Frame:
-        """The result as a frame: a broadcast root's as it came; a pool buffer or an adopted
-        frame's memory without a copy, tracked so that it counts until sent (sent() waits on its
-        tracker); a slot copied, since libzmq sends later, when the slot's owner may be using it again."""
+        """The result as a frame: a broadcast root's as it came; a slot copied, since libzmq sends
+        later, when the slot's owner may be using it again; one under COPIED_RESULT_BYTES copied;
+        else a pool buffer or an adopted frame's memory without a copy, tracked so that it counts
+        until sent (sent() waits on its tracker)."""
         if isinstance(out, zmq.Frame):
             return out
-        if rnd.in_slot:
+        if rnd.in_slot or out.nbytes < COPIED_RESULT_BYTES:
             return zmq.Frame(out, copy=True)
         return zmq.Frame(out, copy=False, track=True)
 
     def sent(self, rnd: Round, buffers: List[np.ndarray], frame: Optional[zmq.Frame]) -> None:
         """rnd's result went out (from `buffers`, or an adopted frame, as `frame`): its memory
-        returns to the pool once libzmq has released every copy."""
+        returns to the pool now when `frame` is a copy, else once libzmq has released every copy."""
         rnd.accumulator = None
         held = 0
         if rnd.adopted is not None and rnd.charged:
