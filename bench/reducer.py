@@ -4,9 +4,9 @@
 
 - cpu_s_per_GiB: the CPU time of every thread of the reducer's processes over the timed
   all-reduces, per GiB of incoming gradient (W x size x iterations);
-- chunk_KiB: the chunks the workers cut each all-reduce into: `RS_PIPELINE_DEPTH` of them for each
-  shard (client/chunking.py), so more shards mean smaller chunks, and the limits below are
-  measured with each load's own chunk size;
+- chunk_KiB: the chunks the workers cut each all-reduce into, which the limits below are measured
+  in: `RS_PIPELINE_DEPTH` of them for the one reducer (client/chunking.py sizes chunks by reducers,
+  not shards, and spreads them over the shards), so the same for every shard count;
 - limit_s_per_GiB: the copy limit measured in the same run (copy_limit.py): receiving a GiB over
   ZeroMQ/tcp, sending one, and one in-place float32 add, each per GiB; a reducer receives each
   byte once, sends it back once and adds it at most once, so it cannot cost less. vs_limit is
@@ -39,33 +39,32 @@ COLUMNS = ["W", "mib", "shards", "chunk_KiB", "iters", "Gbit_s_in", "cpu_s_per_G
            "per_core_Gbit_s", "host_Gbit_s"]
 
 
-def _chunk_bytes(mib: float, shards: int) -> int:
-    """The size of the chunks the workers cut a `mib` MiB float32 all-reduce into for one reducer
-    of `shards` shards (each shard is an endpoint of the plan)."""
+def _chunk_bytes(mib: float) -> int:
+    """The size of the chunks the workers cut a `mib` MiB float32 all-reduce into for one reducer,
+    whatever its shard count."""
     count = int(mib * (1 << 20)) // 4
-    return plan_chunks(count, 4, shards, settings.tuning("RS_CHUNK_BYTES"), settings.tuning("RS_PIPELINE_DEPTH"))[0][1] * 4
+    return plan_chunks(count, 4, 1, settings.tuning("RS_CHUNK_BYTES"), settings.tuning("RS_PIPELINE_DEPTH"))[0][1] * 4
 
 
 def run(worlds: Sequence[int] = (2, 4), sizes_mib: Sequence[float] = (64,), shards: Sequence[int] = (1, 2, 4),
         iters: int = 20, limit_gib: float = 2.0) -> List[Dict]:
-    """One row per size x W x shards; the copy limits measured for each load's chunk size (and
-    each W's and shard count's, both ways), before the loads, in the same run."""
+    """One row per size x W x shards; the copy limits measured for each size's chunks (and each
+    W's and shard count's, both ways), before its loads, in the same run."""
     rows: List[Dict] = []
     window = settings.tuning("RS_WINDOW")
     for mib in sizes_mib:
-        chunks = {count: _chunk_bytes(mib, count) for count in shards}
-        apart = {chunk: copy_limit.sockets(limit_gib, chunk) for chunk in sorted(set(chunks.values()))}
+        chunk = _chunk_bytes(mib)
+        sockets = copy_limit.sockets(limit_gib, chunk)
         add = copy_limit.add(limit_gib)
+        limit = sockets["recv"] + sockets["send"] + add
         loads = [(w, n) for w in worlds for n in shards]
-        duplex = {(world, count): copy_limit.duplex(limit_gib, chunks[count], world, window, processes=count) + add
+        duplex = {(world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
                   for world, count in loads}
         for world, count in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
-            sockets = apart[chunks[count]]
-            limit = sockets["recv"] + sockets["send"] + add
             load = reducer_load.run(world, mib, iters, count)
             name, share = load.busiest()
             per_core = reducer_load.GBIT_PER_GIB / load.cpu_s_per_gib
-            rows.append({"W": world, "mib": mib, "shards": count, "chunk_KiB": chunks[count] / 1024, "iters": iters,
+            rows.append({"W": world, "mib": mib, "shards": count, "chunk_KiB": chunk / 1024, "iters": iters,
                          "Gbit_s_in": load.gbit_s_in, "cpu_s_per_GiB": load.cpu_s_per_gib, "limit_s_per_GiB": limit,
                          "vs_limit": load.cpu_s_per_gib / limit, "recv": sockets["recv"], "send": sockets["send"],
                          "add": add, "duplex_s_per_GiB": duplex[world, count],

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, ConfigError
+from reduction_server import CollectiveError, ConfigError, settings
+from reduction_server.client.chunking import plan_chunks
 from reduction_server.errors import ListenError
 from reduction_server.reducer import shards as shard_count
 
@@ -75,7 +76,8 @@ def test_auto_is_the_cores_this_process_may_use_and_bad_counts_are_named():
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "frames"])
 def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str):
     """Two reducers of two shards: four endpoints, each of which completes a share of the rounds;
-    each all-reduce is right on every rank."""
+    each all-reduce is right on every rank. The chunks are sized by the two reducers, not the four
+    endpoints: shards share their host's chunks, so more shards never cut smaller ones."""
     with reducers(2, extra_env={"RS_SHARDS": "2", "RS_SHM": shm}) as group:
         assert len(_shards(group.procs[0])) == len(_shards(group.procs[1])) == 2
 
@@ -92,7 +94,13 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
         logs = group.stop()
     done = _completed(logs)
     assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], logs
-    assert all(n >= 8 for n in done.values()), done  # 4 collectives of >= 8 chunks each, over 4 endpoints
+    per_collective = len(plan_chunks(3_000_000, 4, 2, settings.tuning("RS_CHUNK_BYTES"),
+                                     settings.tuning("RS_PIPELINE_DEPTH")))
+    assert per_collective < len(plan_chunks(3_000_000, 4, 4, settings.tuning("RS_CHUNK_BYTES"),
+                                            settings.tuning("RS_PIPELINE_DEPTH")))
+    assert sum(done.values()) == 4 * per_collective, done
+    # spread evenly: (seq + chunk) mod 4 over the endpoints
+    assert set(done.values()) == {sum(done.values()) // 4}, done
 
 
 def test_a_rank_that_connects_to_the_shards_is_no_loss_to_a_collective_waiting_for_it():
