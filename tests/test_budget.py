@@ -256,6 +256,7 @@ def test_a_small_result_leaves_the_pool_as_it_is_sent_and_a_large_one_once_libzm
                 break
             assert header.type is MsgType.RESULT and header.seq == seq, (header, body[:200])
             assert np.all(np.frombuffer(body, np.float32) == 3)
+
         def memory() -> list:
             live = scrape(port)
             return [value(live, "reduction_server_accumulator_bytes", state=s) for s in ("in_use", "held")]
