@@ -78,6 +78,7 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
     """Two reducers of two shards: four endpoints, each of which completes a share of the rounds;
     each all-reduce is right on every rank. The chunks are sized by the two reducers, not the four
     endpoints: shards share their host's chunks, so more shards never cut smaller ones."""
+    size = 3_000_000
     with reducers(2, extra_env={"RS_SHARDS": "2", "RS_SHM": shm}) as group:
         assert len(_shards(group.procs[0])) == len(_shards(group.procs[1])) == 2
 
@@ -86,7 +87,7 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
                                    connect_timeout=20, timeout=20)
 
         def body(comm: rs.Communicator, rank: int) -> tuple:
-            base = (np.arange(3_000_000) % 1000).astype(np.float32)  # sums exact in float32
+            base = (np.arange(size) % 1000).astype(np.float32)  # sums exact in float32
             sums = [comm.all_reduce(base * (rank + 1) * step) for step in range(4)]
             return comm.active_endpoints, all(np.array_equal(s, base * 6 * step) for step, s in enumerate(sums))
 
@@ -94,10 +95,13 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
         logs = group.stop()
     done = _completed(logs)
     assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], logs
-    per_collective = len(plan_chunks(3_000_000, 4, 2, settings.tuning("RS_CHUNK_BYTES"),
-                                     settings.tuning("RS_PIPELINE_DEPTH")))
-    assert per_collective < len(plan_chunks(3_000_000, 4, 4, settings.tuning("RS_CHUNK_BYTES"),
-                                            settings.tuning("RS_PIPELINE_DEPTH")))
+
+    def chunks(reducers: int) -> int:
+        return len(plan_chunks(size, 4, reducers, settings.tuning("RS_CHUNK_BYTES"),
+                               settings.tuning("RS_PIPELINE_DEPTH")))
+
+    per_collective = chunks(2)
+    assert per_collective < chunks(4)
     assert sum(done.values()) == 4 * per_collective, done
     # spread evenly: (seq + chunk) mod 4 over the endpoints
     assert set(done.values()) == {sum(done.values()) // 4}, done
