@@ -8,14 +8,16 @@ most 32 MiB per reducer and 64 MiB per worker (allocator noise; a leak of one ch
 collective would be gigabytes), and the number of open files may not grow at all (a reducer's go
 back to their number after a first short job once the workers have left).
 
-Also here, in process: what a reducer keeps about peers that are not admitted (strike counts of
+Also here, in process: a send that finds a peer gone keeps nothing of its caller alive, and what a reducer keeps about peers that are not admitted (strike counts of
 malformed frames, HELLOs never followed by AUTH) is dropped when they go away.
 """
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from typing import List
 
 import numpy as np
@@ -27,6 +29,7 @@ from reduction_server import protocol
 from reduction_server.reducer import admission as admission_module
 from reduction_server.protocol import MsgType
 from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
+from reduction_server.reducer.outbox import Outbox
 
 from helpers.capture import CapturingSocket
 from helpers.cluster import SCRIPTS, TOKEN, child_env, collect, reducers, run_ranks
@@ -123,3 +126,33 @@ def test_what_a_reducer_keeps_about_strangers_is_dropped_when_they_go(monkeypatc
         reducer.handle([zmq.Frame(identity), zmq.Frame(b"garbage")])
     reducer.admission.forget_strangers(reducer.now)
     assert len(reducer.strikes) == 100
+
+
+def test_a_send_to_a_peer_that_is_gone_keeps_nothing_of_its_caller_alive():
+    """Seen in the soak: a PING to a worker that had just left failed (EHOSTUNREACH) and its peer,
+    with the worker's mapped segment (an open file), stayed alive in a reference cycle through the
+    failed send's traceback. An idle reducer allocates next to nothing, so no garbage collection
+    would ever free it: it must go as the call returns."""
+
+    class Held:  # stands for the peer in the caller's locals
+        pass
+
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as sock:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        gone: List[bytes] = []
+        outbox = Outbox(sock, 0, "reducer 0", gone.append)
+
+        def caller(identity: bytes) -> weakref.ref:
+            held = Held()
+            assert not outbox.send(identity, [b"ping"])
+            return weakref.ref(held)
+
+        gc.disable()
+        try:
+            refs = [caller(b"first"), caller(b"first"), caller(b"second")]  # the first send to each is logged
+        finally:
+            gc.enable()
+        assert gone == [b"first", b"first", b"second"]
+        assert outbox.unsent == {b"first": 2, b"second": 1}
+        assert [ref() is None for ref in refs] == [True, True, True]

@@ -66,7 +66,10 @@ class Outbox:
                 self.unsent.clear()
             unsent = self.unsent[identity] = self.unsent.get(identity, 0) + 1
             if unsent == 1 or unsent % 1000 == 0:  # a log line per peer, not per message
-                reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else exc
+                # A string, not the exception: a local holding it would outlive this block, and its
+                # traceback this frame and its callers', with the peers in their locals, until a
+                # garbage collection that an idle reducer may never run.
+                reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else str(exc)
                 # A peer that is gone is no news: its loss, if it matters, is logged as rank_lost.
                 level = logging.DEBUG if exc.errno == zmq.EHOSTUNREACH else logging.WARNING
                 event(log, level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason,
