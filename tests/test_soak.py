@@ -8,8 +8,9 @@ most 32 MiB per reducer and 64 MiB per worker (allocator noise; a leak of one ch
 collective would be gigabytes), and the number of open files may not grow at all (a reducer's go
 back to their number after a first short job once the workers have left).
 
-Also here, in process: a send that finds a peer gone keeps nothing of its caller alive, and what a reducer keeps about peers that are not admitted (strike counts of
-malformed frames, HELLOs never followed by AUTH) is dropped when they go away.
+Also here, in process: a send that finds a peer gone keeps nothing of its caller alive, and what
+a reducer keeps about peers that are not admitted (strike counts of malformed frames, HELLOs never
+followed by AUTH) is dropped when they go away.
 """
 from __future__ import annotations
 
