@@ -176,8 +176,9 @@ def test_a_spare_reducer_takes_the_chunks_of_a_lost_one(undisturbed: str):
 def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute():
     """Reducer 0 answers a chunk and dies; the other rank (a hand-driven peer here) says it never
     got the answer and resends its contribution to the chunk's substitute, reducer 1: it gets the
-    result rank 0 already has (brought as a FINAL), not a new sum of other inputs. Then a chunk
-    whose reducer is lost goes to the substitute from the start (MOVED)."""
+    result rank 0 already has (brought as a FINAL), not a new sum of other inputs, even though
+    rank 0's caller has since written over its result. Then a chunk whose reducer is lost goes to
+    the substitute from the start (MOVED)."""
     import numpy as np
 
     import reduction_server.client as rs
@@ -196,7 +197,9 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
             mine, theirs = np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
             handle = comm.all_reduce_async(mine)  # seq 0: one chunk, on reducer 0
             peers[0].send(data(1, 2, seq=0, count=n), theirs.tobytes())
-            assert np.array_equal(handle.wait(5), mine + theirs)
+            result = handle.wait(5)
+            assert np.array_equal(result, mine + theirs)
+            result[:] = -7.0  # the caller's buffer again: what rank 0 brings is its own copy
             group.signal(0, signal.SIGKILL)
             # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
             peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())
@@ -214,6 +217,51 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
             comm.close()
             for p in peers:
                 p.close()
+
+
+@pytest.mark.parametrize("ends", ["completes", "fails"])
+def test_a_result_is_kept_as_a_view_in_flight_and_copied_when_its_collective_ends(ends: str):
+    """A collective of ten chunks over two reducers, a window of two: while it is in flight the
+    results kept are views of its buffer (no copy); when it ends, completed or failed by an error
+    on its last chunk, the last two results of each reducer are copied out, before its caller gets
+    the buffer back and writes over it; the earlier ones are kept no longer."""
+    import numpy as np
+
+    from reduction_server.client.chunking import Chunk
+    from reduction_server.client.engine.collective import SENT, Collective
+    from reduction_server.client.engine.failover import Failover
+    from reduction_server.client.engine.identity import Identity
+    from reduction_server.client.engine.ledger import Ledger
+    from reduction_server.protocol import DType, ReduceOp
+
+    me = Identity(rank=0, world=2, job=1, generation=0)
+    ledger = Ledger(me, ["reducer 0", "reducer 1"])
+    failover = Failover(me, 2, window=2, enabled=True)
+    ledger.on_result, ledger.on_end = failover.keep, failover.settle
+    buf = np.arange(40, dtype=np.float32)
+    before = buf.copy()
+    view = memoryview(buf.view(np.uint8))
+    chunks = [Chunk(4 * k, 4, k % 2) for k in range(10)]
+    coll = Collective(0, DType.FLOAT32, ReduceOp.SUM, 0, view, view, 40, chunks, buf)
+    ledger.start(coll)
+    window = ledger.window(0)
+    for k, chunk in enumerate(chunks):
+        coll.state[k] = SENT
+        window[chunk.reducer] += 1
+    for k in range(9):
+        ledger.chunk_done(coll, k, k % 2, None)
+    assert all(isinstance(item.data, memoryview) for ring in failover.kept.values() for item in ring)
+    ledger.chunk_done(coll, 9, 1, None if ends == "completes" else "the reducer said no")
+    assert coll.future.done() and (coll.future.exception() is None) == (ends == "completes")
+    buf[:] = -1.0  # the caller writes over its buffer
+    expected = {0: [6, 8], 1: [7, 9] if ends == "completes" else [5, 7]}
+    for r, chunk_ids in expected.items():
+        ring = failover.kept[0, r]
+        assert [item.chunk for item in ring] == chunk_ids
+        for item in ring:
+            assert isinstance(item.data, bytearray)
+            kept = np.frombuffer(item.data, np.float32, item.count)
+            assert np.array_equal(kept, before[item.offset:item.offset + item.count]), (r, item.chunk)
 
 
 def test_a_pool_with_no_reducer_left_fails_naming_every_reducer(monkeypatch):

@@ -86,6 +86,7 @@ class Engine:
         self.failover = Failover(me, len(ends), window, o["enabled"], spares)
         if self.failover.enabled:
             self.ledger.on_result = self.failover.keep
+            self.ledger.on_end = self.failover.settle
         self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, job_token=o["job_token"],
                                        encrypt=o["encrypt"], heartbeat=o["heartbeat"], liveness=o["liveness"],
                                        sndbuf=o["sndbuf"], io_threads=o["io_threads"])

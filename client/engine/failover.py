@@ -11,10 +11,14 @@ it has not had answered, so when a reducer is lost each rank:
   contribution: the reducer may have died after answering some ranks and not others, and a
   rank that has the result must still let the others get the same one.
 
-For the last, a rank keeps a copy of each group's last results from each reducer. A rank that
-lacks a chunk's result has the chunk among its unanswered ones on that reducer, at most its
-window per group, plus what was moved there: the reducer answered at most that many of the
-group's rounds after the one this rank lacks, so every rank that got it still keeps it.
+For the last, a rank keeps each group's last results from each reducer. A rank that lacks a
+chunk's result has the chunk among its unanswered ones on that reducer, at most its window per
+group, plus what was moved there: the reducer answered at most that many of the group's rounds
+after the one this rank lacks, so every rank that got it still keeps it. While its collective is
+in flight a kept result is a view of the collective's own buffer, which nobody else writes then;
+only the results still kept when the collective ends are copied out of it, before its caller
+gets the buffer back. A large collective's earlier chunks are no longer kept by then, so most
+of its result is never copied (bench/RESULTS.md, "Failover: what keeping results costs").
 """
 from __future__ import annotations
 
@@ -47,7 +51,10 @@ class Kept:
     offset: int
     count: int
     total: int
-    data: bytearray  # at least count x itemsize bytes: a buffer is reused for a smaller chunk
+    #: a buffer of its own, of at least count x itemsize bytes (one is reused for a smaller chunk);
+    #: while its collective is in flight, a view of the result in the collective's buffer; None
+    #: once kept no longer
+    data: Union[bytearray, memoryview, None]
     reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
 
     @property
@@ -125,19 +132,14 @@ class Failover:
 
     # -- results kept ------------------------------------------------------------------------
     def keep(self, coll: Collective, k: int, r: int) -> None:
-        """Chunk k of coll was answered by reducer r: keep a copy of its result."""
+        """Chunk k of coll was answered by reducer r: keep its result (a view of it until coll ends)."""
         if r in self.since:
             self.rejoined_chunks += 1
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
-        nbytes = count * size
-        data = self._buffer(nbytes)
-        # NumPy copies without the GIL: the training thread runs on meanwhile.
-        np.copyto(np.frombuffer(data, np.uint8, nbytes), np.frombuffer(coll.recv, np.uint8, nbytes, offset * size))
-        self._append(Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
-                          coll.total, data, r))
-
-    def _append(self, item: Kept) -> None:
+        item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
+                    coll.total, coll.recv[offset * size:(offset + count) * size], r)
+        coll.kept.append(item)
         ring = self.kept.get((item.group, item.reducer))
         if ring is None:
             ring = self.kept[item.group, item.reducer] = deque()
@@ -146,8 +148,26 @@ class Failover:
         # what it resent there after each loss, plus this rank's own resends there (rounds that
         # a FINAL settled without the lacking rank).
         while len(ring) > self.window * (1 + 2 * self.losses):
-            self.spare.append(ring.popleft().data)
-            del self.spare[:-self.window]
+            self._discard(ring.popleft())
+
+    def settle(self, coll: Collective) -> None:
+        """coll ends, completed or failed, and its caller gets its buffer back: the results of
+        it still kept (or queued as FINALs) are copied out of it now."""
+        for item in coll.kept:
+            if isinstance(item.data, memoryview):
+                data = self._buffer(item.nbytes)
+                # NumPy copies without the GIL: the training thread runs on meanwhile.
+                np.copyto(np.frombuffer(data, np.uint8, item.nbytes), np.frombuffer(item.data, np.uint8))
+                item.data = data
+        coll.kept.clear()
+
+    def _discard(self, item: Kept) -> None:
+        """item is kept no longer: its own buffer is spare (one for each result a collective's end
+        may copy, a window per reducer), a view is let go."""
+        if isinstance(item.data, bytearray):
+            self.spare.append(item.data)
+            del self.spare[:-self.window * self.num_reducers]
+        item.data = None
 
     def _buffer(self, nbytes: int) -> bytearray:
         for i, data in enumerate(self.spare):
@@ -209,10 +229,14 @@ class Failover:
 
     def forget_group(self, group: int) -> None:
         """A closed group's results are kept no longer."""
+        self._forget(lambda key: key[0] == group)
+
+    def _forget(self, which: Callable[[Tuple[int, int]], bool]) -> None:
+        """Keep no longer the results of the (group, reducer) keys `which` picks."""
         for store in (self.kept, self.brought):
-            for key in [key for key in store if key[0] == group]:
-                self.spare.extend(item.data for item in store.pop(key))
-        del self.spare[:-self.window]
+            for key in [key for key in store if which(key)]:
+                for item in store.pop(key):
+                    self._discard(item)
 
     def reset(self) -> None:
         """No reducer is left: forget every loss, so that the reducers, once back, are used as
@@ -221,8 +245,7 @@ class Failover:
         self.since.clear()
         self.rejoining.clear()
         self.resend.clear()
-        self.kept.clear()
-        self.brought.clear()
+        self._forget(lambda key: True)
         self.held_since = None
 
     def still_owed(self, coll: Collective, k: int) -> bool:

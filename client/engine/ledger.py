@@ -29,6 +29,9 @@ class Ledger:
         self.next_seq: Dict[int, int] = {}  # by group: the seq of the next collective to start
         #: told of every chunk answered with its result (failover.py keeps a copy), when set
         self.on_result: Optional[Callable[[Collective, int, int], None]] = None
+        #: told of every collective as it ends, completed or failed, before its caller may touch its
+        #: buffers again (failover.py copies the results it keeps out of them), when set
+        self.on_end: Optional[Callable[[Collective], None]] = None
 
     def start(self, coll: Collective) -> None:
         """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
@@ -70,6 +73,7 @@ class Ledger:
                 more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
                 self.fail(coll, f"{min(coll.errors)[1]}{more}")
             else:
+                self._end(coll)
                 if coll.trace is not None:
                     coll.trace.timeline.finish(coll.trace)
                 coll.future.set_result(coll.result)
@@ -78,9 +82,14 @@ class Ledger:
         """Fail coll's Future with a CollectiveError naming this rank, the collective and
         `reason`, and end its timeline record; nothing if it has already completed."""
         if not coll.future.done():
+            self._end(coll)
             if coll.trace is not None:
                 coll.trace.timeline.finish(coll.trace, reason)
             coll.future.set_exception(CollectiveError(f"rank {self.me.rank}: {coll.describe()} failed: {reason}"))
+
+    def _end(self, coll: Collective) -> None:
+        if self.on_end is not None:
+            self.on_end(coll)
 
     def abandon(self, coll: Collective) -> None:
         """Stop tracking a collective: its window slots free up, late answers are dropped."""
