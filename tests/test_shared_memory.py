@@ -177,6 +177,45 @@ def test_an_answer_about_no_chunk_frees_no_slot():
         engine.close()  # never started: this only closes its wake-up pipe
 
 
+def test_a_result_that_failover_keeps_is_lent_its_slot_until_it_is_kept_no_longer():
+    """A segment has a window of slots for chunks in flight and a window and one more to lend.
+    A lent slot holds its result and takes no chunk; ending the lease frees it; a lease of a
+    segment that a new connection replaced frees nothing in the new one, and its result stays
+    readable."""
+    from reduction_server.client.engine.identity import Identity
+    from reduction_server.client.engine.slots import Slots
+
+    slots = Slots(Identity(rank=0, world=1, job=0, generation=0), [True], window=2, slot_bytes=64)
+    try:
+        slots.offer(0)
+        slots.welcomed(0, {"shared_memory": True})
+        assert slots.segments[0].slots == 5
+
+        def answered(seq):
+            slot = slots.take(0, 64)
+            slots.put(0, slot, 0, seq, 0)
+            slots.view(0, slot, 64)[:] = bytes([seq]) * 64  # the reducer's result
+            answer = Header(MsgType.RESULT_SHM, dtype=7, world=1, seq=seq, nchunks=1, count=16, total=16,
+                            nbytes=64, aux=slot)
+            assert slots.release(0, answer) == slot
+            return slot
+
+        leases = [slots.lease(0, answered(seq), 64) for seq in range(3)]
+        assert all(lease is not None for lease in leases)
+        assert slots.lease(0, answered(3), 64) is None  # the last two slots stay for chunks in flight
+        assert sorted(slots.free[0]) == sorted(set(range(5)) - {lease.slot for lease in leases})
+        assert [bytes(lease.view) for lease in leases] == [bytes([seq]) * 64 for seq in range(3)]
+        leases[0].end()
+        assert leases[0].slot in slots.free[0] and slots.lent[0] == 2
+        slots.offer(0)  # a new connection: a new segment
+        slots.welcomed(0, {"shared_memory": True})
+        leases[1].end()
+        assert sorted(slots.free[0]) == list(range(5)) and slots.lent[0] == 0
+        assert bytes(leases[2].view) == bytes([2]) * 64
+    finally:
+        slots.close()
+
+
 # -- real reducers ---------------------------------------------------------------------------
 def run_ranks(group, world, body, shared=(True,), **options):
     """body(comm, rank) on every rank (threads); rank r uses slots when shared[r % len(shared)]."""
@@ -234,18 +273,20 @@ def test_a_reducer_with_rs_shm_off_answers_with_frames():
 
 
 def test_slots_come_back_after_a_failed_collective_and_are_used_again(group):
-    """Ranks that disagree fail on every rank; every slot is freed by the reducers' answers,
-    and the next collectives go through the slots again."""
+    """Ranks that disagree fail on every rank; every slot is freed by the reducers' answers
+    (no failed chunk's result is kept in one), and the next collectives go through the slots again."""
     window = 4
 
     def body(comm, rank):
         engine = comm._engine
+        slots = engine.slots.per_segment
+        assert slots == 2 * window + 1
         with pytest.raises(CollectiveError, match="disagree"):
             comm.all_reduce(np.ones(100_000 + rank * 64, np.float32))
         deadline = time.monotonic() + 5
-        while any(len(free) < window for free in engine.slots.free) and time.monotonic() < deadline:
+        while any(len(free) < slots for free in engine.slots.free) and time.monotonic() < deadline:
             time.sleep(0.01)  # late answers free the last slots on the engine thread
-        assert [len(free) for free in engine.slots.free] == [window] * len(engine.endpoints)
+        assert [len(free) for free in engine.slots.free] == [slots] * len(engine.endpoints)
         before = engine.chunks_shared
         for _ in range(3):
             np.testing.assert_array_equal(comm.all_reduce(np.ones(100_000, np.float32)), 2)

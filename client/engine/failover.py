@@ -14,11 +14,13 @@ it has not had answered, so when a reducer is lost each rank:
 For the last, a rank keeps each group's last results from each reducer. A rank that lacks a
 chunk's result has the chunk among its unanswered ones on that reducer, at most its window per
 group, plus what was moved there: the reducer answered at most that many of the group's rounds
-after the one this rank lacks, so every rank that got it still keeps it. While its collective is
-in flight a kept result is a view of the collective's own buffer, which nobody else writes then;
-only the results still kept when the collective ends are copied out of it, before its caller
-gets the buffer back. A large collective's earlier chunks are no longer kept by then, so most
-of its result is never copied (bench/RESULTS.md, "Failover: what keeping results costs").
+after the one this rank lacks, so every rank that got it still keeps it. A result that came
+back through shared memory stays in its slot, lent out until it is kept no longer (slots.py).
+Any other is a view of the collective's own buffer while the collective is in flight, which
+nobody else writes then; only those still kept when the collective ends are copied out of it,
+before its caller gets the buffer back. A large collective's earlier chunks are no longer kept by
+then, so most of its result is never copied (bench/RESULTS.md, "Failover: what keeping results
+costs").
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from ..chunking import preference
 from .collective import SENT, UNSENT, Collective
 from .identity import Identity
 from .ledger import Ledger
+from .slots import Lease
 
 
 @dataclass
@@ -52,10 +55,11 @@ class Kept:
     count: int
     total: int
     #: a buffer of its own, of at least count x itemsize bytes (one is reused for a smaller chunk);
-    #: while its collective is in flight, a view of the result in the collective's buffer; None
-    #: once kept no longer
+    #: its shared-memory slot (`lease`); while its collective is in flight, a view of the result
+    #: in the collective's buffer; None once kept no longer
     data: Union[bytearray, memoryview, None]
     reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
+    lease: Optional[Lease] = None  # the slot it stays in, if any
 
     @property
     def nbytes(self) -> int:
@@ -131,15 +135,18 @@ class Failover:
         return None
 
     # -- results kept ------------------------------------------------------------------------
-    def keep(self, coll: Collective, k: int, r: int) -> None:
-        """Chunk k of coll was answered by reducer r: keep its result (a view of it until coll ends)."""
+    def keep(self, coll: Collective, k: int, r: int, lease: Optional[Lease] = None) -> None:
+        """Chunk k of coll was answered by reducer r: keep its result, in the shared-memory slot
+        `lease` lends, or as a view of coll's buffer until coll ends."""
         if r in self.since:
             self.rejoined_chunks += 1
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
+        data = lease.view if lease is not None else coll.recv[offset * size:(offset + count) * size]
         item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
-                    coll.total, coll.recv[offset * size:(offset + count) * size], r)
-        coll.kept.append(item)
+                    coll.total, data, r, lease)
+        if lease is None:
+            coll.kept.append(item)
         ring = self.kept.get((item.group, item.reducer))
         if ring is None:
             ring = self.kept[item.group, item.reducer] = deque()
@@ -162,9 +169,12 @@ class Failover:
         coll.kept.clear()
 
     def _discard(self, item: Kept) -> None:
-        """item is kept no longer: its own buffer is spare (one for each result a collective's end
-        may copy, a window per reducer), a view is let go."""
-        if isinstance(item.data, bytearray):
+        """item is kept no longer: its slot is free again, its own buffer spare (one for each
+        result a collective's end may copy, a window per reducer), a view let go."""
+        if item.lease is not None:
+            item.lease.end()
+            item.lease = None
+        elif isinstance(item.data, bytearray):
             self.spare.append(item.data)
             del self.spare[:-self.window * self.num_reducers]
         item.data = None

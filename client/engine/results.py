@@ -156,7 +156,7 @@ class Results:
             return  # late: its slot is free again all the same
         offset, count, _ = coll.chunks[h.chunk]
         size = coll.dtype.itemsize
-        error = None
+        error, lease = None, None
         if slot is None or slot != h.aux:
             error = (f"{self.connections.name(r)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
                      "sent " + ("as a frame" if slot is None else f"in slot {slot}"))
@@ -164,7 +164,9 @@ class Results:
             error = self._shape_error(r, h, coll)
         else:
             self.slots.copy_out(r, slot, coll.recv[offset * size:(offset + count) * size])
-        self.ledger.chunk_done(coll, h.chunk, r, error)
+            if self.failover.enabled:  # the result it keeps may stay where it is
+                lease = self.slots.lease(r, slot, count * size)
+        self.ledger.chunk_done(coll, h.chunk, r, error, lease)
 
     def _error(self, r: int, h: protocol.Header, text: str) -> None:
         conn = self.connections

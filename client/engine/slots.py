@@ -1,25 +1,51 @@
 """Shared-memory slots between a worker and the reducers on its own host.
 
 With RS_SHM on (the default), the AUTH to each reducer whose address is one of this host's
-offers a segment of `window` payload slots (reduction_server/shared_memory.py), sent only once
+offers a segment of payload slots (reduction_server/shared_memory.py), sent only once
 that reducer has proved the job token. A reducer that maps it says so in its WELCOME; chunks of a
 reduction then go through a free slot (DATA_SHM) and come back in it (RESULT_SHM), which saves
 the socket copies. A slot is free again only once the reducer has answered its chunk, whatever
 became of the collective, so a late result never overwrites a newer chunk; a chunk that finds no
 free slot, or a reducer without the segment, travels as a frame. A new connection gets a new
 segment.
+
+A result that failover keeps (failover.py) can stay in the slot it came back in, lent out
+instead of copied, until it is kept no longer: a segment has a window of slots for chunks in
+flight and a window and one more to lend (the kept results of a group, and the one that pushes
+the oldest out). A slot lent is never sent in, so the reducer has no reason to write it again.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from reduction_server import shared_memory
 from reduction_server.log import get_logger
 from reduction_server.protocol import Header
+from reduction_server.settings import MAX_WINDOW
 
 from .identity import Identity
 
 log = get_logger("client")
+
+
+@dataclass(eq=False)
+class Lease:
+    """A slot lent out with the result in it: `view` is the result; end() makes the slot free
+    again, if its segment is still the reducer's (after a new connection it is not)."""
+
+    slots: "Slots"
+    reducer: int
+    segment: shared_memory.Segment
+    slot: int
+    view: memoryview
+
+    def end(self) -> None:
+        """The result is no longer needed: its slot may take chunks again."""
+        slots, r = self.slots, self.reducer
+        if slots.segments[r] is self.segment:
+            slots.free[r].append(self.slot)
+            slots.lent[r] -= 1
 
 
 class Slots:
@@ -30,10 +56,12 @@ class Slots:
         self.me = me
         self.offers = list(offers)  # whether reducer r may be offered a segment (it is on this host)
         self.window = window
+        self.per_segment = min(2 * window + 1, MAX_WINDOW)  # a window in flight, the rest to lend (Lease)
         # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
         self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
         self.segments: List[Optional[shared_memory.Segment]] = [None] * len(offers)
         self.free: List[List[int]] = [[] for _ in offers]  # empty until the reducer maps the segment
+        self.lent: List[int] = [0] * len(offers)  # slots lent out (Lease), by reducer
         self.slot_of: List[Dict[Tuple[int, int, int], int]] = [{} for _ in offers]  # (group, seq, chunk) -> slot
         self.chunks_shared = 0  # chunks that went through shared memory (both ways)
 
@@ -43,7 +71,7 @@ class Slots:
         if not self.offers[r]:
             return None
         try:
-            self.segments[r] = shared_memory.Segment.create(self.window, self.slot_bytes)
+            self.segments[r] = shared_memory.Segment.create(self.per_segment, self.slot_bytes)
         except OSError as exc:  # no memfd here: frames only
             log.debug("rank %d: no shared-memory segment for reducer %d: %s", self.me.rank, r, exc)
             return None
@@ -62,6 +90,7 @@ class Slots:
             self.segments[r].close()
             self.segments[r] = None
         self.free[r] = []
+        self.lent[r] = 0
         self.slot_of[r] = {}
 
     def take(self, r: int, nbytes: int) -> Optional[int]:
@@ -83,6 +112,16 @@ class Slots:
         """A result out of reducer r's shared-memory slot `slot` into dest."""
         dest[:] = self.view(r, slot, len(dest))
         self.chunks_shared += 1
+
+    def lease(self, r: int, slot: int, nbytes: int) -> Optional[Lease]:
+        """Lend out free slot `slot` of reducer r with the result of nbytes in it; None when every
+        slot that can be lent is (a window stays for chunks in flight): the result is copied then."""
+        segment = self.segments[r]
+        if segment is None or self.lent[r] >= segment.slots - self.window or slot not in self.free[r]:
+            return None
+        self.free[r].remove(slot)
+        self.lent[r] += 1
+        return Lease(self, r, segment, slot, segment.slot(slot, nbytes))
 
     def release(self, r: int, h: Header) -> Optional[int]:
         """The slot of the chunk reducer r has answered with h, now free again; None if that
