@@ -32,6 +32,9 @@ HEADER_SIZE = HEADER.size  # 88 bytes
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_TEXT_PAYLOAD = 64 * 1024  # handshake JSON and error text
+#: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
+#: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
+BATCHED_RECV_BYTES = 64 << 10
 #: a reducer that comes back is used from this many collectives past the furthest a rank of the
 #: group had started when it reported (PROGRESS); a rank starts none beyond its own report plus
 #: this before it knows (JOIN)

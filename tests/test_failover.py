@@ -173,12 +173,18 @@ def test_a_spare_reducer_takes_the_chunks_of_a_lost_one(undisturbed: str):
         assert res["rejoined_chunks"] > 0, res
 
 
-def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute():
+@pytest.mark.parametrize("shared, n, kept_as", [(True, 1000, "slot"), (False, 1 << 14, "message"),
+                                                 (False, 1000, "copy")],
+                         ids=["kept-in-its-slot", "kept-as-its-message", "copied-when-it-ends"])
+def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute(shared: bool, n: int,
+                                                                                     kept_as: str):
     """Reducer 0 answers a chunk and dies; the other rank (a hand-driven peer here) says it never
     got the answer and resends its contribution to the chunk's substitute, reducer 1: it gets the
     result rank 0 already has (brought as a FINAL), not a new sum of other inputs, even though
-    rank 0's caller has since written over its result. Then a chunk whose reducer is lost goes to
-    the substitute from the start (MOVED)."""
+    rank 0's caller has since written over its result: rank 0 kept it in the shared-memory slot it
+    came back in, as the message it came in (64 KiB or more), or copied it out of the collective's
+    buffer when the collective ended. Then a chunk whose reducer is lost goes to the substitute
+    from the start (MOVED)."""
     import numpy as np
 
     import reduction_server.client as rs
@@ -186,20 +192,23 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
 
     from helpers.peers import Peer, data
 
-    n = 1000
     with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
         peers = [Peer(address) for address in group.addresses]
         for p in peers:
             p.handshake(1, 2)
         comm = rs.Communicator(group.addresses, 0, 2, job_token=TOKEN, timeout=20, connect_timeout=10,
-                               chunk_bytes=1 << 20)
+                               chunk_bytes=1 << 20, shared_memory=shared)
         try:
             mine, theirs = np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
             handle = comm.all_reduce_async(mine)  # seq 0: one chunk, on reducer 0
             peers[0].send(data(1, 2, seq=0, count=n), theirs.tobytes())
             result = handle.wait(5)
             assert np.array_equal(result, mine + theirs)
-            result[:] = -7.0  # the caller's buffer again: what rank 0 brings is its own copy
+            assert comm._engine.chunks_shared == (2 if shared else 0)
+            (kept,) = comm._engine.failover.kept[0, 0]
+            assert {"slot": kept.lease is not None, "copy": isinstance(kept.data, bytearray),
+                    "message": kept.lease is None and isinstance(kept.data, memoryview)}[kept_as]
+            result[:] = -7.0  # the caller's buffer again: what rank 0 brings is its own
             group.signal(0, signal.SIGKILL)
             # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
             peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())

@@ -15,12 +15,12 @@ For the last, a rank keeps each group's last results from each reducer. A rank t
 chunk's result has the chunk among its unanswered ones on that reducer, at most its window per
 group, plus what was moved there: the reducer answered at most that many of the group's rounds
 after the one this rank lacks, so every rank that got it still keeps it. A result that came
-back through shared memory stays in its slot, lent out until it is kept no longer (slots.py).
-Any other is a view of the collective's own buffer while the collective is in flight, which
-nobody else writes then; only those still kept when the collective ends are copied out of it,
-before its caller gets the buffer back. A large collective's earlier chunks are no longer kept by
-then, so most of its result is never copied (bench/RESULTS.md, "Failover: what keeping results
-costs").
+back through shared memory stays in its slot, lent out until it is kept no longer (slots.py); a
+large one that came as a frame is the message libzmq received (results.py). Any other is a view
+of the collective's own buffer while the collective is in flight, which nobody else writes then;
+only those still kept when the collective ends are copied out of it, before its caller gets the
+buffer back. A large collective's earlier chunks are no longer kept by then, so most of its
+result is never copied (bench/RESULTS.md, "Failover: what keeping results costs").
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ class Kept:
     count: int
     total: int
     #: a buffer of its own, of at least count x itemsize bytes (one is reused for a smaller chunk);
-    #: its shared-memory slot (`lease`); while its collective is in flight, a view of the result
-    #: in the collective's buffer; None once kept no longer
+    #: its shared-memory slot (`lease`) or received message; while its collective is in flight, a
+    #: view of the result in the collective's buffer; None once kept no longer
     data: Union[bytearray, memoryview, None]
     reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
     lease: Optional[Lease] = None  # the slot it stays in, if any
@@ -75,6 +75,10 @@ class Kept:
 
 
 _NEVER = float("inf")
+
+#: where a result is besides its collective's buffer, if anywhere: the shared-memory slot it came
+#: back in, lent out, or the memory of the message it came in
+Held = Union[Lease, memoryview, None]
 
 #: what the pump sends before new chunks: a chunk of a collective again (MOVED), or a kept result
 Resend = Union[Tuple[Collective, int], Kept]
@@ -135,17 +139,20 @@ class Failover:
         return None
 
     # -- results kept ------------------------------------------------------------------------
-    def keep(self, coll: Collective, k: int, r: int, lease: Optional[Lease] = None) -> None:
-        """Chunk k of coll was answered by reducer r: keep its result, in the shared-memory slot
-        `lease` lends, or as a view of coll's buffer until coll ends."""
+    def keep(self, coll: Collective, k: int, r: int, held: Held = None) -> None:
+        """Chunk k of coll was answered by reducer r: keep its result where it is `held`, or as a
+        view of coll's buffer until coll ends."""
         if r in self.since:
             self.rejoined_chunks += 1
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
-        data = lease.view if lease is not None else coll.recv[offset * size:(offset + count) * size]
+        lease = held if isinstance(held, Lease) else None
+        data = lease.view if lease is not None else held
+        if data is None:
+            data = coll.recv[offset * size:(offset + count) * size]
         item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
                     coll.total, data, r, lease)
-        if lease is None:
+        if held is None:
             coll.kept.append(item)
         ring = self.kept.get((item.group, item.reducer))
         if ring is None:

@@ -13,7 +13,7 @@ from .collective import ANSWERED, SENT, Collective
 from .identity import Identity
 
 if TYPE_CHECKING:
-    from .slots import Lease
+    from .failover import Held
 
 
 class Ledger:
@@ -30,9 +30,9 @@ class Ledger:
         # on one another's window.
         self.inflight: Dict[int, List[int]] = {}
         self.next_seq: Dict[int, int] = {}  # by group: the seq of the next collective to start
-        #: told of every chunk answered with its result, and the shared-memory slot it may stay in
-        #: (failover.py keeps it), when set
-        self.on_result: Optional[Callable[[Collective, int, int, Optional["Lease"]], None]] = None
+        #: told of every chunk answered with its result, and where else the result is held, if
+        #: anywhere (failover.py keeps it), when set
+        self.on_result: Optional[Callable[[Collective, int, int, "Held"], None]] = None
         #: told of every collective as it ends, completed or failed, before its caller may touch its
         #: buffers again (failover.py copies the results it keeps out of them), when set
         self.on_end: Optional[Callable[[Collective], None]] = None
@@ -58,10 +58,9 @@ class Ledger:
             return None
         return coll
 
-    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str],
-                   lease: Optional["Lease"] = None) -> None:
-        """Chunk k of coll was answered by reducer r (error: why it failed); `lease`: the slot its
-        result is in, lent to on_result (given only with no error, and only when on_result is set)."""
+    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str], held: "Held" = None) -> None:
+        """Chunk k of coll was answered by reducer r (error: why it failed); `held`: where else its
+        result is, handed to on_result (given only with no error, and only when on_result is set)."""
         coll.state[k] = ANSWERED
         self.inflight[coll.group][r] -= 1
         coll.answered += 1
@@ -71,7 +70,7 @@ class Ledger:
         if error is not None:
             coll.errors.append((k, f"chunk {k} on {self.names[r]}: {error}"))
         elif self.on_result is not None:
-            self.on_result(coll, k, r, lease)
+            self.on_result(coll, k, r, held)
         if coll.answered == len(coll.chunks):
             del self.active[coll.group, coll.seq]
             if coll.errors:

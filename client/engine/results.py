@@ -1,9 +1,11 @@
 """The result path: every message a reducer sends a worker, after the first handshake.
 
 A RESULT is received with recv_into straight into the output buffer (no copy, nothing
-allocated); a RESULT_SHM is copied out of its shared-memory slot; an ERROR fails its chunk, and
-so its collective, with the reducer's words; a handshake message from a reducer that was lost
-readmits it (or refuses it). Each answer is checked against the chunk it answers (its offset,
+allocated), or, when failover keeps it and it is large, as the message libzmq received, copied
+into the output and kept as it is; a RESULT_SHM is copied out of its shared-memory slot, which
+failover may keep as it is (slots.Lease); an ERROR fails its chunk, and so its collective, with
+the reducer's words; a handshake message from a reducer that was lost readmits it (or refuses
+it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
 """
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from reduction_server import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.protocol import (ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM, OP_BROADCAST, ErrorCode,
-                                      MsgType)
+from reduction_server.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM,
+                                      OP_BROADCAST, ErrorCode, MsgType)
 
 from .collective import Collective
 from .connections import Connections
@@ -132,12 +135,21 @@ class Results:
             _skip(sock, more)
             return self.ledger.chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))
         view = coll.recv[offset * size:(offset + count) * size]
-        received = sock.recv_into(view)
+        held = None
+        if self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
+            # The result that failover keeps is the message itself: one copy, into the output.
+            frame = sock.recv(copy=False)
+            received = len(frame)
+            if received == len(view):
+                held = frame.buffer
+                np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(held, np.uint8))  # without the GIL
+        else:
+            received = sock.recv_into(view)
         error = None
         if received != len(view):
             error = f"{self.connections.name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
         _skip(sock, sock.getsockopt(_RCVMORE))
-        self.ledger.chunk_done(coll, h.chunk, r, error)
+        self.ledger.chunk_done(coll, h.chunk, r, error, held)
 
     @staticmethod
     def _misshapen(h: protocol.Header, coll: Collective) -> bool:

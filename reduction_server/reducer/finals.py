@@ -16,10 +16,10 @@ import time
 from typing import Optional, Tuple
 
 from ..accumulator import AccumulatorPool, PoolExhausted
-from ..protocol import ErrorCode, Header, MsgType
+from ..protocol import BATCHED_RECV_BYTES, ErrorCode, Header, MsgType
 from ..round import Round
 from .delivery import Delivery
-from .fold import BATCHED_RECV_BYTES, Folder, Payload
+from .fold import Folder, Payload
 
 
 class Finals:
@@ -56,7 +56,7 @@ class Finals:
         and every rank that contributed already gets the result."""
         if payload is None or isinstance(payload, memoryview):
             raise ValueError("a FINAL carries the result as a frame")
-        data = payload if len(payload) >= BATCHED_RECV_BYTES else payload.bytes  # see fold.BATCHED_RECV_BYTES
+        data = payload if len(payload) >= BATCHED_RECV_BYTES else payload.bytes  # see protocol.BATCHED_RECV_BYTES
         self.folder.free(rnd)  # first: its memory makes room under the budgets
         self.pool.hold(len(data), h.rank)
         rnd.final, rnd.final_owner = data, h.rank

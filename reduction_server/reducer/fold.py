@@ -16,14 +16,11 @@ import zmq
 
 from .. import _native
 from ..accumulator import AccumulatorPool
-from ..protocol import OP_BROADCAST, Header, ReduceOp
+from ..protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
 from ..round import Round
 
 Payload = Union[zmq.Frame, memoryview, None]
 Result = Union[zmq.Frame, np.ndarray]  # a broadcast root's frame as it came, or the accumulator's memory
-#: below this, a received frame may share libzmq's receive buffer (a batch of ZMQ_IN_BATCH_SIZE,
-#: 8 KiB by default and not set here, or a larger read's buffer): never held or adopted then
-BATCHED_RECV_BYTES = 64 << 10
 #: below this, a result goes out copied into a message libzmq owns, and its memory returns to the
 #: pool at once: a copy costs less than a zero-copy send's tracking (an Event per frame, and a
 #: wake-up of pyzmq's collector thread once libzmq frees it): 15-20 % of a reducer's CPU at 64-128
