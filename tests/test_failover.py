@@ -200,28 +200,36 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
                                chunk_bytes=1 << 20, shared_memory=shared)
         try:
             mine, theirs = np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
-            handle = comm.all_reduce_async(mine)  # seq 0: one chunk, on reducer 0
-            peers[0].send(data(1, 2, seq=0, count=n), theirs.tobytes())
-            result = handle.wait(5)
-            assert np.array_equal(result, mine + theirs)
-            assert comm._engine.chunks_shared == (2 if shared else 0)
-            (kept,) = comm._engine.failover.kept[0, 0]
-            assert {"slot": kept.lease is not None, "copy": isinstance(kept.data, bytearray),
-                    "message": kept.lease is None and isinstance(kept.data, memoryview)}[kept_as]
-            result[:] = -7.0  # the caller's buffer again: what rank 0 brings is its own
+            # seq 0 and seq 2: one chunk each, on reducer 0; seq 1 on reducer 1. Seq 2's chunk
+            # goes out in the slot seq 0's result came back in, were that slot free again.
+            for seq in range(3):
+                handle = comm.all_reduce_async(mine * (seq + 1))
+                peers[seq % 2].send(data(1, 2, seq=seq, count=n), (theirs * (seq + 1)).tobytes())
+                result = handle.wait(5)
+                assert np.array_equal(result, (mine + theirs) * (seq + 1))
+                result[:] = -7.0  # the caller's buffer again: what rank 0 brings is its own
+                header, _ = peers[seq % 2].recv(5)  # rank 1's answer
+                assert header.type is MsgType.RESULT and header.seq == seq
+            assert comm._engine.chunks_shared == (6 if shared else 0)
+            kept = comm._engine.failover.kept[0, 0]
+            assert [item.seq for item in kept] == [0, 2]
+            for item in kept:
+                assert {"slot": item.lease is not None, "copy": isinstance(item.data, bytearray),
+                        "message": item.lease is None and isinstance(item.data, memoryview)}[kept_as]
             group.signal(0, signal.SIGKILL)
             # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
             peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())
             header, payload = peers[1].recv(10)
             assert header.type is MsgType.RESULT and np.array_equal(np.frombuffer(payload, np.float32), mine + theirs)
-            # seq 1 lives on reducer 1 anyway; seq 2's chunk (reducer 0's) is moved to reducer 1.
-            for seq, mtype in ((1, MsgType.DATA), (2, MsgType.MOVED)):
+            # seq 3 lives on reducer 1 anyway; seq 4's chunk (reducer 0's) is moved to reducer 1.
+            for seq, mtype in ((3, MsgType.DATA), (4, MsgType.MOVED)):
                 handle = comm.all_reduce_async(mine * seq)
                 peers[1].send(data(1, 2, seq=seq, count=n, mtype=mtype), theirs.tobytes())
                 assert np.array_equal(handle.wait(10), mine * seq + theirs)
                 header, payload = peers[1].recv(5)
                 assert header.type is MsgType.RESULT and header.seq == seq
-            assert sorted(comm._engine.failover.lost) == [0] and comm._engine.failover.finals == 1
+            # seq 0 and seq 2 brought as FINALs; seq 2's settles a round nobody else asks for
+            assert sorted(comm._engine.failover.lost) == [0] and comm._engine.failover.finals == 2
         finally:
             comm.close()
             for p in peers:

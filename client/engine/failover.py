@@ -175,9 +175,18 @@ class Failover:
                 item.data = data
         coll.kept.clear()
 
+    def _own(self, item: Kept) -> None:
+        """A result kept in a shared-memory slot gets a buffer of its own: it is brought to another
+        reducer and kept for the generation, and a slot's view would keep its whole segment mapped."""
+        if item.lease is not None:
+            data = self._buffer(item.nbytes)
+            data[:item.nbytes] = item.data
+            item.lease.end()
+            item.data, item.lease = data, None
+
     def _discard(self, item: Kept) -> None:
-        """item is kept no longer: its slot is free again, its own buffer spare (one for each
-        result a collective's end may copy, a window per reducer), a view let go."""
+        """item is kept no longer: its slot is free again, its own buffer spare (as many as a
+        collective's end may copy with one group in use, a window per reducer), a view let go."""
         if item.lease is not None:
             item.lease.end()
             item.lease = None
@@ -218,7 +227,9 @@ class Failover:
                     break
         for store in (self.kept, self.brought):
             for key in [key for key in store if key[1] == r]:
-                self.resend.extend(store.pop(key))
+                for item in store.pop(key):
+                    self._own(item)
+                    self.resend.append(item)
         return stranded
 
     def place(self, coll: Collective) -> bool:

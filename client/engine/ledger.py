@@ -72,13 +72,14 @@ class Ledger:
         elif self.on_result is not None:
             self.on_result(coll, k, r, held)
         if coll.answered == len(coll.chunks):
+            if not coll.errors:
+                self._end(coll)  # while it is still active: should this raise, the engine's end fails it
             del self.active[coll.group, coll.seq]
             if coll.errors:
                 # The lowest chunk's error, not the first to arrive: every rank reports the same one.
                 more = f" (and {len(coll.errors) - 1} more chunk errors)" if len(coll.errors) > 1 else ""
                 self.fail(coll, f"{min(coll.errors)[1]}{more}")
             else:
-                self._end(coll)
                 if coll.trace is not None:
                     coll.trace.timeline.finish(coll.trace)
                 coll.future.set_result(coll.result)
@@ -87,10 +88,12 @@ class Ledger:
         """Fail coll's Future with a CollectiveError naming this rank, the collective and
         `reason`, and end its timeline record; nothing if it has already completed."""
         if not coll.future.done():
-            self._end(coll)
-            if coll.trace is not None:
-                coll.trace.timeline.finish(coll.trace, reason)
-            coll.future.set_exception(CollectiveError(f"rank {self.me.rank}: {coll.describe()} failed: {reason}"))
+            try:
+                self._end(coll)
+            finally:  # its caller hears of it whatever happens
+                if coll.trace is not None:
+                    coll.trace.timeline.finish(coll.trace, reason)
+                coll.future.set_exception(CollectiveError(f"rank {self.me.rank}: {coll.describe()} failed: {reason}"))
 
     def _end(self, coll: Collective) -> None:
         if self.on_end is not None:

@@ -115,7 +115,8 @@ class Slots:
 
     def lease(self, r: int, slot: int, nbytes: int) -> Optional[Lease]:
         """Lend out free slot `slot` of reducer r with the result of nbytes in it; None when every
-        slot that can be lent is (a window stays for chunks in flight): the result is copied then."""
+        slot that can be lent is (a window stays for chunks in flight): failover keeps the result
+        another way then."""
         segment = self.segments[r]
         if segment is None or self.lent[r] >= segment.slots - self.window or slot not in self.free[r]:
             return None
