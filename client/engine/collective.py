@@ -4,15 +4,12 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from reduction_server.protocol import DType, ReduceOp
 
 from ..chunking import Chunk
 from ..timeline import Trace
-
-if TYPE_CHECKING:
-    from .failover import Kept
 
 #: a chunk's state: not sent yet, sent and not answered, answered (or given up)
 UNSENT, SENT, ANSWERED = 0, 1, 2
@@ -44,7 +41,7 @@ class Collective:
     group: int = 0  # the group of ranks it runs in (0: all of them); seq counts within it
     time_limit: Optional[float] = None  # seconds it may take from its start, its caller's timeout
     deadline: float = float("inf")  # monotonic time it fails unless done (set when it starts)
-    kept: List["Kept"] = field(default_factory=list)  # results failover.py keeps as views of recv, until it ends
+    kept: List[Any] = field(default_factory=list)  # failover.Kept results that are views of recv, until it ends
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))

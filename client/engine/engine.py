@@ -219,6 +219,7 @@ class Engine:
             log.exception("engine of rank %d crashed", self.rank)
             self._die(f"the communication engine crashed: {exc!r}")
         finally:
+            self.failover.close()
             self.connections.close(bye=True)
 
     def _loop(self) -> None:

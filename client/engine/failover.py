@@ -266,6 +266,12 @@ class Failover:
                 for item in store.pop(key):
                     self._discard(item)
 
+    def close(self) -> None:
+        """The engine stops: nothing is kept any more, so that no view holds a shared-memory
+        segment mapped once its connection is closed."""
+        self.resend.clear()
+        self._forget(lambda key: True)
+
     def reset(self) -> None:
         """No reducer is left: forget every loss, so that the reducers, once back, are used as
         planned by every rank alike (each rank may have lost them in another order)."""

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from reduction_server.errors import CollectiveError
 from reduction_server.protocol import Header
 
 from .collective import ANSWERED, SENT, Collective
 from .identity import Identity
-
-if TYPE_CHECKING:
-    from .failover import Held
 
 
 class Ledger:
@@ -31,8 +28,8 @@ class Ledger:
         self.inflight: Dict[int, List[int]] = {}
         self.next_seq: Dict[int, int] = {}  # by group: the seq of the next collective to start
         #: told of every chunk answered with its result, and where else the result is held, if
-        #: anywhere (failover.py keeps it), when set
-        self.on_result: Optional[Callable[[Collective, int, int, "Held"], None]] = None
+        #: anywhere (a failover.Held; failover.py keeps it), when set
+        self.on_result: Optional[Callable[[Collective, int, int, Any], None]] = None
         #: told of every collective as it ends, completed or failed, before its caller may touch its
         #: buffers again (failover.py copies the results it keeps out of them), when set
         self.on_end: Optional[Callable[[Collective], None]] = None
@@ -58,7 +55,7 @@ class Ledger:
             return None
         return coll
 
-    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str], held: "Held" = None) -> None:
+    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str], held: Any = None) -> None:
         """Chunk k of coll was answered by reducer r (error: why it failed); `held`: where else its
         result is, handed to on_result (given only with no error, and only when on_result is set)."""
         coll.state[k] = ANSWERED
