@@ -169,20 +169,23 @@ class Failover:
         it still kept (or queued as FINALs) are copied out of it now."""
         for item in coll.kept:
             if isinstance(item.data, memoryview):
-                data = self._buffer(item.nbytes)
-                # NumPy copies without the GIL: the training thread runs on meanwhile.
-                np.copyto(np.frombuffer(data, np.uint8, item.nbytes), np.frombuffer(item.data, np.uint8))
-                item.data = data
+                self._copy(item)
         coll.kept.clear()
 
     def _own(self, item: Kept) -> None:
         """A result kept in a shared-memory slot gets a buffer of its own: it is brought to another
         reducer and kept for the generation, and a slot's view would keep its whole segment mapped."""
         if item.lease is not None:
-            data = self._buffer(item.nbytes)
-            data[:item.nbytes] = item.data
+            self._copy(item)
             item.lease.end()
-            item.data, item.lease = data, None
+            item.lease = None
+
+    def _copy(self, item: Kept) -> None:
+        """item's result into a buffer of its own, which it keeps from now on."""
+        data = self._buffer(item.nbytes)
+        # NumPy copies without the GIL: the training thread runs on meanwhile.
+        np.copyto(np.frombuffer(data, np.uint8, item.nbytes), np.frombuffer(item.data, np.uint8, item.nbytes))
+        item.data = data
 
     def _discard(self, item: Kept) -> None:
         """item is kept no longer: its slot is free again, its own buffer spare (as many as a
@@ -267,8 +270,8 @@ class Failover:
                     self._discard(item)
 
     def close(self) -> None:
-        """The engine stops: nothing is kept any more, so that no view holds a shared-memory
-        segment mapped once its connection is closed."""
+        """Keep and resend nothing any more (the engine stops, or no reducer is left), so that no
+        view holds a shared-memory segment mapped once its connection is closed."""
         self.resend.clear()
         self._forget(lambda key: True)
 
@@ -278,8 +281,7 @@ class Failover:
         self.lost.clear()
         self.since.clear()
         self.rejoining.clear()
-        self.resend.clear()
-        self._forget(lambda key: True)
+        self.close()
         self.held_since = None
 
     def still_owed(self, coll: Collective, k: int) -> bool:
