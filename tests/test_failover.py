@@ -211,7 +211,7 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
                 header, _ = peers[seq % 2].recv(5)  # rank 1's answer
                 assert header.type is MsgType.RESULT and header.seq == seq
             assert comm._engine.chunks_shared == (6 if shared else 0)
-            kept = comm._engine.failover.kept[0, 0]
+            kept = comm._engine.failover.results.kept[0, 0]
             assert [item.seq for item in kept] == [0, 2]
             for item in kept:
                 assert {"slot": item.lease is not None, "copy": isinstance(item.data, bytearray),
@@ -254,7 +254,7 @@ def test_a_result_is_kept_as_a_view_in_flight_and_copied_when_its_collective_end
     me = Identity(rank=0, world=2, job=1, generation=0)
     ledger = Ledger(me, ["reducer 0", "reducer 1"])
     failover = Failover(me, 2, window=2, enabled=True)
-    ledger.on_result, ledger.on_end = failover.keep, failover.settle
+    ledger.on_result, ledger.on_end = failover.keep, failover.results.settle
     buf = np.arange(40, dtype=np.float32)
     before = buf.copy()
     view = memoryview(buf.view(np.uint8))
@@ -267,13 +267,13 @@ def test_a_result_is_kept_as_a_view_in_flight_and_copied_when_its_collective_end
         window[chunk.reducer] += 1
     for k in range(9):
         ledger.chunk_done(coll, k, k % 2, None)
-    assert all(isinstance(item.data, memoryview) for ring in failover.kept.values() for item in ring)
+    assert all(isinstance(item.data, memoryview) for ring in failover.results.kept.values() for item in ring)
     ledger.chunk_done(coll, 9, 1, None if ends == "completes" else "the reducer said no")
     assert coll.future.done() and (coll.future.exception() is None) == (ends == "completes")
     buf[:] = -1.0  # the caller writes over its buffer
     expected = {0: [6, 8], 1: [7, 9] if ends == "completes" else [5, 7]}
     for r, chunk_ids in expected.items():
-        ring = failover.kept[0, r]
+        ring = failover.results.kept[0, r]
         assert [item.chunk for item in ring] == chunk_ids
         for item in ring:
             assert isinstance(item.data, bytearray)

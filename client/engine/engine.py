@@ -1,24 +1,21 @@
 """The Engine: one background thread that owns a worker's sockets and moves every chunk.
 
 ZeroMQ sockets are not thread-safe, so a single thread sends every chunk and receives every
-result; user threads hand it collectives through a queue and a wake-up pipe and wait on each
-one's Future. The thread first handshakes with every reducer (handshake.py), then loops: take new
+result; user threads hand it collectives through its inbox (inbox.py) and wait on each one's
+Future. The thread first handshakes with every reducer (handshake.py), then loops: take new
 collectives, pump chunks (pump.py), read what reducers send (results.py), watch connections
 (connections.py), heartbeat, and fail collectives that make no progress (ledger.py).
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import zmq
 
 from reduction_server import encryption, shared_memory
 from reduction_server.send_buffers import MEASURE_S
-from reduction_server.errors import CollectiveError
 from reduction_server.log import get_logger
 from reduction_server import settings
 
@@ -29,6 +26,7 @@ from .connections import Connections
 from .failover import Failover
 from .handshake import Handshake
 from .identity import Identity
+from .inbox import Inbox
 from .ledger import Ledger
 from .pump import Pump
 from .results import Results
@@ -61,18 +59,10 @@ class Engine:
         self._options = dict(enabled=failover, shared=shared, slot_bytes=slot_bytes, job_token=job_token,
                              encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
                              io_threads=io_threads, connect_timeout=connect_timeout)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
+        self.inbox = Inbox(rank)
         self._build(endpoints.listed(reducers), spares)
-        self._queue: Deque[Collective] = deque()
-        self._groups: List[Tuple[int, Tuple[int, ...]]] = []  # groups to announce, before the queue's collectives
-        self._closed_groups: List[int] = []  # groups whose kept results (failover.py) can go
-        self._lock = threading.Lock()
-        self._closing = False
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
-        self._dead: Optional[str] = None  # why the engine stopped, once it has
         self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
 
     def _build(self, ends: List[endpoints.Endpoint], spares: int) -> None:
@@ -86,11 +76,11 @@ class Engine:
         self.failover = Failover(me, len(ends), window, o["enabled"], spares)
         if self.failover.enabled:
             self.ledger.on_result = self.failover.keep
-            self.ledger.on_end = self.failover.settle
+            self.ledger.on_end = self.failover.results.settle
         self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, job_token=o["job_token"],
                                        encrypt=o["encrypt"], heartbeat=o["heartbeat"], liveness=o["liveness"],
                                        sndbuf=o["sndbuf"], io_threads=o["io_threads"])
-        self.connections.poller.register(self._wake_r, zmq.POLLIN)
+        self.connections.poller.register(self.inbox.wake_fd, zmq.POLLIN)
         self.handshake = Handshake(me, self.connections, self.slots, o["job_token"], o["connect_timeout"])
         self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
@@ -117,27 +107,24 @@ class Engine:
         self._ready.wait()
         if self._startup_error is not None:
             self._thread.join()
-            os.close(self._wake_r)  # close() is never called on an engine that did not start
-            os.close(self._wake_w)
+            self.inbox.close()  # close() is never called on an engine that did not start
             if self.timeline is not None:
                 self.timeline.release()
             raise self._startup_error
 
     def submit(self, coll: Collective) -> None:
         """Hand a collective to the engine thread; its Future says how it ended."""
-        with self._lock:
-            if self._closing or self._dead:
-                raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
-                                      + (self._dead or "the communicator is closed"))
-            if self.timeline is not None and coll.traced:
-                coll.trace = self.timeline.submitted(coll.trace, *coll.trace_facts())
-            self._queue.append(coll)
-            self._wake()
+        self.inbox.put(coll, self._trace)
+
+    def _trace(self, coll: Collective) -> None:
+        """coll is submitted: on the timeline, if one is set (under the inbox's lock, as set_timeline)."""
+        if self.timeline is not None and coll.traced:
+            coll.trace = self.timeline.submitted(coll.trace, *coll.trace_facts())
 
     def set_timeline(self, new: Optional["timeline.Timeline"]) -> None:
         """Trace collectives started from now on to `new` (None: none), releasing the one used
         so far; collectives in flight finish on the timeline they began on."""
-        with self._lock:
+        with self.inbox.lock:
             old, self.timeline = self.timeline, new
         if old is not None:
             old.release()
@@ -145,39 +132,21 @@ class Engine:
     def add_group(self, group: int, ranks: Sequence[int]) -> None:
         """Serve collectives of `group` (ranks ascending, this rank among them): the reducers
         hear of it before any of its chunks."""
-        with self._lock:
-            self._groups.append((group, tuple(ranks)))
-            self._wake()
+        self.inbox.add_group(group, ranks)
 
     def remove_group(self, group: int) -> None:
         """`group` takes no more collectives: the results kept for it can go."""
-        with self._lock:
-            if self._closing:  # the engine, and what it keeps, is gone or going
-                return
-            self._closed_groups.append(group)
-            self._wake()
+        self.inbox.remove_group(group)
 
     def close(self) -> None:
         """Fail what is pending, say BYE, close the sockets; waits for the engine thread."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            self._wake()
+        if not self.inbox.ask_to_close():
+            return
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
-        with self._lock:  # no submit() can be writing to the pipe while it closes
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        self.inbox.close()
         if self.timeline is not None:
             self.timeline.release()
-
-    def _wake(self) -> None:
-        """Wake the engine thread; called with the lock held. A full pipe wakes it already."""
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
 
     # -- engine thread -------------------------------------------------------------------
     def _connect(self) -> None:
@@ -223,36 +192,33 @@ class Engine:
             self.connections.close(bye=True)
 
     def _loop(self) -> None:
-        conn, ledger = self.connections, self.ledger
+        conn, ledger, inbox = self.connections, self.ledger, self.inbox
         next_heartbeat = 0.0  # the first PING goes out at once: the reducer then expects them
         next_measure = time.monotonic() + MEASURE_S
         heartbeat = conn.heartbeat
         wait = int(min(1.0, heartbeat) * 1000)
         while True:
-            with self._lock:
-                while self._groups:
-                    conn.announce(*self._groups.pop(0))
-                while self._closed_groups:
-                    self.failover.forget_group(self._closed_groups.pop())
-                while self._queue and not self._held(self._queue[0]):
-                    coll = self._queue.popleft()
+            with inbox.lock:
+                while inbox.groups:
+                    conn.announce(*inbox.groups.pop(0))
+                while inbox.closed_groups:
+                    self.failover.results.forget_group(inbox.closed_groups.pop())
+                while inbox.queue and not self._held(inbox.queue[0]):
+                    coll = inbox.queue.popleft()
                     if coll.future.done():
                         continue  # it failed while it waited (_held)
                     ledger.start(coll)
                     if self.failover.rerouting and not self.failover.place(coll):
                         ledger.give_up(coll, f"no reducer is left for one of its chunks: {self.failover.reason()}")
-            if self._closing:
+            if inbox.closing:
                 return self._die("the communicator was closed")
             self.pump.run()
             timeout = min(200, wait) if ledger.active else wait
             if conn.reopen_at:
                 timeout = min(timeout, max(0, int((min(conn.reopen_at.values()) - time.monotonic()) * 1000)))
             for item, _ in conn.poller.poll(timeout):
-                if item == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
+                if item == inbox.wake_fd:
+                    inbox.woken()
                     continue
                 kind, r = conn.index.get(item, ("", -1))
                 if kind == "data":
@@ -283,8 +249,4 @@ class Engine:
         return verdict
 
     def _die(self, reason: str) -> None:
-        with self._lock:
-            self._dead = reason
-            queued = list(self._queue)
-            self._queue.clear()
-        self.ledger.fail_all(reason, queued)
+        self.ledger.fail_all(reason, self.inbox.die(reason))

@@ -11,74 +11,25 @@ it has not had answered, so when a reducer is lost each rank:
   contribution: the reducer may have died after answering some ranks and not others, and a
   rank that has the result must still let the others get the same one.
 
-For the last, a rank keeps each group's last results from each reducer. A rank that lacks a
-chunk's result has the chunk among its unanswered ones on that reducer, at most its window per
-group, plus what was moved there: the reducer answered at most that many of the group's rounds
-after the one this rank lacks, so every rank that got it still keeps it. A result that came
-back through shared memory stays in its slot, lent out until it is kept no longer (slots.py); a
-large one that came as a frame is the message libzmq received (results.py). Any other is a view
-of the collective's own buffer while the collective is in flight, which nobody else writes then;
-only those still kept when the collective ends are copied out of it, before its caller gets the
-buffer back. A large collective's earlier chunks are no longer kept by then, so most of its
-result is never copied (bench/RESULTS.md, "Failover: what keeping results costs").
+For the last, a rank keeps each group's last results from each reducer (kept.py). A rank that
+lacks a chunk's result has the chunk among its unanswered ones on that reducer, at most its window
+per group, plus what was moved there: the reducer answered at most that many of the group's rounds
+after the one this rank lacks, so every rank that got it still keeps it.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
-import numpy as np
-
-from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_FINAL, REJOIN_LEAD
+from reduction_server.protocol import REJOIN_LEAD
 
 from ..chunking import preference
 from .collective import SENT, UNSENT, Collective
 from .identity import Identity
+from .kept import Held, Kept, KeptResults
 from .ledger import Ledger
-from .slots import Lease
-
-
-@dataclass
-class Kept:
-    """A chunk's result as this rank received it, and what its FINAL header says of the chunk."""
-
-    group: int
-    seq: int
-    chunk: int
-    nchunks: int
-    dtype: int
-    op: int
-    root: int
-    offset: int
-    count: int
-    total: int
-    #: a buffer of its own, of at least count x itemsize bytes (one is reused for a smaller chunk);
-    #: its shared-memory slot (`lease`) or received message; while its collective is in flight, a
-    #: view of the result in the collective's buffer; None once kept no longer
-    data: Union[bytearray, memoryview, None]
-    reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
-    lease: Optional[Lease] = None  # the slot it stays in, if any
-
-    @property
-    def nbytes(self) -> int:
-        """The result's size in bytes (its buffer may be larger)."""
-        return self.count * ITEMSIZE[self.dtype]
-
-    def final_header(self, me: Identity) -> bytes:
-        """The FINAL that brings this result to the chunk's new reducer."""
-        return protocol.data_header(MSG_FINAL, dtype=self.dtype, op=self.op, rank=me.rank, world=me.world,
-                                    job=me.job, generation=me.generation, seq=self.seq, chunk=self.chunk,
-                                    nchunks=self.nchunks, offset=self.offset, count=self.count, total=self.total,
-                                    nbytes=self.nbytes, aux=self.root, group=self.group)
-
 
 _NEVER = float("inf")
-
-#: where a result is besides its collective's buffer, if anywhere: the shared-memory slot it came
-#: back in, lent out, or the memory of the message it came in
-Held = Union[Lease, memoryview, None]
 
 #: what the pump sends before new chunks: a chunk of a collective again (MOVED), or a kept result
 Resend = Union[Tuple[Collective, int], Kept]
@@ -105,11 +56,7 @@ class Failover:
         self.rejoining: Dict[int, Dict[int, int]] = {}
         self.since: Dict[int, Dict[int, int]] = {}
         self.held_since: Optional[float] = None  # when the collective waiting for a JOIN began to
-        self.kept: Dict[Tuple[int, int], Deque[Kept]] = {}  # (group, reducer) -> its last results here
-        # (group, reducer) -> results brought there as FINAL: kept for the generation, since a rank
-        # that lacks one is not bounded by any window there (a substitute lost in turn needs them again)
-        self.brought: Dict[Tuple[int, int], List[Kept]] = {}
-        self.spare: List[bytearray] = []  # buffers of results no longer kept
+        self.results = KeptResults(window, num_reducers)
         self.resend: Deque[Resend] = deque()
         self.moved_chunks = 0  # chunks sent to a substitute as MOVED (the tests read these counts)
         self.finals = 0  # results brought to a substitute in place of a contribution (FINAL)
@@ -138,71 +85,14 @@ class Failover:
                 return r
         return None
 
-    # -- results kept ------------------------------------------------------------------------
     def keep(self, coll: Collective, k: int, r: int, held: Held = None) -> None:
-        """Chunk k of coll was answered by reducer r: keep its result where it is `held`, or as a
-        view of coll's buffer until coll ends."""
+        """Chunk k of coll was answered by reducer r: its result is kept (kept.py)."""
         if r in self.since:
             self.rejoined_chunks += 1
-        offset, count, _ = coll.chunks[k]
-        size = ITEMSIZE[coll.dtype]
-        lease = held if isinstance(held, Lease) else None
-        data = lease.view if lease is not None else held
-        if data is None:
-            data = coll.recv[offset * size:(offset + count) * size]
-        item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
-                    coll.total, data, r, lease)
-        if held is None:
-            coll.kept.append(item)
-        ring = self.kept.get((item.group, item.reducer))
-        if ring is None:
-            ring = self.kept[item.group, item.reducer] = deque()
-        ring.append(item)
         # After the result a rank lacks, the reducer answered at most: that rank's window, plus
         # what it resent there after each loss, plus this rank's own resends there (rounds that
         # a FINAL settled without the lacking rank).
-        while len(ring) > self.window * (1 + 2 * self.losses):
-            self._discard(ring.popleft())
-
-    def settle(self, coll: Collective) -> None:
-        """coll ends, completed or failed, and its caller gets its buffer back: the results of
-        it still kept (or queued as FINALs) are copied out of it now."""
-        for item in coll.kept:
-            if isinstance(item.data, memoryview):
-                self._copy(item)
-        coll.kept.clear()
-
-    def _own(self, item: Kept) -> None:
-        """A result kept in a shared-memory slot gets a buffer of its own: it is brought to another
-        reducer and kept for the generation, and a slot's view would keep its whole segment mapped."""
-        if item.lease is not None:
-            self._copy(item)
-            item.lease.end()
-            item.lease = None
-
-    def _copy(self, item: Kept) -> None:
-        """item's result into a buffer of its own, which it keeps from now on."""
-        data = self._buffer(item.nbytes)
-        # NumPy copies without the GIL: the training thread runs on meanwhile.
-        np.copyto(np.frombuffer(data, np.uint8, item.nbytes), np.frombuffer(item.data, np.uint8, item.nbytes))
-        item.data = data
-
-    def _discard(self, item: Kept) -> None:
-        """item is kept no longer: its slot is free again, its own buffer spare (as many as a
-        collective's end may copy with one group in use, a window per reducer), a view let go."""
-        if item.lease is not None:
-            item.lease.end()
-            item.lease = None
-        elif isinstance(item.data, bytearray):
-            self.spare.append(item.data)
-            del self.spare[:-self.window * self.num_reducers]
-        item.data = None
-
-    def _buffer(self, nbytes: int) -> bytearray:
-        for i, data in enumerate(self.spare):
-            if len(data) >= nbytes:
-                return self.spare.pop(i)
-        return bytearray(nbytes)
+        self.results.keep(coll, k, r, held, self.window * (1 + 2 * self.losses))
 
     # -- a reducer lost ------------------------------------------------------------------------
     def move_off(self, r: int, reason: str, ledger: Ledger) -> List[Collective]:
@@ -228,11 +118,7 @@ class Failover:
                 if not self._reroute(coll, k):
                     stranded.append(coll)
                     break
-        for store in (self.kept, self.brought):
-            for key in [key for key in store if key[1] == r]:
-                for item in store.pop(key):
-                    self._own(item)
-                    self.resend.append(item)
+        self.resend.extend(self.results.take(r))
         return stranded
 
     def place(self, coll: Collective) -> bool:
@@ -254,26 +140,14 @@ class Failover:
         now on, since that reducer may be lost in turn."""
         r = self.route(item.seq, item.chunk, item.group)
         if r is not None:
-            item.reducer = r
-            self.brought.setdefault((item.group, r), []).append(item)
+            self.results.brought_to(item, r)
         return r
-
-    def forget_group(self, group: int) -> None:
-        """A closed group's results are kept no longer."""
-        self._forget(lambda key: key[0] == group)
-
-    def _forget(self, which: Callable[[Tuple[int, int]], bool]) -> None:
-        """Keep no longer the results of the (group, reducer) keys `which` picks."""
-        for store in (self.kept, self.brought):
-            for key in [key for key in store if which(key)]:
-                for item in store.pop(key):
-                    self._discard(item)
 
     def close(self) -> None:
         """Keep and resend nothing any more (the engine stops, or no reducer is left), so that no
         view holds a shared-memory segment mapped once its connection is closed."""
         self.resend.clear()
-        self._forget(lambda key: True)
+        self.results.close()
 
     def reset(self) -> None:
         """No reducer is left: forget every loss, so that the reducers, once back, are used as

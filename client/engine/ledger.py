@@ -28,10 +28,10 @@ class Ledger:
         self.inflight: Dict[int, List[int]] = {}
         self.next_seq: Dict[int, int] = {}  # by group: the seq of the next collective to start
         #: told of every chunk answered with its result, and where else the result is held, if
-        #: anywhere (a failover.Held; failover.py keeps it), when set
+        #: anywhere (a kept.Held; kept.py keeps it), when set
         self.on_result: Optional[Callable[[Collective, int, int, Any], None]] = None
         #: told of every collective as it ends, completed or failed, before its caller may touch its
-        #: buffers again (failover.py copies the results it keeps out of them), when set
+        #: buffers again (kept.py copies the results it keeps out of them), when set
         self.on_end: Optional[Callable[[Collective], None]] = None
 
     def start(self, coll: Collective) -> None:

@@ -20,8 +20,9 @@ from reduction_server.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_MOVE
 
 from .collective import SENT, Collective
 from .connections import Connections
-from .failover import Failover, Kept
+from .failover import Failover
 from .identity import Identity
+from .kept import Kept
 from .ledger import Ledger
 from .slots import Slots
 

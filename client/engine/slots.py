@@ -9,7 +9,7 @@ became of the collective, so a late result never overwrites a newer chunk; a chu
 free slot, or a reducer without the segment, travels as a frame. A new connection gets a new
 segment.
 
-A result that failover keeps (failover.py) can stay in the slot it came back in, lent out
+A result that failover keeps (kept.py) can stay in the slot it came back in, lent out
 instead of copied, until it is kept no longer: a segment has a window of slots for chunks in
 flight and a window and one more to lend (the kept results of a group, and the one that pushes
 the oldest out). A slot lent is never sent in, so the reducer has no reason to write it again.
