@@ -14,7 +14,7 @@ from typing import List, Optional, Union
 
 import zmq
 
-from .. import encryption, protocol, settings, shared_memory
+from .. import encryption, heap, protocol, settings, shared_memory
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 from .core import Reducer
@@ -112,6 +112,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                                      deterministic=deterministic, metrics_port=metrics_port),
                           token=token, encrypt=encrypt, ready_fd=ready_fd)
     shard = shard or 0
+    heap.keep_freed_memory()  # before libzmq's I/O thread starts
 
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
     with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
