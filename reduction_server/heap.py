@@ -4,7 +4,7 @@ libzmq allocates a buffer of its own for every large message it receives and fre
 reducer has folded it in. glibc gives the free top of a heap back to the kernel (trimming, and
 whole thread heaps deleted), so the next message's pages fault in again and are zeroed, in the
 I/O thread, inside its copy from the socket: in a loopback job over tcp, half the page faults of
-all its processes (bench/RESULTS.md, "Page faults in the reducers"). A reducer's memory is bounded anyway
+all its processes, and 3.5 % of the reducers' CPU (bench/RESULTS.md, "Changes that landed"). A reducer's memory is bounded anyway
 (RS_MAX_ACCUMULATOR_BYTES, each peer's window), so it keeps its peak instead.
 """
 from __future__ import annotations
