@@ -14,6 +14,7 @@ import pytest
 
 import reduction_server
 import reduction_server.client as rs
+from reduction_server.client.group import Group
 from reduction_server import settings
 from helpers.cluster import TOKEN, reducers
 from helpers.jobs import connect, new_job, run_job, until
@@ -159,6 +160,8 @@ def test_context_manager_closes(group):
         comm.broadcast(np.ones(2))
     with pytest.raises(rs.CollectiveError, match="closed"):
         comm.barrier()
+    with pytest.raises(rs.CollectiveError, match="rank 0: cannot serve a new group: the communicator (is|was) closed"):
+        Group(comm, [0], "after-close")  # not a write to the engine's closed wake-up pipe
     comm.close()  # a second close is harmless
 
 

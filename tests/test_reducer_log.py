@@ -1,7 +1,9 @@
 """A reducer's log: its configuration at start and a summary at stop, and nothing else for a clean
 job at the default level (RS_LOG_LEVEL unset); RS_LOG_LEVEL=INFO adds the per-peer events."""
 import json
+import platform
 import re
+import sys
 from typing import Dict, List, Tuple
 
 import pytest
@@ -42,6 +44,8 @@ def test_default_level_logs_the_configuration_and_a_summary_only():
     started, stopped = lines
     assert started["address"] == address
     assert (started["reducer"], started["workers"], started["auth"], started["metrics"]) == ("0", "2", "token", "off")
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert started["heap"] == "kept", started  # reduction_server/heap.py
     for field in ("max_chunk_bytes", "max_accumulator_bytes", "timeout_s", "heartbeat_interval_s",
                   "liveness_timeout_s", "deterministic", "pid"):
         assert field in started, (field, started)

@@ -41,7 +41,7 @@ class Collective:
     group: int = 0  # the group of ranks it runs in (0: all of them); seq counts within it
     time_limit: Optional[float] = None  # seconds it may take from its start, its caller's timeout
     deadline: float = float("inf")  # monotonic time it fails unless done (set when it starts)
-    kept: List[Any] = field(default_factory=list)  # failover.Kept results that are views of recv, until it ends
+    kept: List[Any] = field(default_factory=list)  # kept.Kept results that are views of recv, until it ends
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))

@@ -36,8 +36,8 @@ Resend = Union[Tuple[Collective, int], Kept]
 
 
 class Failover:
-    """The reducers this rank has lost, where each chunk goes, the results it keeps, what it
-    must send again, and the lost reducers that come back."""
+    """The reducers this rank has lost, where each chunk goes, the results it keeps (`results`,
+    kept.py), what it must send again, and the lost reducers that come back."""
 
     def __init__(self, me: Identity, num_reducers: int, window: int, enabled: bool, spares: int = 0) -> None:
         self.me = me

@@ -35,16 +35,16 @@ class Inbox:
         """Queue coll for the engine thread, after `admit` (called under the lock); raises
         CollectiveError once the engine is closing or stopped."""
         with self.lock:
-            if self.closing or self.dead:
-                raise CollectiveError(f"rank {self.rank}: cannot start {coll.describe()}: "
-                                      + (self.dead or "the communicator is closed"))
+            self._refuse_if_closed(f"cannot start {coll.describe()}")
             admit(coll)
             self.queue.append(coll)
             self._wake()
 
     def add_group(self, group: int, ranks: Sequence[int]) -> None:
-        """Announce `group` (ranks ascending) to the reducers before any of its chunks."""
+        """Announce `group` (ranks ascending) to the reducers before any of its chunks; raises
+        CollectiveError once the engine is closing or stopped."""
         with self.lock:
+            self._refuse_if_closed("cannot serve a new group")
             self.groups.append((group, tuple(ranks)))
             self._wake()
 
@@ -85,6 +85,12 @@ class Inbox:
         with self.lock:
             os.close(self.wake_fd)
             os.close(self._wake_w)
+
+    def _refuse_if_closed(self, what: str) -> None:
+        """Raise CollectiveError saying `what` cannot be done, once the engine is closing or
+        stopped (its pipe may be closed); called with the lock held."""
+        if self.closing or self.dead:
+            raise CollectiveError(f"rank {self.rank}: {what}: {self.dead or 'the communicator is closed'}")
 
     def _wake(self) -> None:
         """Wake the engine thread; called with the lock held. A full pipe wakes it already."""

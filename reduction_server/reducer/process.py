@@ -112,7 +112,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                                      deterministic=deterministic, metrics_port=metrics_port),
                           token=token, encrypt=encrypt, ready_fd=ready_fd)
     shard = shard or 0
-    heap.keep_freed_memory()  # before libzmq's I/O thread starts
+    heap_kept = heap.keep_freed_memory()  # before libzmq's I/O thread starts
 
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
     with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
@@ -154,6 +154,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
                   auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
                   max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
                   max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
+                  heap="kept" if heap_kept else "default",
                   timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
                   sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(sndbuf, sndbuf), metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
                   pid=os.getpid())
