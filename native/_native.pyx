@@ -3,6 +3,8 @@
 
     load(acc, src, dtype)                    acc[:] = widen(src)
     accumulate(acc, src, dtype, op)          acc[:] = op(acc, widen(src)); AVG accumulates like SUM
+    accumulate_copies(acc, src, dtype, op, world, outs)   the last accumulate (AVG divided), each of
+                                             outs[:] = acc, block by block while in cache
     store(acc, dst, dtype, op, world)        dst[:] = narrow(acc), divided by world first for AVG
 
 `dtype` is the wire dtype of src/dst (reduction_server.protocol.DType, NCCL numbering) and `op`
@@ -16,6 +18,8 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FULL_RO, PyBUF_WRITABLE,
                              PyBuffer_IsContiguous, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
 from libc.stdint cimport int64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 import operator
 
@@ -75,6 +79,17 @@ cdef int _op_code(object op) except -1:
     return code
 
 
+cdef int64_t _world(object world) except -1:
+    """The number of ranks an AVG divides by, checked."""
+    try:
+        w = operator.index(world)
+    except TypeError:
+        raise ValueError(f"world must be a positive integer, not {world!r}") from None
+    if not 1 <= w <= 0x7fffffffffffffff:
+        raise ValueError(f"world must be a positive integer to average over, not {world!r}")
+    return w
+
+
 cdef int _get(object obj, Py_buffer *view, bint writable, str role) except -1:
     """PyObject_GetBuffer with clear errors; on success the caller must release `view`."""
     cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
@@ -128,9 +143,11 @@ cdef int _check_overlap(Py_buffer *a, Py_buffer *b, str what) except -1:
 # --------------------------------------------------------------------------------------------
 # The API
 
-cdef int _fold(object acc, object src, object dtype, object op, bint first) except -1:
+cdef int _fold(object acc, object src, object dtype, object op, bint first, object world=None,
+               object outs=None) except -1:
     cdef int d = _dtype_code(dtype)
     cdef int o = 0 if first else _op_code(op)
+    cdef int64_t w = _world(world) if outs is not None and o == RS_AVG else 1
     cdef size_t isz = rs_itemsizes[d], asz = rs_acc_itemsizes[d]
     cdef Py_buffer a, s
     cdef size_t n
@@ -149,11 +166,14 @@ cdef int _fold(object acc, object src, object dtype, object op, bint first) exce
                     f"but the contribution holds {s.len} bytes ({n} x "
                     f"{rs_dtype_names[d].decode()}); the accumulator must hold {n * asz} bytes")
             _check_overlap(&a, &s, "the accumulator and the contribution")
-            with nogil:
-                if first:
-                    rc = rs_load(d, a.buf, s.buf, n)
-                else:
-                    rc = rs_accumulate(d, o, a.buf, s.buf, n)
+            if outs is not None:
+                rc = _fold_copies(&a, &s, d, o, w, n, outs)
+            else:
+                with nogil:
+                    if first:
+                        rc = rs_load(d, a.buf, s.buf, n)
+                    else:
+                        rc = rs_accumulate(d, o, a.buf, s.buf, n)
             if rc:
                 raise SystemError("reduction kernel rejected its arguments")
         finally:
@@ -173,6 +193,75 @@ def accumulate(acc, src, dtype, op):
     _fold(acc, src, dtype, op, False)
 
 
+# Bytes of a block that accumulate_copies sums and then copies while it is still in cache: the
+# copies read the sum from cache, not memory.
+cdef enum:
+    _COPY_BLOCK = 64 * 1024
+
+
+cdef int _check_disjoint(Py_buffer *a, Py_buffer *b, str what) except -1:
+    cdef uintptr_t a0 = <uintptr_t>a.buf, b0 = <uintptr_t>b.buf
+    if a.len == 0 or b.len == 0 or a0 + <uintptr_t>a.len <= b0 or b0 + <uintptr_t>b.len <= a0:
+        return 0
+    raise ValueError(f"{what} overlap; pass separate buffers")
+
+
+def accumulate_copies(acc, src, dtype, op, world, outs):
+    """The last contribution of a round whose result goes to several places (shared-memory
+    slots): acc[:] = op(acc, widen(src)) as accumulate() does, divided by `world` for AVG as
+    store(acc, acc, ...) does, and then out[:] = acc for each of `outs`, a block at a time while
+    the block is in cache. Only for dtypes that accumulate in themselves; each out has acc's
+    size, does not overlap acc or another out, and may be src itself (a block of src is read
+    before it is written)."""
+    cdef int d = _dtype_code(dtype)
+    if rs_acc_itemsizes[d] != rs_itemsizes[d]:
+        raise ValueError(f"{rs_dtype_names[d].decode()} accumulates in {_acc_name(d).decode()}: its result is "
+                         "stored, not copied out of the accumulator")
+    _fold(acc, src, dtype, op, False, world, outs)
+
+
+cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_t n, object outs) except -1:
+    """accumulate_copies' loop over blocks, once acc and src are checked: returns the kernels'
+    code, or raises for an out that is not a buffer of acc's size apart from the others."""
+    cdef size_t isz = rs_itemsizes[d], off, m, block = _COPY_BLOCK // isz
+    cdef Py_ssize_t k = len(outs), i, j, got = 0
+    cdef Py_buffer *views = <Py_buffer *>malloc(max(k, 1) * sizeof(Py_buffer))
+    cdef char **dst = <char **>malloc(max(k, 1) * sizeof(char *))
+    cdef int rc = 0
+    if views == NULL or dst == NULL:
+        free(views)
+        free(dst)
+        raise MemoryError()
+    try:
+        for i in range(k):
+            _get(outs[i], &views[i], True, "copy's destination")
+            got += 1
+            if views[i].len != a.len:
+                raise ValueError(f"copy destination {i} holds {views[i].len} bytes, the accumulator {a.len}")
+            _check_disjoint(&views[i], a, "a copy's destination and the accumulator")
+            for j in range(i):
+                _check_disjoint(&views[i], &views[j], "two copies' destinations")
+            if views[i].buf != s.buf:
+                _check_disjoint(&views[i], s, "a copy's destination and the contribution")
+            dst[i] = <char *>views[i].buf
+        with nogil:
+            off = 0
+            while off < n and rc == 0:
+                m = block if n - off > block else n - off
+                rc = rs_accumulate(d, o, <char *>a.buf + off * isz, <const char *>s.buf + off * isz, m)
+                if o == RS_AVG and rc == 0:
+                    rc = rs_store(d, o, <char *>a.buf + off * isz, <char *>a.buf + off * isz, m, w)
+                for i in range(k):
+                    memcpy(dst[i] + off * isz, <char *>a.buf + off * isz, m * isz)
+                off += m
+    finally:
+        for i in range(got):
+            PyBuffer_Release(&views[i])
+        free(views)
+        free(dst)
+    return rc
+
+
 def store(acc, dst, dtype, op, world):
     """dst[:] = narrow(acc), divided by `world` first (in the accumulator type) when op is AVG.
 
@@ -181,19 +270,11 @@ def store(acc, dst, dtype, op, world):
     """
     cdef int d = _dtype_code(dtype)
     cdef int o = _op_code(op)
-    cdef int64_t w = 1
+    cdef int64_t w = _world(world) if o == RS_AVG else 1
     cdef size_t isz = rs_itemsizes[d], asz = rs_acc_itemsizes[d]
     cdef Py_buffer a, t
     cdef size_t n
     cdef int rc
-    if o == RS_AVG:
-        try:
-            w_obj = operator.index(world)
-        except TypeError:
-            raise ValueError(f"world must be a positive integer, not {world!r}") from None
-        if not 1 <= w_obj <= 0x7fffffffffffffff:
-            raise ValueError(f"world must be a positive integer to average over, not {world!r}")
-        w = w_obj
     _get(acc, &a, False, "accumulator")
     try:
         if a.len % <Py_ssize_t>asz:

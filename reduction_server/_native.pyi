@@ -4,7 +4,7 @@ Buffers are any C-contiguous objects exporting the buffer protocol; their bytes 
 `dtype` code says (DType, NCCL numbering), whatever their own format. Codes are ints or
 DType / ReduceOp members.
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
@@ -18,6 +18,12 @@ def load(acc: Buffer, src: Buffer, dtype: Union[int, DType]) -> None:
 
 def accumulate(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp]) -> None:
     """acc[:] = op(acc, widen(src)) elementwise; AVG accumulates like SUM."""
+
+def accumulate_copies(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
+                      world: int, outs: Sequence[Buffer]) -> None:
+    """The last accumulate() (AVG divided by world, as store() does), then out[:] = acc for each
+    of outs, a block at a time while it is in cache; only for dtypes that accumulate in
+    themselves; an out may be src itself."""
 
 def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
           world: int) -> None:

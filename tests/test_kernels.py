@@ -216,3 +216,50 @@ def test_overlap_that_is_not_aliasing():
     with pytest.raises(ValueError, match="overlap"):
         _native.load(buf[:8], buf.view(np.uint16)[:8], DType.BFLOAT16)
     np.testing.assert_array_equal(buf, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# accumulate_copies: the last fold of a round whose result goes to several slots
+
+_SELF_ACCUMULATING = [d for d in DType if acc_dtype(d) == d.storage]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", _SELF_ACCUMULATING, ids=lambda d: d.name)
+def test_accumulate_copies_is_accumulate_then_a_copy_into_each_out(isa, dtype, op):
+    """Lengths within one 64 KiB block and across several with a tail; one out is the
+    contribution itself (the last rank's own slot), read before it is written. An average is
+    divided block by block, bit for bit as store() divides the whole."""
+    for n in (1, 1023, 3 * (65536 // dtype.storage.itemsize) + 5):
+        rng = np.random.default_rng([int(dtype), int(op), n])
+        acc, src = (make_input(rng, dtype, op, n) for _ in range(2))
+        want = acc.copy()
+        _native.accumulate(want, src, int(dtype), int(op))
+        _native.store(want, want, int(dtype), int(op), WORLD)  # an average is divided as it is folded
+        outs = [np.full(n, 9, dtype.storage), np.full(n, 8, dtype.storage)]
+        _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, [outs[0], memoryview(outs[1]), src])
+        for got in (acc, *outs, src):
+            assert_same(got, want, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
+
+
+def test_accumulate_copies_refuses_what_it_cannot_do_and_writes_nothing():
+    acc, src = np.ones(64, np.float32), np.full(64, 2.0, np.float32)
+    out = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="float16 accumulates in float32"):
+        _native.accumulate_copies(np.zeros(64, np.float32), np.zeros(64, np.float16), DType.FLOAT16,
+                                  ReduceOp.SUM, 1, [])
+    with pytest.raises(ValueError, match="copy destination 0 holds 128 bytes, the accumulator 256"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [np.zeros(32, np.float32)])
+    with pytest.raises(ValueError, match="a copy's destination and the accumulator overlap"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [acc])
+    with pytest.raises(ValueError, match="two copies' destinations overlap"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [out, out])
+    both = np.zeros(96, np.float32)
+    with pytest.raises(ValueError, match="a copy's destination and the contribution overlap"):
+        _native.accumulate_copies(acc, both[:64], DType.FLOAT32, ReduceOp.SUM, 1, [both[32:]])
+    with pytest.raises(ValueError, match="world must be a positive integer to average over"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.AVG, 0, [out])
+    with pytest.raises(TypeError, match="must support the buffer protocol"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [object()])
+    np.testing.assert_array_equal(acc, 1.0)  # refused before anything was summed
+    np.testing.assert_array_equal(out, 0.0)

@@ -4,7 +4,7 @@ sent (the metrics and the stop line read them)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import zmq
 
@@ -12,6 +12,7 @@ from .. import protocol
 from ..log import event, get_logger
 from ..protocol import OP_BROADCAST, Header, MsgType
 from ..round import Round
+from ..shared_memory import Segment
 from .fold import Folder, Result
 from .membership import Membership
 from .outbox import Outbox
@@ -50,7 +51,8 @@ class Delivery:
             segment, slot = rnd.slots.get(rank, (None, 0))
             peer = members.peers.get(identity)
             if segment is not None and peer is not None and segment is peer.segment:
-                if not (rnd.in_slot and rank == rnd.owner):  # the owner's slot holds the sum already
+                # The owner's slot holds the sum already; the copied ones got it as the last rank was folded.
+                if not (rnd.in_slot and rank == rnd.owner) and rank not in rnd.copied:
                     segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
                 if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHM, self.index, nbytes, aux=slot)]):
                     self.bytes_out += nbytes
@@ -64,6 +66,21 @@ class Delivery:
             if self.outbox.send(identity, [header, frame]):
                 self.bytes_out += len(frame)
         return frame
+
+    def slot_copies(self, rnd: Round, last: Header, slot: Optional[Tuple[Segment, int]]) -> Dict[int, memoryview]:
+        """Where the result goes into a rank's shared-memory slot, by rank, when `last` (whose
+        own slot, if any, is `slot`) completes rnd: what the fold of `last` can write as it sums
+        (Folder.fold), in place of a copy of the result into each slot once it is summed."""
+        members, nbytes = self.members, last.count * rnd.dtype.itemsize
+        targets = {}
+        for rank in rnd.ranks:
+            segment, index = slot if rank == last.rank and slot is not None else rnd.slots.get(rank, (None, 0))
+            if segment is None or (rnd.in_slot and rank == rnd.owner):  # the owner's slot is the accumulator
+                continue
+            peer = members.peers.get(members.rank_identity.get(rank))
+            if peer is not None and segment is peer.segment:
+                targets[rank] = segment.slot(index, nbytes)
+        return targets
 
     def settled(self, rnd: Round, h: Header) -> None:
         """Answer h's sender from a settled moved round: its result, or a bare RESULT to a

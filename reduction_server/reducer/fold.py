@@ -3,13 +3,15 @@
 The first contribution is loaded into an accumulator from the pool (float32 for the 16-bit
 floats), or, for a dtype that accumulates in itself, becomes the accumulator: a shared-memory
 slot, or a received frame of its own, summed into in place and sent back as the result. The
-others are folded in by the native kernels (the GIL released). In deterministic mode they are
+others are folded in by the native kernels (the GIL released); the last one, when the sum is
+the result as it stands, also writes it into the ranks' shared-memory slots block by block, while
+each block is in cache (Delivery.slot_copies says where). In deterministic mode they are
 folded in rank order whatever their arrival order, early ones held until their turn. Every byte
 kept is charged to the pool's budget and to a rank's (accumulator.py).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import zmq
@@ -36,9 +38,17 @@ class Folder:
         self.pool = pool
         self.deterministic = deterministic
 
-    def fold(self, rnd: Round, h: Header, payload: Payload) -> None:
+    def completes_in_place(self, rnd: Round, h: Header) -> bool:
+        """Whether folding h completes rnd with its accumulator as the result (no rounding, no
+        folds held back; an average divided as it is folded), so that the fold can write the
+        result where it goes."""
+        return (not self.deterministic and rnd.accumulator is not None and len(rnd.contributed) + 1 == len(rnd.ranks)
+                and rnd.dtype.accumulator is rnd.dtype)
+
+    def fold(self, rnd: Round, h: Header, payload: Payload, copies: Optional[Dict[int, memoryview]] = None) -> None:
         """Fold h's payload (a frame, or a view of its shared-memory slot) into rnd; raises
-        PoolExhausted past a budget, ValueError for a contribution without the payload it needs."""
+        PoolExhausted past a budget, ValueError for a contribution without the payload it needs.
+        `copies`, when folding h completes rnd in place: the result also goes there, by rank."""
         if h.op == OP_BROADCAST:  # h agrees with the round's first contribution
             if h.rank == h.aux:
                 if payload is None:
@@ -52,7 +62,7 @@ class Folder:
         in_slot = isinstance(payload, memoryview)
         data = payload if in_slot else payload.buffer
         if not self.deterministic:
-            return self._fold_one(rnd, h, h.rank, data, payload)
+            return self._fold_one(rnd, h, h.rank, data, payload, copies)
         if h.rank != rnd.next_rank:  # early: kept until the ranks before it are folded
             if len(data) < BATCHED_RECV_BYTES and not in_slot:
                 # libzmq receives small messages into shared batch buffers: holding the frame would
@@ -68,9 +78,13 @@ class Folder:
             self._fold_one(rnd, h, rank, held, payload if i == 0 else None)
 
     def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
-                  payload: Payload = None) -> None:
+                  payload: Payload = None, copies: Optional[Dict[int, memoryview]] = None) -> None:
         """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
         if rnd.accumulator is not None:
+            if copies:  # each block of the sum is copied while in cache, not the whole sum again later
+                _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, list(copies.values()))
+                rnd.copied = tuple(copies)  # and divided, for an average
+                return None
             return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
         # The first contribution. When the dtype accumulates in itself its memory becomes the
         # accumulator, so nothing is copied in and the sum ends up in place: a shared-memory slot
@@ -104,7 +118,7 @@ class Folder:
             buffers.append(out)
             _native.store(acc, out, h.dtype, h.op, rnd.world)
             return out, buffers
-        if rnd.op is ReduceOp.AVG:
+        if rnd.op is ReduceOp.AVG and not rnd.copied:  # else divided as the last rank was folded
             _native.store(acc, acc, h.dtype, h.op, rnd.world)
         return acc, buffers
 
