@@ -221,8 +221,9 @@ def accumulate_copies(acc, src, dtype, op, world, outs):
 
 
 cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_t n, object outs) except -1:
-    """accumulate_copies' loop over blocks, once acc and src are checked: returns the kernels'
-    code, or raises for an out that is not a buffer of acc's size apart from the others."""
+    """accumulate_copies' loop over blocks, once acc and src are checked; raises for an out that
+    is not a buffer of acc's size apart from the others, or a kernel that refused (no block it
+    did not finish is copied)."""
     cdef size_t isz = rs_itemsizes[d], off, m, block = _COPY_BLOCK // isz
     cdef Py_ssize_t k = len(outs), i, j, got = 0
     cdef Py_buffer *views = <Py_buffer *>malloc(max(k, 1) * sizeof(Py_buffer))
@@ -251,6 +252,8 @@ cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_
                 rc = rs_accumulate(d, o, <char *>a.buf + off * isz, <const char *>s.buf + off * isz, m)
                 if o == RS_AVG and rc == 0:
                     rc = rs_store(d, o, <char *>a.buf + off * isz, <char *>a.buf + off * isz, m, w)
+                if rc:
+                    break
                 for i in range(k):
                     memcpy(dst[i] + off * isz, <char *>a.buf + off * isz, m * isz)
                 off += m
@@ -259,7 +262,9 @@ cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_
             PyBuffer_Release(&views[i])
         free(views)
         free(dst)
-    return rc
+    if rc:
+        raise SystemError("reduction kernel rejected its arguments")
+    return 0
 
 
 def store(acc, dst, dtype, op, world):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -79,7 +79,8 @@ class Round:
     next_position: int = 0  # deterministic mode: the position in `ranks` of the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
     in_slot: bool = False  # the accumulator is the owner's shared-memory slot, not pool memory
-    copied: Tuple[int, ...] = ()  # ranks whose slots the last contribution's fold wrote the result (divided) into
+    #: ranks whose slots the last contribution's fold wrote the result into (an average divided first)
+    copied: FrozenSet[int] = frozenset()
     charged: int = 0  # accumulator bytes charged to owner's budget
     moved: bool = False  # its chunk was moved here from a lost reducer (MOVED, FINAL)
     final: Any = None  # a moved round's result as a rank brought it (FINAL): a frame, or bytes if small

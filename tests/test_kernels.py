@@ -237,7 +237,7 @@ def test_accumulate_copies_is_accumulate_then_a_copy_into_each_out(isa, dtype, o
         _native.accumulate(want, src, int(dtype), int(op))
         _native.store(want, want, int(dtype), int(op), WORLD)  # an average is divided as it is folded
         outs = [np.full(n, 9, dtype.storage), np.full(n, 8, dtype.storage)]
-        _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, [outs[0], memoryview(outs[1]), src])
+        _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, [outs[0], memoryview(outs[1]), memoryview(src)])
         for got in (acc, *outs, src):
             assert_same(got, want, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
 
@@ -257,6 +257,8 @@ def test_accumulate_copies_refuses_what_it_cannot_do_and_writes_nothing():
     both = np.zeros(96, np.float32)
     with pytest.raises(ValueError, match="a copy's destination and the contribution overlap"):
         _native.accumulate_copies(acc, both[:64], DType.FLOAT32, ReduceOp.SUM, 1, [both[32:]])
+    with pytest.raises(ValueError, match="copy's destination must be writable"):
+        _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [bytes(256)])
     with pytest.raises(ValueError, match="world must be a positive integer to average over"):
         _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.AVG, 0, [out])
     with pytest.raises(TypeError, match="must support the buffer protocol"):

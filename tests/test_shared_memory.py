@@ -262,6 +262,26 @@ def test_sums_through_the_slots_equal_numpys_for_every_dtype_and_op(group, share
     assert shared_chunks == [2 * 4 * chunks if shared[r % len(shared)] else 0 for r in range(world)]
 
 
+def test_a_result_of_many_blocks_goes_into_every_slot_as_the_last_rank_is_folded(group):
+    """W=3, chunks of up to 1 MiB (many 64 KiB blocks and a tail each): the fold of each chunk's
+    last rank writes the result into the other ranks' slots block by block (accumulate_copies),
+    for every op, integers and floats, and an average over 3 divided exactly once."""
+    world, count = 3, 600_007
+
+    def body(comm, rank):
+        for dtype in (np.int32, np.uint32, np.uint64, np.int8, np.float64):
+            for op in ("sum", "prod", "max", "min", "avg"):
+                y = comm.all_reduce(_inputs(dtype, rank, count), op)
+                xs = [_inputs(dtype, r, count).astype(np.float64) for r in range(world)]
+                want = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}.get(op, np.mean)(xs, axis=0)
+                if op == "avg":
+                    want = np.trunc(want) if np.dtype(dtype).kind in "iu" else want.astype(dtype)
+                np.testing.assert_array_equal(y.astype(np.float64), want, err_msg=f"{dtype} {op}")
+        return comm._engine.chunks_shared
+
+    assert all(run_ranks(group, world, body, chunk_bytes=1 << 20, pipeline_depth=1))
+
+
 def test_a_reducer_with_rs_shm_off_answers_with_frames():
     with reducers(1, extra_env={"RS_SHM": "0"}) as group:
         def body(comm, rank):

@@ -71,6 +71,8 @@ class Delivery:
         """Where the result goes into a rank's shared-memory slot, by rank, when `last` (whose
         own slot, if any, is `slot`) completes rnd: what the fold of `last` can write as it sums
         (Folder.fold), in place of a copy of the result into each slot once it is summed."""
+        if slot is None and not rnd.slots:  # no rank answered through a slot (tcp): the common case
+            return {}
         members, nbytes = self.members, last.count * rnd.dtype.itemsize
         targets = {}
         for rank in rnd.ranks:

@@ -83,7 +83,7 @@ class Folder:
         if rnd.accumulator is not None:
             if copies:  # each block of the sum is copied while in cache, not the whole sum again later
                 _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, list(copies.values()))
-                rnd.copied = tuple(copies)  # and divided, for an average
+                rnd.copied = frozenset(copies)  # and divided, for an average
                 return None
             return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
         # The first contribution. When the dtype accumulates in itself its memory becomes the
