@@ -3,8 +3,8 @@
 
     load(acc, src, dtype)                    acc[:] = widen(src)
     accumulate(acc, src, dtype, op)          acc[:] = op(acc, widen(src)); AVG accumulates like SUM
-    accumulate_copies(acc, src, dtype, op, world, outs)   the last accumulate (AVG divided), each of
-                                             outs[:] = acc, block by block while in cache
+    accumulate_copies(acc, src, dtype, op, world, outs)   the last accumulate, and each of outs
+                                             stored from it, block by block while in cache
     store(acc, dst, dtype, op, world)        dst[:] = narrow(acc), divided by world first for AVG
 
 `dtype` is the wire dtype of src/dst (reduction_server.protocol.DType, NCCL numbering) and `op`
@@ -208,23 +208,22 @@ cdef int _check_disjoint(Py_buffer *a, Py_buffer *b, str what) except -1:
 
 def accumulate_copies(acc, src, dtype, op, world, outs):
     """The last contribution of a round whose result goes to several places (shared-memory
-    slots): acc[:] = op(acc, widen(src)) as accumulate() does, divided by `world` for AVG as
-    store(acc, acc, ...) does, and then out[:] = acc for each of `outs`, a block at a time while
-    the block is in cache. Only for dtypes that accumulate in themselves; each out has acc's
-    size, does not overlap acc or another out, and may be src itself (a block of src is read
-    before it is written)."""
-    cdef int d = _dtype_code(dtype)
-    if rs_acc_itemsizes[d] != rs_itemsizes[d]:
-        raise ValueError(f"{rs_dtype_names[d].decode()} accumulates in {_acc_name(d).decode()}: its result is "
-                         "stored, not copied out of the accumulator")
+    slots): acc[:] = op(acc, widen(src)) as accumulate() does, and each of `outs` gets the
+    result as store(acc, out, dtype, op, world) gives it, a block at a time while the block is in
+    cache. A dtype that accumulates in itself is divided in acc (AVG) and copied from there;
+    FLOAT16 and BFLOAT16 are stored into the first out (acc stays the float32 sum) and copied
+    from it. Each out holds len(src) bytes, does not overlap acc or another out, and may be src
+    itself (a block of src is read before it is written)."""
     _fold(acc, src, dtype, op, False, world, outs)
 
 
 cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_t n, object outs) except -1:
     """accumulate_copies' loop over blocks, once acc and src are checked; raises for an out that
-    is not a buffer of acc's size apart from the others, or a kernel that refused (no block it
+    is not a buffer of src's size apart from the others, or a kernel that refused (no block it
     did not finish is copied)."""
-    cdef size_t isz = rs_itemsizes[d], off, m, block = _COPY_BLOCK // isz
+    cdef size_t isz = rs_itemsizes[d], asz = rs_acc_itemsizes[d], off, m, block = _COPY_BLOCK // asz
+    cdef bint narrow = asz != isz
+    cdef char *first
     cdef Py_ssize_t k = len(outs), i, j, got = 0
     cdef Py_buffer *views = <Py_buffer *>malloc(max(k, 1) * sizeof(Py_buffer))
     cdef char **dst = <char **>malloc(max(k, 1) * sizeof(char *))
@@ -237,8 +236,8 @@ cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_
         for i in range(k):
             _get(outs[i], &views[i], True, "copy's destination")
             got += 1
-            if views[i].len != a.len:
-                raise ValueError(f"copy destination {i} holds {views[i].len} bytes, the accumulator {a.len}")
+            if views[i].len != s.len:
+                raise ValueError(f"copy destination {i} holds {views[i].len} bytes, the contribution {s.len}")
             _check_disjoint(&views[i], a, "a copy's destination and the accumulator")
             for j in range(i):
                 _check_disjoint(&views[i], &views[j], "two copies' destinations")
@@ -249,13 +248,19 @@ cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_
             off = 0
             while off < n and rc == 0:
                 m = block if n - off > block else n - off
-                rc = rs_accumulate(d, o, <char *>a.buf + off * isz, <const char *>s.buf + off * isz, m)
-                if o == RS_AVG and rc == 0:
-                    rc = rs_store(d, o, <char *>a.buf + off * isz, <char *>a.buf + off * isz, m, w)
+                rc = rs_accumulate(d, o, <char *>a.buf + off * asz, <const char *>s.buf + off * isz, m)
+                if rc == 0 and narrow:  # the first out gets the rounded block, the others a copy of it
+                    if k > 0:
+                        first = dst[0] + off * isz
+                        rc = rs_store(d, o, <char *>a.buf + off * asz, first, m, w)
+                elif rc == 0:
+                    first = <char *>a.buf + off * isz
+                    if o == RS_AVG:
+                        rc = rs_store(d, o, first, first, m, w)
                 if rc:
                     break
-                for i in range(k):
-                    memcpy(dst[i] + off * isz, <char *>a.buf + off * isz, m * isz)
+                for i in range(1 if narrow else 0, k):
+                    memcpy(dst[i] + off * isz, first, m * isz)
                 off += m
     finally:
         for i in range(got):

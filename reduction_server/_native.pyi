@@ -21,9 +21,10 @@ def accumulate(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int
 
 def accumulate_copies(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
                       world: int, outs: Sequence[Buffer]) -> None:
-    """The last accumulate() (AVG divided by world, as store() does), then out[:] = acc for each
-    of outs, a block at a time while it is in cache; only for dtypes that accumulate in
-    themselves; an out may be src itself."""
+    """The last accumulate(), and each of outs as store(acc, out, dtype, op, world) gives it, a
+    block at a time while it is in cache (acc divided in place for AVG of a dtype that
+    accumulates in itself, left the float32 sum for FLOAT16 and BFLOAT16); an out may be src
+    itself."""
 
 def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
           world: int) -> None:

@@ -221,34 +221,39 @@ def test_overlap_that_is_not_aliasing():
 # ------------------------------------------------------------------------------------------
 # accumulate_copies: the last fold of a round whose result goes to several slots
 
-_SELF_ACCUMULATING = [d for d in DType if acc_dtype(d) == d.storage]
-
-
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", _SELF_ACCUMULATING, ids=lambda d: d.name)
-def test_accumulate_copies_is_accumulate_then_a_copy_into_each_out(isa, dtype, op):
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_accumulate_copies_is_accumulate_then_a_store_into_each_out(isa, dtype, op):
     """Lengths within one 64 KiB block and across several with a tail; one out is the
-    contribution itself (the last rank's own slot), read before it is written. An average is
-    divided block by block, bit for bit as store() divides the whole."""
-    for n in (1, 1023, 3 * (65536 // dtype.storage.itemsize) + 5):
+    contribution itself (the last rank's own slot), read before it is written. Each out is what
+    store() gives from the whole sum, bit for bit; the accumulator ends as the result where the
+    dtype accumulates in itself (an average divided), as the float32 sum for 16-bit floats."""
+    self_accumulating = acc_dtype(dtype) == dtype.storage
+    ties = op in (ReduceOp.MAX, ReduceOp.MIN)
+    for n in (1, 1023, 3 * (65536 // np.dtype(acc_dtype(dtype)).itemsize) + 5):
         rng = np.random.default_rng([int(dtype), int(op), n])
-        acc, src = (make_input(rng, dtype, op, n) for _ in range(2))
-        want = acc.copy()
-        _native.accumulate(want, src, int(dtype), int(op))
-        _native.store(want, want, int(dtype), int(op), WORLD)  # an average is divided as it is folded
+        first, src = (make_input(rng, dtype, op, n) for _ in range(2))
+        acc = np.empty(n, acc_dtype(dtype))
+        _native.load(acc, first, int(dtype))
+        want_acc = acc.copy()
+        _native.accumulate(want_acc, src, int(dtype), int(op))
+        want = np.empty(n, dtype.storage)
+        _native.store(want_acc, want, int(dtype), int(op), WORLD)
         outs = [np.full(n, 9, dtype.storage), np.full(n, 8, dtype.storage)]
         _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, [outs[0], memoryview(outs[1]), memoryview(src)])
-        for got in (acc, *outs, src):
-            assert_same(got, want, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
+        for got in (*outs, src):
+            assert_same(got, want, bf16=dtype is DType.BFLOAT16, signed_zero_ties=ties)
+        assert_same(acc, want if self_accumulating else want_acc, bf16=dtype is DType.BFLOAT16 and self_accumulating,
+                    signed_zero_ties=ties)
 
 
 def test_accumulate_copies_refuses_what_it_cannot_do_and_writes_nothing():
     acc, src = np.ones(64, np.float32), np.full(64, 2.0, np.float32)
     out = np.zeros(64, np.float32)
-    with pytest.raises(ValueError, match="float16 accumulates in float32"):
+    with pytest.raises(ValueError, match="copy destination 0 holds 256 bytes, the contribution 128"):
         _native.accumulate_copies(np.zeros(64, np.float32), np.zeros(64, np.float16), DType.FLOAT16,
-                                  ReduceOp.SUM, 1, [])
-    with pytest.raises(ValueError, match="copy destination 0 holds 128 bytes, the accumulator 256"):
+                                  ReduceOp.SUM, 1, [np.zeros(64, np.float32)])  # a 16-bit result's size
+    with pytest.raises(ValueError, match="copy destination 0 holds 128 bytes, the contribution 256"):
         _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [np.zeros(32, np.float32)])
     with pytest.raises(ValueError, match="a copy's destination and the accumulator overlap"):
         _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [acc])

@@ -31,9 +31,10 @@ class Delivery:
         self.bytes_out = 0
         self.bytes_shared_out = 0
 
-    def result(self, rnd: Round, out: Result) -> Optional[zmq.Frame]:
-        """The result to every rank: into its shared-memory slot, or as a frame (made once, the
-        first time a rank needs it, and returned)."""
+    def result(self, rnd: Round, out: Optional[Result]) -> Optional[zmq.Frame]:
+        """The result to every rank: into its shared-memory slot (already there for rnd.copied;
+        `out` is None when every rank's is), or as a frame (made once, the first time a rank
+        needs it, and returned)."""
         h, members = rnd.first, self.members
         nbytes = h.count * rnd.dtype.itemsize
         header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)

@@ -3,9 +3,9 @@
 The first contribution is loaded into an accumulator from the pool (float32 for the 16-bit
 floats), or, for a dtype that accumulates in itself, becomes the accumulator: a shared-memory
 slot, or a received frame of its own, summed into in place and sent back as the result. The
-others are folded in by the native kernels (the GIL released); the last one, when the sum is
-the result as it stands, also writes it into the ranks' shared-memory slots block by block, while
-each block is in cache (Delivery.slot_copies says where). In deterministic mode they are
+others are folded in by the native kernels (the GIL released); the last one also writes the
+result (divided, rounded) into the ranks' shared-memory slots block by block, while each block is
+in cache (Delivery.slot_copies says where). In deterministic mode they are
 folded in rank order whatever their arrival order, early ones held until their turn. Every byte
 kept is charged to the pool's budget and to a rank's (accumulator.py).
 """
@@ -39,11 +39,9 @@ class Folder:
         self.deterministic = deterministic
 
     def completes_in_place(self, rnd: Round, h: Header) -> bool:
-        """Whether folding h completes rnd with its accumulator as the result (no rounding, no
-        folds held back; an average divided as it is folded), so that the fold can write the
-        result where it goes."""
-        return (not self.deterministic and rnd.accumulator is not None and len(rnd.contributed) + 1 == len(rnd.ranks)
-                and rnd.dtype.accumulator is rnd.dtype)
+        """Whether folding h completes rnd (no folds held back), so that the fold can write the
+        result where it goes: an average divided, 16-bit floats rounded, as it is folded."""
+        return not self.deterministic and rnd.accumulator is not None and len(rnd.contributed) + 1 == len(rnd.ranks)
 
     def fold(self, rnd: Round, h: Header, payload: Payload, copies: Optional[Dict[int, memoryview]] = None) -> None:
         """Fold h's payload (a frame, or a view of its shared-memory slot) into rnd; raises
@@ -83,7 +81,7 @@ class Folder:
         if rnd.accumulator is not None:
             if copies:  # each block of the sum is copied while in cache, not the whole sum again later
                 _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, list(copies.values()))
-                rnd.copied = frozenset(copies)  # and divided, for an average
+                rnd.copied = frozenset(copies)  # an average that accumulates in itself divided in place
                 return None
             return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
         # The first contribution. When the dtype accumulates in itself its memory becomes the
@@ -104,9 +102,10 @@ class Folder:
         rnd.owner, rnd.charged = rank, nbytes
         _native.load(rnd.accumulator, data, h.dtype)
 
-    def result(self, rnd: Round) -> Tuple[Result, List[np.ndarray]]:
-        """A complete round's result (avg divided once, 16-bit floats rounded once), and the pool
-        buffers it lives in; raises PoolExhausted when rounding needs a buffer the budget lacks."""
+    def result(self, rnd: Round) -> Tuple[Optional[Result], List[np.ndarray]]:
+        """A complete round's result (avg divided once, 16-bit floats rounded once; None when it
+        was rounded straight into every rank's slot), and the pool buffers it lives in; raises
+        PoolExhausted when rounding needs a buffer the budget lacks."""
         h, buffers = rnd.first, []
         if rnd.op is ReduceOp.BROADCAST:
             return rnd.adopted, buffers
@@ -114,6 +113,8 @@ class Folder:
         if not rnd.in_slot and rnd.adopted is None:  # pool memory
             buffers.append(acc)
         if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
+            if rnd.copied.issuperset(rnd.ranks):  # rounded into every rank's slot as it was folded
+                return None, buffers
             out = self.pool.acquire(h.count * rnd.dtype.itemsize)
             buffers.append(out)
             _native.store(acc, out, h.dtype, h.op, rnd.world)
