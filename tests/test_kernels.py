@@ -239,12 +239,20 @@ def test_accumulate_copies_is_accumulate_then_a_store_into_each_out(isa, dtype, 
         _native.accumulate(want_acc, src, int(dtype), int(op))
         want = np.empty(n, dtype.storage)
         _native.store(want_acc, want, int(dtype), int(op), WORLD)
+        src0 = src.copy()
         outs = [np.full(n, 9, dtype.storage), np.full(n, 8, dtype.storage)]
-        _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, [outs[0], memoryview(outs[1]), memoryview(src)])
+        # the contribution's own slot first on odd lengths (a 16-bit block is rounded into it), last on even
+        order = [memoryview(src), outs[0], memoryview(outs[1])] if n % 2 else [outs[0], memoryview(outs[1]), memoryview(src)]
+        _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, order)
         for got in (*outs, src):
             assert_same(got, want, bf16=dtype is DType.BFLOAT16, signed_zero_ties=ties)
         assert_same(acc, want if self_accumulating else want_acc, bf16=dtype is DType.BFLOAT16 and self_accumulating,
                     signed_zero_ties=ties)
+        if not self_accumulating:  # no outs: acc ends as the float32 sum
+            acc = np.empty(n, acc_dtype(dtype))
+            _native.load(acc, first, int(dtype))
+            _native.accumulate_copies(acc, src0, int(dtype), int(op), WORLD, [])
+            assert_same(acc, want_acc, signed_zero_ties=ties)
 
 
 def test_accumulate_copies_refuses_what_it_cannot_do_and_writes_nothing():

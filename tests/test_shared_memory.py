@@ -262,27 +262,30 @@ def test_sums_through_the_slots_equal_numpys_for_every_dtype_and_op(group, share
     assert shared_chunks == [2 * 4 * chunks if shared[r % len(shared)] else 0 for r in range(world)]
 
 
-def test_a_result_of_many_blocks_goes_into_every_slot_as_the_last_rank_is_folded(group):
+@pytest.mark.parametrize("shared", [(True,), (True, False, True)], ids=["every-rank", "mixed"])
+def test_a_result_of_many_blocks_goes_into_every_slot_as_the_last_rank_is_folded(group, shared):
     """W=3, chunks of up to 1 MiB (many 64 KiB blocks and a tail each): the fold of each chunk's
     last rank writes the result into the other ranks' slots block by block (accumulate_copies),
     for every op, integers and floats (16-bit ones rounded into every slot), and an average over
-    3 divided exactly once."""
+    3 divided exactly once, also where a rank's result goes as a frame."""
     world, count = 3, 600_007
 
     def body(comm, rank):
         for dtype in (np.int32, np.uint32, np.uint64, np.int8, np.float64, np.float16, ml_dtypes.bfloat16):
-            # 16-bit floats: exact sums (their average over 3 rounds twice: the kernel tests check it)
-            ops = ("sum", "max", "min") if np.dtype(dtype).itemsize == 2 else ("sum", "prod", "max", "min", "avg")
-            for op in ops:
+            half = np.dtype(dtype).itemsize == 2  # exact sums; no product (it would round)
+            for op in ("sum", "max", "min", "avg") if half else ("sum", "prod", "max", "min", "avg"):
                 y = comm.all_reduce(_inputs(dtype, rank, count), op)
                 xs = [_inputs(dtype, r, count).astype(np.float64) for r in range(world)]
                 want = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}.get(op, np.mean)(xs, axis=0)
-                if op == "avg":
+                if op == "avg" and half:  # divided in float32, then rounded, as the reducer does
+                    want = (np.sum(xs, axis=0).astype(np.float32) / np.float32(world)).astype(dtype)
+                elif op == "avg":
                     want = np.trunc(want) if np.dtype(dtype).kind in "iu" else want.astype(dtype)
                 np.testing.assert_array_equal(y.astype(np.float64), want, err_msg=f"{dtype} {op}")
         return comm._engine.chunks_shared
 
-    assert all(run_ranks(group, world, body, chunk_bytes=1 << 20, pipeline_depth=1))
+    shared_chunks = run_ranks(group, world, body, shared=shared, chunk_bytes=1 << 20, pipeline_depth=1)
+    assert [bool(n) for n in shared_chunks] == [shared[r % len(shared)] for r in range(world)]
 
 
 def test_a_reducer_with_rs_shm_off_answers_with_frames():

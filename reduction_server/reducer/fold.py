@@ -81,7 +81,8 @@ class Folder:
         if rnd.accumulator is not None:
             if copies:  # each block of the sum is copied while in cache, not the whole sum again later
                 _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, list(copies.values()))
-                rnd.copied = frozenset(copies)  # an average that accumulates in itself divided in place
+                # acc is now the result (divided) where the dtype accumulates in itself; 16-bit: the float32 sum
+                rnd.copied = frozenset(copies)
                 return None
             return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
         # The first contribution. When the dtype accumulates in itself its memory becomes the
