@@ -130,14 +130,15 @@ cdef inline const char *_acc_name(int dtype):
     return rs_dtype_names[7] if dtype == RS_FLOAT16 or dtype == RS_BFLOAT16 else rs_dtype_names[dtype]
 
 
-cdef int _check_overlap(Py_buffer *a, Py_buffer *b, str what) except -1:
+cdef int _check_overlap(Py_buffer *a, Py_buffer *b, str what, bint same_ok=True) except -1:
+    """Raise unless a and b are apart, or (same_ok) the very same memory."""
     cdef uintptr_t a0 = <uintptr_t>a.buf, b0 = <uintptr_t>b.buf
     cdef uintptr_t a1 = a0 + <uintptr_t>a.len, b1 = b0 + <uintptr_t>b.len
     if a.len == 0 or b.len == 0 or a1 <= b0 or b1 <= a0:
         return 0
-    if a0 == b0 and a.len == b.len:
+    if same_ok and a0 == b0 and a.len == b.len:
         return 0
-    raise ValueError(f"{what} overlap without being the same memory; pass separate buffers")
+    raise ValueError(f"{what} overlap{' without being the same memory' if same_ok else ''}; pass separate buffers")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,13 +200,6 @@ cdef enum:
     _COPY_BLOCK = 64 * 1024
 
 
-cdef int _check_disjoint(Py_buffer *a, Py_buffer *b, str what) except -1:
-    cdef uintptr_t a0 = <uintptr_t>a.buf, b0 = <uintptr_t>b.buf
-    if a.len == 0 or b.len == 0 or a0 + <uintptr_t>a.len <= b0 or b0 + <uintptr_t>b.len <= a0:
-        return 0
-    raise ValueError(f"{what} overlap; pass separate buffers")
-
-
 def accumulate_copies(acc, src, dtype, op, world, outs):
     """The last contribution of a round whose result goes to several places (shared-memory
     slots): acc[:] = op(acc, widen(src)) as accumulate() does, and each of `outs` gets the
@@ -238,11 +232,10 @@ cdef int _fold_copies(Py_buffer *a, Py_buffer *s, int d, int o, int64_t w, size_
             got += 1
             if views[i].len != s.len:
                 raise ValueError(f"copy destination {i} holds {views[i].len} bytes, the contribution {s.len}")
-            _check_disjoint(&views[i], a, "a copy's destination and the accumulator")
+            _check_overlap(&views[i], a, "a copy's destination and the accumulator", False)
             for j in range(i):
-                _check_disjoint(&views[i], &views[j], "two copies' destinations")
-            if views[i].buf != s.buf:
-                _check_disjoint(&views[i], s, "a copy's destination and the contribution")
+                _check_overlap(&views[i], &views[j], "two copies' destinations", False)
+            _check_overlap(&views[i], s, "a copy's destination and the contribution")  # it may be src itself
             dst[i] = <char *>views[i].buf
         with nogil:
             off = 0

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import ctypes
 
-from .log import get_logger
-
-log = get_logger("reducer")
-
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
 #: glibc's largest mmap threshold on 64-bit hosts: a message up to it comes from a heap (a larger
 #: chunk, RS_MAX_CHUNK_BYTES allowing, is still mapped and unmapped on its own)

@@ -49,9 +49,9 @@ class Delivery:
                 event(log, logging.INFO if rank in members.lost else logging.ERROR, "result_undeliverable",
                       reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
                 continue
-            segment, slot = rnd.slots.get(rank, (None, 0))
-            peer = members.peers.get(identity)
-            if segment is not None and peer is not None and segment is peer.segment:
+            live = self._live_slot(rnd, rank)
+            if live is not None:
+                segment, slot = live
                 # The owner's slot holds the sum already; the copied ones got it as the last rank was folded.
                 if not (rnd.in_slot and rank == rnd.owner) and rank not in rnd.copied:
                     segment.slot(slot, nbytes)[:] = out  # the slot is the rank's until this answer
@@ -74,16 +74,23 @@ class Delivery:
         (Folder.fold), in place of a copy of the result into each slot once it is summed."""
         if slot is None and not rnd.slots:  # no rank answered through a slot (tcp): the common case
             return {}
-        members, nbytes = self.members, last.count * rnd.dtype.itemsize
+        nbytes = last.count * rnd.dtype.itemsize
         targets = {}
         for rank in rnd.ranks:
-            segment, index = slot if rank == last.rank and slot is not None else rnd.slots.get(rank, (None, 0))
-            if segment is None or (rnd.in_slot and rank == rnd.owner):  # the owner's slot is the accumulator
-                continue
-            peer = members.peers.get(members.rank_identity.get(rank))
-            if peer is not None and segment is peer.segment:
-                targets[rank] = segment.slot(index, nbytes)
+            live = self._live_slot(rnd, rank, slot if rank == last.rank else None)
+            if live is not None and not (rnd.in_slot and rank == rnd.owner):  # the owner's slot is the accumulator
+                targets[rank] = live[0].slot(live[1], nbytes)
         return targets
+
+    def _live_slot(self, rnd: Round, rank: int, slot: Optional[Tuple[Segment, int]] = None
+                   ) -> Optional[Tuple[Segment, int]]:
+        """rank's slot for rnd's result (`slot`, or the one it contributed through), if it is on
+        the segment of the rank's connection now: else its result goes as a frame."""
+        segment, index = slot or rnd.slots.get(rank, (None, 0))
+        peer = self.members.peers.get(self.members.rank_identity.get(rank))
+        if segment is None or peer is None or segment is not peer.segment:
+            return None
+        return segment, index
 
     def settled(self, rnd: Round, h: Header) -> None:
         """Answer h's sender from a settled moved round: its result, or a bare RESULT to a

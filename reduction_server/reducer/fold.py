@@ -38,8 +38,8 @@ class Folder:
         self.pool = pool
         self.deterministic = deterministic
 
-    def completes_in_place(self, rnd: Round, h: Header) -> bool:
-        """Whether folding h completes rnd (no folds held back), so that the fold can write the
+    def completes_in_place(self, rnd: Round) -> bool:
+        """Whether folding its next contribution completes rnd (no folds held back), so that the fold can write the
         result where it goes: an average divided, 16-bit floats rounded, as it is folded."""
         return not self.deterministic and rnd.accumulator is not None and len(rnd.contributed) + 1 == len(rnd.ranks)
 

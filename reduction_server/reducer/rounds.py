@@ -122,7 +122,7 @@ class Rounds:
             return self.fail(rnd, code, reason, extra=h)
         arrived = time.monotonic() if self.metrics is not None else 0.0
         copies = None
-        if self.folder.completes_in_place(rnd, h):  # into the slots it goes to as it is summed
+        if self.folder.completes_in_place(rnd):  # into the slots it goes to as it is summed
             copies = self.delivery.slot_copies(rnd, h, (peer.segment, slot) if slot is not None else None)
         try:
             self.folder.fold(rnd, h, payload, copies)
