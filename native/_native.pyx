@@ -6,6 +6,8 @@
     accumulate_copies(acc, src, dtype, op, world, outs)   the last accumulate, and each of outs
                                              stored from it, block by block while in cache
     store(acc, dst, dtype, op, world)        dst[:] = narrow(acc), divided by world first for AVG
+    store_release(buf, offset, value)        a uint64 counter in shared memory, written after
+    load_acquire(buf, offset)                every access before it; read before every one after
 
 `dtype` is the wire dtype of src/dst (reduction_server.protocol.DType, NCCL numbering) and `op`
 a reduction op (ReduceOp, NCCL numbering). The accumulator is float32 for FLOAT16 and BFLOAT16
@@ -17,7 +19,7 @@ not overlap at all. The GIL is released while a kernel runs. The C kernels are i
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FULL_RO, PyBUF_WRITABLE,
                              PyBuffer_IsContiguous, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
@@ -45,6 +47,14 @@ cdef extern from "kernels.h" nogil:
     int rs_load(int dtype, void *acc, const void *src, size_t n)
     int rs_accumulate(int dtype, int op, void *acc, const void *src, size_t n)
     int rs_store(int dtype, int op, const void *acc, void *dst, size_t n, int64_t world)
+
+cdef extern from *:
+    """
+    static inline void rs_store_release(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+    static inline uint64_t rs_load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    """
+    void rs_store_release(uint64_t *p, uint64_t v) nogil
+    uint64_t rs_load_acquire(const uint64_t *p) nogil
 
 rs_init()
 
@@ -300,6 +310,38 @@ def store(acc, dst, dtype, op, world):
             PyBuffer_Release(&t)
     finally:
         PyBuffer_Release(&a)
+
+
+# --------------------------------------------------------------------------------------------
+# Counters that two processes share (a result slot released, shared_memory.py): the copy out of a
+# slot must be complete before another process sees the counter that lets the slot be written.
+
+cdef uint64_t *_counter(Py_buffer *v, object offset) except NULL:
+    cdef Py_ssize_t at = offset
+    if at < 0 or at % 8 or at + 8 > v.len or (<uintptr_t>v.buf + <uintptr_t>at) % 8:
+        raise ValueError(f"a counter at byte {at} of a buffer of {v.len} bytes is out of range or not 8-byte aligned")
+    return <uint64_t *>(<char *>v.buf + at)
+
+
+def store_release(buf, offset, value):
+    """Write the uint64 at byte `offset` of buf after every memory access this thread made before it."""
+    cdef Py_buffer v
+    cdef uint64_t x = value
+    _get(buf, &v, True, "counter's buffer")
+    try:
+        rs_store_release(_counter(&v, offset), x)
+    finally:
+        PyBuffer_Release(&v)
+
+
+def load_acquire(buf, offset):
+    """The uint64 at byte `offset` of buf, read before every memory access this thread makes after it."""
+    cdef Py_buffer v
+    _get(buf, &v, False, "counter's buffer")
+    try:
+        return rs_load_acquire(_counter(&v, offset))
+    finally:
+        PyBuffer_Release(&v)
 
 
 # --------------------------------------------------------------------------------------------

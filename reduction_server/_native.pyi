@@ -31,6 +31,12 @@ def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, Red
     """dst[:] = narrow(acc), divided by world first when op is AVG; dst may be acc itself for
     dtypes that need no narrowing."""
 
+def store_release(buf: Buffer, offset: int, value: int) -> None:
+    """Write the uint64 at byte offset of buf after every memory access this thread made before it."""
+
+def load_acquire(buf: Buffer, offset: int) -> int:
+    """The uint64 at byte offset of buf, read before every memory access this thread makes after it."""
+
 def isa() -> str: ...
 def available_isas() -> Tuple[str, ...]: ...
 def _select_isa(name: Optional[str] = ...) -> str: ...

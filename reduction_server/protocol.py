@@ -15,7 +15,7 @@ import operator
 import struct
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 import zmq
@@ -62,6 +62,9 @@ class MsgType(enum.IntEnum):
     # A lost reducer that comes back (reducer/rejoin.py): from which collective of each group it is used again.
     PROGRESS = 16  # worker -> reducer: per group, the seq of the next collective this rank will start
     JOIN = 17  # reducer -> worker: per group, the seq from which every rank uses this reducer again
+    # Same host, a result written once for several ranks: it lies in a slot of the reducer's own segment
+    # (shared_memory.py, "shared results"); aux packs the slot and the use of it to release (shared_result_aux).
+    RESULT_SHARED = 18  # reducer -> worker: RESULT in a result slot; the chunk's own slot is free again
 
 
 class ErrorCode(enum.IntEnum):
@@ -170,11 +173,15 @@ OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 
 #: message types that carry (or point at) a chunk
 DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.RESULT_SHM, MsgType.MOVED,
-                        MsgType.FINAL))
+                        MsgType.FINAL, MsgType.RESULT_SHARED))
 _FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM, MsgType.MOVED, MsgType.FINAL))
 #: contributions to a chunk moved off a lost reducer: exempt from the skipped-collective rule
 MOVED_TYPES = frozenset((MsgType.MOVED, MsgType.FINAL))
-_SHARED = frozenset((MsgType.DATA_SHM, MsgType.RESULT_SHM))
+_SHARED = frozenset((MsgType.DATA_SHM, MsgType.RESULT_SHM, MsgType.RESULT_SHARED))
+#: RESULT_SHARED's aux: the result slot in its low bits, the use of that slot above them
+_RESULT_SLOT_BITS = 9
+#: uses of a result slot are numbered 1..MAX_RESULT_USE, then from 1 again
+MAX_RESULT_USE = (1 << (32 - _RESULT_SLOT_BITS)) - 1
 
 #: the size of an element, and of the type it is accumulated in (float32 for the 16-bit floats),
 #: by DType or by its code (an IntEnum hashes and compares as its int): the per-message paths look
@@ -188,7 +195,17 @@ ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DTyp
 #: globals: an enum class attribute costs a lookup each time
 MSG_DATA, MSG_DATA_SHM, MSG_RESULT, MSG_RESULT_SHM = MsgType.DATA, MsgType.DATA_SHM, MsgType.RESULT, MsgType.RESULT_SHM
 MSG_ERROR, MSG_PING, OP_BROADCAST = MsgType.ERROR, MsgType.PING, ReduceOp.BROADCAST
-MSG_MOVED, MSG_FINAL = MsgType.MOVED, MsgType.FINAL
+MSG_MOVED, MSG_FINAL, MSG_RESULT_SHARED = MsgType.MOVED, MsgType.FINAL, MsgType.RESULT_SHARED
+
+
+def shared_result_aux(slot: int, use: int) -> int:
+    """RESULT_SHARED's aux for `use` (1..MAX_RESULT_USE) of result slot `slot` (< 512)."""
+    return slot | use << _RESULT_SLOT_BITS
+
+
+def shared_result_slot(aux: int) -> Tuple[int, int]:
+    """(slot, use) from a RESULT_SHARED's aux."""
+    return aux & ((1 << _RESULT_SLOT_BITS) - 1), aux >> _RESULT_SLOT_BITS
 
 
 @dataclass
@@ -203,7 +220,8 @@ class Header:
     generation: int = 0
     chunk: int = 0
     nchunks: int = 0
-    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot; CHALLENGE: token set (1)
+    aux: int = 0  # BROADCAST: root rank; ERROR: ErrorCode; DATA_SHM, RESULT_SHM: slot; RESULT_SHARED: result slot
+    # and use (shared_result_aux); CHALLENGE: token set (1)
     job: int = 0
     group: int = 0  # which group of the job's ranks the collective belongs to (0: all of them)
     seq: int = 0  # the collective's number in its group

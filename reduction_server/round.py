@@ -81,6 +81,9 @@ class Round:
     in_slot: bool = False  # the accumulator is the owner's shared-memory slot, not pool memory
     #: ranks whose slots the last contribution's fold wrote the result into (an average divided first)
     copied: FrozenSet[int] = frozenset()
+    #: the reducer's result slot that fold wrote the result into for `readers` (shared_results.py), if any
+    result_slot: Optional[int] = None
+    readers: FrozenSet[int] = frozenset()
     charged: int = 0  # accumulator bytes charged to owner's budget
     moved: bool = False  # its chunk was moved here from a lost reducer (MOVED, FINAL)
     final: Any = None  # a moved round's result as a rank brought it (FINAL): a frame, or bytes if small

@@ -18,6 +18,19 @@ Safety, because the reducer must never crash or read another job's memory:
 - Anything that does not check out means "no shared memory": the worker falls back to frames.
 - A slot is reused only after the reducer has answered the chunk in it (RESULT_SHM, RESULT or
   ERROR for that key), so a late result can never overwrite a newer chunk.
+
+Shared results: a reducer also makes a segment of its own, of result slots, and offers it in its
+WELCOME; a worker maps it read-only and says so in its own segment's header (accept_results). A
+round's result can then be written once, into a result slot, and every such rank copies it from
+there (RESULT_SHARED: slot and use in `aux`) instead of the reducer writing it into each rank's
+slot. A rank that has copied a result out, and keeps it no longer, releases the slot by writing
+the use it was told into its own segment's header (release); the reducer writes a result slot
+again only once every rank it handed the slot to has released it (released). The counters are
+written and read with release/acquire ordering (_native.store_release, load_acquire), so a copy
+out is complete before the slot can be overwritten. A rank can only release its own reads: a
+rank that releases early can only spoil its own result, and one that never releases only pins
+slots, after which results go into each rank's slot as before.
+
 Nothing is left behind: a memfd has no name, and its memory goes with the last process to close
 or unmap it.
 """
@@ -32,12 +45,16 @@ import socket
 import stat
 from typing import Any, Dict, Optional, Tuple
 
+from . import _native, settings
 from .errors import ReductionServerError
-from . import settings
 
 _MAGIC = b"RSSHM1\0\0"
 _NONCE_BYTES = 16
-_HEADER_BYTES = 4096  # the first page holds magic and nonce; slots start page-aligned
+_HEADER_BYTES = 4096  # the first page holds magic, nonce and counters; slots start page-aligned
+_ACCEPTS_AT = 32  # a worker's header: nonzero once it reads shared results (accept_results)
+_RELEASED_AT = 64  # a worker's header: by result slot, the use of it that this rank last released
+#: result slots a reducer's segment may have: one counter each fits a worker's header page
+MAX_RESULT_SLOTS = (_HEADER_BYTES - _RELEASED_AT) // 8
 _SLOT_ALIGN = 4096
 #: memfd sealing is Linux's (3.17+); elsewhere payloads always travel as frames
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
@@ -92,6 +109,11 @@ def _host_identity() -> Dict[str, Any]:
     return ident
 
 
+def _whose(writable: bool) -> str:
+    """Who offered a segment mapped writable (a worker: its slots) or not (a reducer: its result slots)."""
+    return "the worker's" if writable else "the reducer's"
+
+
 def _layout(slots: int, slot_bytes: int) -> Tuple[int, int]:
     """(stride between slots, size of the whole segment)."""
     stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
@@ -108,13 +130,17 @@ class Segment:
         self.slot_bytes = slot_bytes
         self._stride = _layout(slots, slot_bytes)[0]
         self._view = memoryview(mapping)
+        # The counters stay usable after close(): a rank may release a result slot it kept
+        # through a connection that has since been replaced.
+        self._header = self._view[:_HEADER_BYTES]
         #: what the worker puts in its HELLO (None on the reducer's side)
         self.offer = offer
         self._fd: Optional[int] = None  # the worker's memfd, open until close()
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> "Segment":
-        """A new sealed segment (the worker's side). Raises OSError where memfd is missing."""
+        """A new sealed segment, offered to another process (a worker's slots, or a reducer's
+        result slots). Raises OSError where memfd is missing."""
         if not SUPPORTED:
             raise OSError("shared-memory slots need Linux's sealed memfds")
         identity = _host_identity()
@@ -136,10 +162,11 @@ class Segment:
         return segment
 
     @classmethod
-    def attach(cls, offer: Any, *, max_slots: int, max_slot_bytes: int) -> "Segment":
-        """Map a worker's segment (the reducer's side), or raise Unavailable saying why. Offers
-        of more slots or larger ones than the reducer can use are declined: a peer cannot make
-        it map more than its window of its largest chunks."""
+    def attach(cls, offer: Any, *, max_slots: int, max_slot_bytes: int, writable: bool = True) -> "Segment":
+        """Map another process's segment: a worker's on the reducer's side, or (not writable) a
+        reducer's result slots on a worker's; raise Unavailable saying why not. Offers of more
+        slots or larger ones than this side can use are declined: a peer cannot make it map more
+        than its window of its largest chunks."""
         if not isinstance(offer, dict):
             raise Unavailable("the offer is not a JSON object")
         try:
@@ -151,12 +178,13 @@ class Segment:
             raise Unavailable(f"offer of {slots} slots of {slot_bytes} bytes is out of range (at most "
                               f"{max_slots} slots of {max_slot_bytes} bytes, RS_MAX_CHUNK_BYTES)")
         try:
-            return cls._map(pid, fd, slots, slot_bytes, nonce, offer)
+            return cls._map(pid, fd, slots, slot_bytes, nonce, offer, writable)
         except OSError as exc:  # /proc hidden, an address space or map count used up, ...
-            raise Unavailable(f"cannot map the worker's segment: {exc}") from None
+            raise Unavailable(f"cannot map {_whose(writable)} segment: {exc}") from None
 
     @classmethod
-    def _map(cls, pid: int, fd: int, slots: int, slot_bytes: int, nonce: bytes, offer: dict) -> "Segment":
+    def _map(cls, pid: int, fd: int, slots: int, slot_bytes: int, nonce: bytes, offer: dict,
+             writable: bool) -> "Segment":
         for key, value in _host_identity().items():
             if offer.get(key) != value:
                 raise Unavailable(f"not the same host ({key.replace('_', ' ')} differs)")
@@ -164,23 +192,24 @@ class Segment:
         try:
             st = os.stat(path)
         except OSError as exc:
-            raise Unavailable(f"cannot open the worker's segment: {exc.strerror}") from None
-        # A client names the descriptor: only a regular file is opened (a tty, a FIFO or a device
+            raise Unavailable(f"cannot open {_whose(writable)} segment: {exc.strerror}") from None
+        # A peer names the descriptor: only a regular file is opened (a tty, a FIFO or a device
         # could block the reducer or become its terminal), and never in a blocking mode.
         if not stat.S_ISREG(st.st_mode):
-            raise Unavailable("the worker's descriptor is not a regular file")
+            raise Unavailable(f"{_whose(writable)} descriptor is not a regular file")
         size = _layout(slots, slot_bytes)[1]
         if st.st_size != size:
             raise Unavailable(f"the segment is {st.st_size} bytes, expected {size}")
-        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        mode = os.O_RDWR if writable else os.O_RDONLY
+        opened = os.open(path, mode | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             try:
                 seals = fcntl.fcntl(opened, fcntl.F_GET_SEALS)
             except OSError:
-                raise Unavailable("the worker's descriptor is not a sealable memfd") from None
+                raise Unavailable(f"{_whose(writable)} descriptor is not a sealable memfd") from None
             if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
-                raise Unavailable("the worker's segment is not sealed against resizing")
-            mapping = mmap.mmap(opened, size)
+                raise Unavailable(f"{_whose(writable)} segment is not sealed against resizing")
+            mapping = mmap.mmap(opened, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(opened)  # the mapping stays valid without it
         if mapping[:len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
@@ -189,7 +218,8 @@ class Segment:
         return cls(mapping, slots, slot_bytes)
 
     def slot(self, index: int, nbytes: int) -> memoryview:
-        """The first nbytes of slot `index`, writable; ValueError naming what is out of range."""
+        """The first nbytes of slot `index` (writable unless mapped read-only); ValueError naming
+        what is out of range."""
         if not 0 <= index < self.slots:
             raise ValueError(f"shared-memory slot {index} out of range (0..{self.slots - 1})")
         if not 0 <= nbytes <= self.slot_bytes:
@@ -197,8 +227,27 @@ class Segment:
         start = _HEADER_BYTES + index * self._stride
         return self._view[start:start + nbytes]
 
+    def accept_results(self) -> None:
+        """Say in this (a worker's) segment that its rank reads results from the reducer's result
+        slots (it mapped them)."""
+        _native.store_release(self._header, _ACCEPTS_AT, 1)
+
+    def accepts_results(self) -> bool:
+        """Whether this worker's segment says its rank reads results from result slots."""
+        return _native.load_acquire(self._header, _ACCEPTS_AT) != 0
+
+    def release(self, index: int, use: int) -> None:
+        """Say in this (a worker's) segment that its rank is done with `use` of result slot
+        `index`: everything it read from there before is read."""
+        _native.store_release(self._header, _RELEASED_AT + 8 * index, use)
+
+    def released(self, index: int) -> int:
+        """The use of result slot `index` that this worker's rank last released (0: none)."""
+        return _native.load_acquire(self._header, _RELEASED_AT + 8 * index)
+
     def close(self) -> None:
-        """Drop this side's descriptor and view; the memory is unmapped once no slot view is alive."""
+        """Drop this side's descriptor and slots; the memory is unmapped once no slot view, and
+        this object (its counters), is alive."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

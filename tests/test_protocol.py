@@ -118,7 +118,7 @@ def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 
 
-@pytest.mark.parametrize("mtype", [0, 18, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 19, 99, 255])
 def test_unknown_message_type(mtype):
     rejects(raw(mtype=mtype), "message type", str(mtype))
 

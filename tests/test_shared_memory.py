@@ -282,10 +282,52 @@ def test_a_result_of_many_blocks_goes_into_every_slot_as_the_last_rank_is_folded
                 elif op == "avg":
                     want = np.trunc(want) if np.dtype(dtype).kind in "iu" else want.astype(dtype)
                 np.testing.assert_array_equal(y.astype(np.float64), want, err_msg=f"{dtype} {op}")
-        return comm._engine.chunks_shared
+        return comm._engine.chunks_shared, comm._engine.slots.results_read
 
-    shared_chunks = run_ranks(group, world, body, shared=shared, chunk_bytes=1 << 20, pipeline_depth=1)
-    assert [bool(n) for n in shared_chunks] == [shared[r % len(shared)] for r in range(world)]
+    counts = run_ranks(group, world, body, shared=shared, chunk_bytes=1 << 20, pipeline_depth=1)
+    assert [bool(chunks) for chunks, _ in counts] == [shared[r % len(shared)] for r in range(world)]
+    if all(shared):  # 16-bit results, at least, every rank read from the reducers' result slots
+        assert all(read > 0 for _, read in counts)
+
+
+def test_result_slots_are_read_and_released_over_more_collectives_than_there_are_slots(group):
+    """W=3 over 2 reducers, every chunk large enough for a result slot: the two ranks besides the
+    accumulator's owner read each result from one result slot, kept for failover and released,
+    so 150 collectives (on 64 slots per reducer) never run out of them."""
+    from reduction_server.reducer.shared_results import RESULT_SLOTS, SHARED_RESULT_BYTES
+    world, count, collectives = 3, 300_000, 150
+    assert collectives > RESULT_SLOTS
+
+    def body(comm, rank):
+        for i in range(collectives):
+            y = comm.all_reduce(np.full(count, rank + i, np.float32))
+            np.testing.assert_array_equal(y, 3 * i + 3)
+        assert comm._engine.failover.enabled
+        return comm._engine.slots.results_read
+
+    reads = run_ranks(group, world, body, chunk_bytes=1 << 20, pipeline_depth=1)
+    large = [n for _, n in plan_chunks(count, 4, 2, 1 << 20, 1) if 4 * n >= SHARED_RESULT_BYTES]
+    assert len(large) == 2
+    assert sum(reads) == collectives * len(large) * (world - 1)  # read by every rank but the accumulator's owner
+
+
+def test_a_rank_that_cannot_map_result_slots_gets_its_result_in_its_own_slot(group, monkeypatch):
+    from reduction_server.client.engine.slots import Slots
+
+    def map_results(self, r, offer, real=Slots._map_results):
+        if self.me.rank != 1:
+            real(self, r, offer)
+
+    monkeypatch.setattr(Slots, "_map_results", map_results)
+
+    def body(comm, rank):
+        for i in range(20):
+            np.testing.assert_array_equal(comm.all_reduce(np.full(300_000, rank + i, np.float32)), 3 * i + 3)
+        return comm._engine.slots.results_read, comm._engine.chunks_shared
+
+    counts = run_ranks(group, 3, body, chunk_bytes=1 << 20, pipeline_depth=1)
+    chunks = len(plan_chunks(300_000, 4, 2, 1 << 20, 1))
+    assert counts[1] == (0, 2 * 20 * chunks)  # every chunk through its own slot, both ways
 
 
 def test_a_reducer_with_rs_shm_off_answers_with_frames():

@@ -1,8 +1,8 @@
 """The results a worker keeps for failover: each group's last results from each reducer, and
 those it brought to a substitute (failover.py says why a rank must keep them).
 
-A result that came back through shared memory stays in its slot, lent out until it is kept no
-longer (slots.py); a large one that came as a frame is the message libzmq received (results.py).
+A result that came back through shared memory stays in its slot (its own, or the reducer's
+result slot), lent out until it is kept no longer (slots.py); a large one that came as a frame is the message libzmq received (results.py).
 Any other is a view of the collective's own buffer while the collective is in flight, which
 nobody else writes then; only those still kept when the collective ends are copied out of it,
 before its caller gets the buffer back. A large collective's earlier chunks are no longer kept

@@ -2,8 +2,9 @@
 
 A RESULT is received with recv_into straight into the output buffer (no copy, nothing
 allocated), or, when failover keeps it and it is large, as the message libzmq received, copied
-into the output and kept as it is; a RESULT_SHM is copied out of its shared-memory slot, which
-failover may keep as it is (slots.Lease); an ERROR fails its chunk, and so its collective, with
+into the output and kept as it is; a RESULT_SHM is copied out of its shared-memory slot, and a
+RESULT_SHARED out of the reducer's result slot, which failover may keep as it is (slots.Lease)
+or else is released at once; an ERROR fails its chunk, and so its collective, with
 the reducer's words; a handshake message from a reducer that was lost readmits it (or refuses
 it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
@@ -18,8 +19,8 @@ import zmq
 
 from reduction_server import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT, MSG_RESULT_SHM,
-                                      OP_BROADCAST, ErrorCode, MsgType)
+from reduction_server.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT,
+                                      MSG_RESULT_SHARED, MSG_RESULT_SHM, OP_BROADCAST, ErrorCode, MsgType)
 
 from .collective import Collective
 from .connections import Connections
@@ -75,6 +76,9 @@ class Results:
             elif mtype is MSG_RESULT_SHM:
                 _skip(sock, more)
                 self._shared_result(r, h, self.slots.release(r, h))
+            elif mtype is MSG_RESULT_SHARED:
+                _skip(sock, more)
+                self._result_slot(r, h, self.slots.release(r, h))
             elif mtype is MSG_ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
                 _skip(sock, sock.getsockopt(_RCVMORE))
@@ -178,6 +182,28 @@ class Results:
             self.slots.copy_out(r, slot, coll.recv[offset * size:(offset + count) * size])
             if self.failover.enabled:  # the result it keeps may stay where it is
                 lease = self.slots.lease(r, slot, count * size)
+        self.ledger.chunk_done(coll, h.chunk, r, error, lease)
+
+    def _result_slot(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
+        """A result in reducer r's result slot, for a chunk sent through this rank's `slot`."""
+        coll = self.ledger.pending_chunk(h, r)
+        if coll is None:
+            return self.slots.release_result(r, h.aux)  # late: read by nobody
+        offset, count, _ = coll.chunks[h.chunk]
+        size = coll.dtype.itemsize
+        error, lease = None, None
+        if slot is None:
+            error = f"{self.connections.name(r)} answered chunk {h.chunk} in a result slot, but it was sent as a frame"
+        elif self._misshapen(h, coll):
+            error = self._shape_error(r, h, coll)
+        if error is not None:
+            self.slots.release_result(r, h.aux)
+            return self.ledger.chunk_done(coll, h.chunk, r, error)
+        try:
+            lease = self.slots.read_result(r, h.aux, coll.recv[offset * size:(offset + count) * size],
+                                           keep=self.failover.enabled)
+        except ValueError as exc:
+            error = f"{self.connections.name(r)} answered chunk {h.chunk} in a result slot this rank cannot read: {exc}"
         self.ledger.chunk_done(coll, h.chunk, r, error, lease)
 
     def _error(self, r: int, h: protocol.Header, text: str) -> None:

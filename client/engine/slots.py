@@ -9,10 +9,17 @@ became of the collective, so a late result never overwrites a newer chunk; a chu
 free slot, or a reducer without the segment, travels as a frame. A new connection gets a new
 segment.
 
+A reducer may also offer its result slots in its WELCOME (shared_memory.py, "shared results"):
+they are mapped read-only, and the segment's header says so to the reducer, which may then write
+a result once for several ranks and answer each with RESULT_SHARED. The chunk's own slot is free
+again at once; the result slot is released, in this rank's segment header, once the result is
+copied out and kept no longer.
+
 A result that failover keeps (kept.py) can stay in the slot it came back in, lent out
 instead of copied, until it is kept no longer: a segment has a window of slots for chunks in
 flight and a window and one more to lend (the kept results of a group, and the one that pushes
 the oldest out). A slot lent is never sent in, so the reducer has no reason to write it again.
+A result slot is lent the same way (ResultLease): the reducer writes it again only once released.
 """
 from __future__ import annotations
 
@@ -21,18 +28,31 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from reduction_server import shared_memory
 from reduction_server.log import get_logger
-from reduction_server.protocol import Header
+from reduction_server.protocol import Header, shared_result_slot
 from reduction_server.settings import MAX_WINDOW
 
 from .identity import Identity
 
 log = get_logger("client")
 
+#: the largest result slot a reducer may offer: mapped, not touched, so only address space
+MAX_RESULT_SLOT_BYTES = 1 << 32
+
+
+class Lease:
+    """A result lent out where it lies: `view` is the result; end() says it is needed no longer."""
+
+    view: memoryview
+
+    def end(self) -> None:
+        """The result is no longer needed: its slot may be written again."""
+        raise NotImplementedError
+
 
 @dataclass(eq=False)
-class Lease:
-    """A slot lent out with the result in it: `view` is the result; end() makes the slot free
-    again, if its segment is still the reducer's (after a new connection it is not)."""
+class SlotLease(Lease):
+    """One of this rank's slots lent out with the result in it: end() makes the slot free again,
+    if its segment is still the reducer's (after a new connection it is not)."""
 
     slots: "Slots"
     reducer: int
@@ -48,6 +68,21 @@ class Lease:
             slots.lent[r] -= 1
 
 
+@dataclass(eq=False)
+class ResultLease(Lease):
+    """A reducer's result slot kept with the result in it: end() releases that use of it in
+    `segment`, this rank's segment of the connection it came through (even once replaced)."""
+
+    segment: shared_memory.Segment
+    slot: int
+    use: int
+    view: memoryview
+
+    def end(self) -> None:
+        """The result is no longer needed: the reducer may write its slot again."""
+        self.segment.release(self.slot, self.use)
+
+
 class Slots:
     """Per reducer: the segment offered on its connection, its free slots, and which slot each
     unanswered chunk sent through it is in."""
@@ -60,10 +95,12 @@ class Slots:
         # as large as the largest chunk (RS_CHUNK_BYTES; a chunk is at least one 8-byte element)
         self.slot_bytes = max(8, min(slot_bytes, shared_memory.MAX_OFFERED_SLOT_BYTES))
         self.segments: List[Optional[shared_memory.Segment]] = [None] * len(offers)
+        self.results: List[Optional[shared_memory.Segment]] = [None] * len(offers)  # reducers' result slots, read-only
         self.free: List[List[int]] = [[] for _ in offers]  # empty until the reducer maps the segment
         self.lent: List[int] = [0] * len(offers)  # slots lent out (Lease), by reducer
         self.slot_of: List[Dict[Tuple[int, int, int], int]] = [{} for _ in offers]  # (group, seq, chunk) -> slot
         self.chunks_shared = 0  # chunks that went through shared memory (both ways)
+        self.results_read = 0  # of those, results read from a reducer's result slot
 
     def offer(self, r: int) -> Optional[dict]:
         """A new segment for reducer r's connection, as its AUTH offers it; None: no offer."""
@@ -81,14 +118,28 @@ class Slots:
         """Reducer r admitted this worker: its slots are usable if it mapped the segment."""
         if welcome.get("shared_memory") is True and self.segments[r] is not None:
             self.free[r] = list(range(self.segments[r].slots))
+            self._map_results(r, welcome.get("shared_results"))
         else:
             self.drop(r)
+
+    def _map_results(self, r: int, offer: object) -> None:
+        """Map reducer r's result slots, if it offered them, and say so in this rank's segment."""
+        if offer is None:
+            return
+        try:
+            self.results[r] = shared_memory.Segment.attach(offer, max_slots=shared_memory.MAX_RESULT_SLOTS,
+                                                           max_slot_bytes=MAX_RESULT_SLOT_BYTES, writable=False)
+        except shared_memory.Unavailable as exc:
+            log.debug("rank %d: reducer %d's result slots not used: %s", self.me.rank, r, exc)
+            return
+        self.segments[r].accept_results()
 
     def drop(self, r: int) -> None:
         """Close reducer r's segment, if any, and forget its free slots and the chunks sent through them."""
         if self.segments[r] is not None:
             self.segments[r].close()
             self.segments[r] = None
+        self.results[r] = None  # a kept result stays readable through its own view
         self.free[r] = []
         self.lent[r] = 0
         self.slot_of[r] = {}
@@ -122,7 +173,35 @@ class Slots:
             return None
         self.free[r].remove(slot)
         self.lent[r] += 1
-        return Lease(self, r, segment, slot, segment.slot(slot, nbytes))
+        return SlotLease(self, r, segment, slot, segment.slot(slot, nbytes))
+
+    def read_result(self, r: int, aux: int, dest: memoryview, keep: bool) -> Optional[ResultLease]:
+        """A RESULT_SHARED's result out of reducer r's result slot (`aux` says which use of
+        which) into dest; then the slot is released, or lent out (keep) until the lease ends.
+        ValueError naming what is wrong when the slot cannot hold it (then it is released)."""
+        slot, use = shared_result_slot(aux)
+        results, mine = self.results[r], self.segments[r]
+        if results is None or mine is None:
+            raise ValueError("a result in a result slot, but this rank has not mapped them")
+        try:
+            view = results.slot(slot, len(dest))
+        except ValueError:
+            self.release_result(r, aux)
+            raise
+        dest[:] = view
+        self.chunks_shared += 1
+        self.results_read += 1
+        if keep:
+            return ResultLease(mine, slot, use, view)
+        mine.release(slot, use)
+        return None
+
+    def release_result(self, r: int, aux: int) -> None:
+        """A RESULT_SHARED from reducer r that is not read (late, or misshapen): its slot released."""
+        slot, use = shared_result_slot(aux)
+        mine = self.segments[r]
+        if mine is not None and slot < shared_memory.MAX_RESULT_SLOTS:
+            mine.release(slot, use)
 
     def release(self, r: int, h: Header) -> Optional[int]:
         """The slot of the chunk reducer r has answered with h, now free again; None if that

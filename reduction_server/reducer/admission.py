@@ -24,6 +24,7 @@ from .clock import Clock
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
+from .shared_results import SharedResults
 
 log = get_logger("reducer")
 
@@ -40,8 +41,8 @@ class Admission:
     """The handshake and the strangers of one reducer."""
 
     def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
-                 encrypt: bool, shared: bool, shard: int = 0, shards: int = 1,
-                 read_events: Callable[[], None] = lambda: None) -> None:
+                 encrypt: bool, shared: bool, results: Optional[SharedResults] = None, shard: int = 0,
+                 shards: int = 1, read_events: Callable[[], None] = lambda: None) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
@@ -51,6 +52,7 @@ class Admission:
         self.job_token = job_token
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
+        self.results = results  # the result slots offered to those workers
         self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
         self.read_events = read_events  # the socket monitor's news, read before a WELCOME
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
@@ -132,6 +134,8 @@ class Admission:
                 f"rank {peer.rank} says the world size is {peer.world} but the other ranks of job "
                 f"{peer.job:#x} said {members.world}"))
         members.admit(peer)
+        if self.results is not None:
+            self.results.forget(peer.rank)
         self.admissions += 1
         offer = facts.get("shared_memory") if isinstance(facts, dict) else None
         if offer is not None and self.shared:
@@ -143,11 +147,13 @@ class Admission:
         # The monitor named this worker's connection as it was accepted, before its HELLO: reading
         # it now sets the connection's send buffer (RS_SNDBUF=auto) before the worker sends a chunk.
         self.read_events()
-        welcome = json.dumps({"index": self.index, "shard": self.shard, "shards": self.shards,
-                              "world_size": members.world,
-                              "max_chunk_bytes": self.rounds.max_chunk_bytes,
-                              "deterministic": self.rounds.folder.deterministic, "encrypted": self.encrypt,
-                              "shared_memory": peer.segment is not None}).encode()
+        said = {"index": self.index, "shard": self.shard, "shards": self.shards, "world_size": members.world,
+                 "max_chunk_bytes": self.rounds.max_chunk_bytes,
+                 "deterministic": self.rounds.folder.deterministic, "encrypted": self.encrypt,
+                 "shared_memory": peer.segment is not None}
+        if peer.segment is not None and self.results is not None and self.results.offer is not None:
+            said["shared_results"] = self.results.offer
+        welcome = json.dumps(said).encode()
         self.outbox.send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=members.world or 0,
                                                          job=peer.job, generation=peer.generation), welcome])
         event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
@@ -158,6 +164,8 @@ class Admission:
         that is over (`run_over` says why): the old one's rounds, losses and peers are dropped."""
         old = self.members.job
         dropped = self.rounds.drop_all()
+        if self.results is not None:
+            self.results.renew()
         if run_over is not None:
             event(log, logging.INFO, "run_over", reducer=self.index, job=hex(peer.job), generation=peer.generation,
                   reason=run_over, dropped_rounds=dropped)

@@ -20,12 +20,14 @@ from ..protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, M
 from ..send_buffers import AcceptedBuffers
 from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
                         DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
+from ..shared_memory import MAX_OFFERED_SLOT_BYTES
 from .admission import Admission
 from .clock import Clock
 from .fold import Payload
 from .membership import Membership, Peer
 from .outbox import Outbox
 from .rounds import Rounds
+from .shared_results import SharedResults
 from .socket_events import SocketEvents
 
 if TYPE_CHECKING:
@@ -77,11 +79,14 @@ class Reducer:
         self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
         self.members = Membership(self.outbox, self.clock, index, world_size, liveness_timeout,
                                   loss_memory=round_timeout, on_lost=self._rank_lost)
+        # ranks on this host read results written once for all of them from these (shared memory);
+        # deterministic mode's folds are ordered, not finished in place, so it writes none there
+        self.results = SharedResults(min(max_chunk_bytes, MAX_OFFERED_SLOT_BYTES)) if shared and not deterministic else None
         self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
-                             deterministic=deterministic)
+                             deterministic=deterministic, results=self.results)
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
-                                   encrypt=encrypt, shared=shared, shard=shard, shards=shards,
+                                   encrypt=encrypt, shared=shared, results=self.results, shard=shard, shards=shards,
                                    read_events=self._read_events)
         self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt, send_buffers=send_buffers)
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)

@@ -1,6 +1,7 @@
-"""How results reach the ranks: a complete round's into each rank's shared-memory slot or as one
-frame for all, and a settled moved round's (finals.py) to each rank as it asks. Counts the bytes
-sent (the metrics and the stop line read them)."""
+"""How results reach the ranks: a complete round's into each rank's shared-memory slot, into one
+result slot that several ranks read (shared_results.py), or as one frame for all; and a settled
+moved round's (finals.py) to each rank as it asks. Counts the bytes sent (the metrics and the
+stop line read them)."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from ..shared_memory import Segment
 from .fold import Folder, Result
 from .membership import Membership
 from .outbox import Outbox
+from .shared_results import SharedResults
 
 log = get_logger("reducer")
 
@@ -23,8 +25,10 @@ log = get_logger("reducer")
 class Delivery:
     """Sends results to the ranks of a round."""
 
-    def __init__(self, outbox: Outbox, members: Membership, folder: Folder, index: int) -> None:
+    def __init__(self, outbox: Outbox, members: Membership, folder: Folder, index: int,
+                 shared: Optional[SharedResults] = None) -> None:
         self.outbox = outbox
+        self.shared = shared  # the result slots, where ranks on this host may read results
         self.members = members
         self.folder = folder
         self.index = index
@@ -50,6 +54,13 @@ class Delivery:
                       reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
                 continue
             live = self._live_slot(rnd, rank)
+            if live is not None and rank in rnd.readers:  # the fold wrote it into the result slot
+                aux = self.shared.aux(rnd.result_slot)
+                if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHARED, self.index, nbytes, aux=aux)]):
+                    self.shared.hand(rnd.result_slot, rank, live[0])  # told: it releases it now
+                    self.bytes_out += nbytes
+                    self.bytes_shared_out += nbytes
+                continue
             if live is not None:
                 segment, slot = live
                 # The owner's slot holds the sum already; the copied ones got it as the last rank was folded.
@@ -69,17 +80,25 @@ class Delivery:
         return frame
 
     def slot_copies(self, rnd: Round, last: Header, slot: Optional[Tuple[Segment, int]]) -> Dict[int, memoryview]:
-        """Where the result goes into a rank's shared-memory slot, by rank, when `last` (whose
-        own slot, if any, is `slot`) completes rnd: what the fold of `last` can write as it sums
-        (Folder.fold), in place of a copy of the result into each slot once it is summed."""
+        """Where the result goes for the ranks that answer through shared memory, by rank, when
+        `last` (whose own slot, if any, is `slot`) completes rnd: what the fold of `last` can
+        write as it sums (Folder.fold), in place of a copy of the result into each slot once it
+        is summed. Ranks that read result slots share one when two or more would (rnd.readers)."""
         if slot is None and not rnd.slots:  # no rank answered through a slot (tcp): the common case
             return {}
         nbytes = last.count * rnd.dtype.itemsize
-        targets = {}
+        targets, readers = {}, {}
         for rank in rnd.ranks:
             live = self._live_slot(rnd, rank, slot if rank == last.rank else None)
             if live is not None and not (rnd.in_slot and rank == rnd.owner):  # the owner's slot is the accumulator
                 targets[rank] = live[0].slot(live[1], nbytes)
+                if live[0].accepts_results():
+                    readers[rank] = live[0]
+        taken = self.shared.take(nbytes, readers) if self.shared is not None else None
+        if taken is not None:
+            rnd.result_slot, view, rnd.readers = taken
+            for rank in rnd.readers:
+                targets[rank] = view
         return targets
 
     def _live_slot(self, rnd: Round, rank: int, slot: Optional[Tuple[Segment, int]] = None

@@ -7,7 +7,8 @@ others are folded in by the native kernels (the GIL released); the last one also
 result (divided, rounded) into the ranks' shared-memory slots block by block, while each block is
 in cache (Delivery.slot_copies says where). In deterministic mode they are
 folded in rank order whatever their arrival order, early ones held until their turn. Every byte
-kept is charged to the pool's budget and to a rank's (accumulator.py).
+kept is charged to the pool's budget and to a rank's (accumulator.py); the reducer's result slots
+are bounded apart (shared_results.py).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class Folder:
         """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
         if rnd.accumulator is not None:
             if copies:  # each block of the sum is copied while in cache, not the whole sum again later
-                _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, list(copies.values()))
+                outs = list({id(view): view for view in copies.values()}.values())  # ranks may share a result slot
+                _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, outs)
                 # acc is now the result (divided) where the dtype accumulates in itself; 16-bit: the float32 sum
                 rnd.copied = frozenset(copies)
                 return None

@@ -163,6 +163,8 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         finally:
             if reducer.metrics is not None:
                 reducer.metrics.stop()
+            if reducer.results is not None:
+                reducer.results.close()
     rounds = reducer.rounds
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
     event(log, NOTICE, "stopped", reducer=index, **({"shard": shard} if count > 1 else {}), completed=rounds.completed, failed=rounds.failed,

@@ -28,6 +28,7 @@ from .finals import Finals
 from .fold import Folder, Payload
 from .membership import Membership, Peer
 from .outbox import Outbox, clip
+from .shared_results import SharedResults
 
 if TYPE_CHECKING:
     from ..metrics import ReducerMetrics
@@ -44,7 +45,8 @@ class Rounds:
     """Every open or failed round of the job served, by key."""
 
     def __init__(self, outbox: Outbox, members: Membership, pool: AccumulatorPool, clock: Clock, *, index: int,
-                 name: str, max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool) -> None:
+                 name: str, max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool,
+                 results: Optional[SharedResults] = None) -> None:
         self.outbox = outbox
         self.members = members
         self.clock = clock
@@ -61,7 +63,7 @@ class Rounds:
         self.completed = 0
         self.failed = 0
         self.failed_codes: Dict[str, int] = {}
-        self.delivery = Delivery(outbox, members, self.folder, index)
+        self.delivery = Delivery(outbox, members, self.folder, index, results)
         self.finals = Finals(self.delivery, self.folder, pool)
 
     @property

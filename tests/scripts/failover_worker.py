@@ -61,7 +61,8 @@ def main() -> None:
                           "lost_endpoints": sorted(failover.lost), "endpoints": len(ends),
                           "moved": failover.moved_chunks,
                           "finals": failover.finals, "joins": failover.joins,
-                          "rejoined_chunks": failover.rejoined_chunks}),
+                          "rejoined_chunks": failover.rejoined_chunks,
+                          "results_read": comm._engine.slots.results_read}),
               flush=True)
 
 
