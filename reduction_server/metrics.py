@@ -62,7 +62,10 @@ class _ReducerCollector:
                       r.bytes_in)
         yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.rounds.bytes_out)
         yield counter("shared_memory_bytes", "Of the received and sent bytes, those that went through "
-                      "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM).", r.bytes_shared)
+                      "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM, RESULT_SHARED).",
+                      r.bytes_shared)
+        yield counter("shared_results", "Results sent to workers on this host as one result slot that several of "
+                      "them read, written once (RESULT_SHARED): one per worker told.", r.rounds.results_shared)
         yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
                       "rank and sent back to all of them.", r.rounds.completed)
         failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "

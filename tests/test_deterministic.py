@@ -111,6 +111,35 @@ def test_results_are_bitwise_identical_over_runs_reducer_counts_and_transports_a
             assert differ == 0, f"size {SIZES[i]}: {differ} elements differ from the rank-ordered sum"
 
 
+def test_a_result_every_rank_reads_from_a_result_slot_is_the_rank_ordered_sum():
+    """Chunks of 600 KB, large enough for the reducers' result slots: the last rank's fold, once
+    the last to arrive has let every held contribution be folded in rank order, writes the sum
+    into a result slot, and every rank that reads it there gets the rank-ordered sum's bits."""
+    count, passes = 300_000, 4
+    inputs = [mixed(count, 7, r) for r in range(WORLD)]
+    expected = ordered_sum(inputs, range(WORLD))
+    assert order_sensitive(inputs) > 1000
+    delays = random.Random(3)
+    schedule = [[delays.uniform(0, 0.02) for _ in range(passes)] for _ in range(WORLD)]
+    with reducers(2, extra_env=DETERMINISTIC) as group:
+        job = new_job()
+
+        def make(rank: int) -> rs.Communicator:
+            return rs.Communicator(group.addresses, rank, WORLD, job_token=TOKEN, job_id=job, chunk_bytes=1 << 20,
+                                   pipeline_depth=1, timeout=30, connect_timeout=30)
+
+        def body(comm: rs.Communicator, rank: int):
+            for p in range(passes):
+                time.sleep(schedule[rank][p])
+                y = comm.all_reduce(inputs[rank])
+                assert np.count_nonzero(bits(y) != bits(expected)) == 0, f"pass {p}: not the rank-ordered sum"
+            return comm._engine.slots.results_read
+
+        reads = run_ranks(WORLD, make, body, limit=60)
+        assert group.alive()
+    assert sum(reads) >= passes * 2 * (WORLD - 1)  # 2 chunks a pass, read by every rank but at most the owner
+
+
 def test_16_bit_floats_are_summed_in_rank_order_in_float32_and_rounded_once():
     inputs = [mixed(50_000, 7, r, np.float16) for r in range(WORLD)]
     inputs += [mixed(50_000, 8, r, ml_dtypes.bfloat16) for r in range(WORLD)]

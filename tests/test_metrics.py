@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(120)
 
 WORLD = 2
 BUDGET = 256 << 20
-# (dtype, element count) of each all-reduce the job runs: one chunk, several chunks, 16-bit floats.
-CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.int64, 7)]
+# (dtype, element count) of each all-reduce the job runs: one chunk, several chunks, 16-bit floats
+# (the larger one in chunks of 256 KiB, read by both ranks from a result slot), a last small one.
+CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.float16, 1 << 22), (np.int64, 7)]
 
 
 def test_metrics_show_what_the_job_did():
@@ -64,6 +65,7 @@ def test_metrics_show_what_the_job_did():
     assert value(live, "reduction_server_sent_bytes_total") == WORLD * (payload + barrier)
     # the ranks share the reducer's host: every chunk went both ways through shared memory
     assert value(live, "reduction_server_shared_memory_bytes_total") == 2 * WORLD * (payload + barrier) + mismatched
+    assert value(live, "reduction_server_shared_results_total") == WORLD * len(plan_chunks(1 << 22, 2, 1, 4 << 20))
     assert value(live, "reduction_server_rounds_completed_total") == rounds
     assert value(live, "reduction_server_rounds_failed_total", code="MISMATCH") == 1
     assert value(live, "reduction_server_peers_connected") == WORLD

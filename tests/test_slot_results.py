@@ -36,14 +36,15 @@ class Outbox:
         self.sent.append((identity, ("ERROR", code, text)))
 
 
-def _job(world: int, results: Optional[SharedResults] = None, readers: Sequence[int] = ()):
+def _job(world: int, results: Optional[SharedResults] = None, readers: Sequence[int] = (), deterministic=False):
     """A reducer's Rounds for `world` ranks with a segment each; `readers` say they read `results`."""
     members = types.SimpleNamespace(peers={}, rank_identity={}, lost={}, job=(1, 0))
     members.ranks_of = lambda h: (list(range(world)), None)
     members.seq_of = lambda rank, group: -1
     outbox = Outbox()
     rounds = Rounds(outbox, members, AccumulatorPool(1 << 30), Clock(), index=0, name="reducer 0",
-                    max_chunk_bytes=1 << 26, max_rounds=100, round_timeout=100, deterministic=False, results=results)
+                    max_chunk_bytes=1 << 26, max_rounds=100, round_timeout=100, deterministic=deterministic,
+                    results=results)
     peers = []
     for rank in range(world):
         peer = Peer(identity=b"rank%d" % rank, rank=rank, world=world, job=1, generation=0, admitted=True)
@@ -56,11 +57,13 @@ def _job(world: int, results: Optional[SharedResults] = None, readers: Sequence[
 
 
 def _contribute(rounds: Rounds, peers: List[Peer], slots: List[bool], dtype: DType, op: ReduceOp,
-                xs: List[np.ndarray], before_last=None, seq: int = 0) -> None:
-    """Every rank contributes xs[rank] to collective `seq` (through its slot or as a frame), in rank order."""
+                xs: List[np.ndarray], before_last=None, seq: int = 0, order: Optional[Sequence[int]] = None) -> None:
+    """Every rank contributes xs[rank] to collective `seq` (through its slot or as a frame), in
+    `order` (rank order by default)."""
     world, n = len(peers), len(xs[0])
-    for rank in range(world):
-        if rank == world - 1 and before_last is not None:
+    order = list(order or range(world))
+    for rank in order:
+        if rank == order[-1] and before_last is not None:
             before_last(peers)
         h = protocol.unpack(protocol.data_header(
             MsgType.DATA, dtype=dtype, op=op, rank=rank, world=world, job=1, generation=0, seq=seq, chunk=0,
@@ -230,3 +233,21 @@ def test_a_rank_that_is_not_told_of_its_result_slot_does_not_hold_it():
     assert results.held() == 1
     peers[1].segment.release(0, 1)
     assert results.held() == 0
+
+
+@pytest.mark.parametrize("order", [[0, 3, 2, 1], [3, 2, 1, 0]], ids=["owner-first", "owner-last"])
+def test_deterministic_mode_writes_the_rank_order_sum_into_the_result_slot_as_the_last_rank_is_folded(order):
+    """Ranks 3 and 2 are held until 1 comes (and 0, when it comes last), whose arrival folds the
+    rest in rank order; the fold of 3 writes the sum, bitwise the rank-order one, into the result
+    slot, and rank 0's slot, the accumulator, holds it too."""
+    n = N_SHARED
+    big = np.float32(1 << 24)
+    xs = [np.full(n, v, np.float32) for v in (big, 1.0, -big, 1.0)]  # rank order: (((2^24 + 1) - 2^24) + 1) = 1
+    results = SharedResults(1 << 20, slots=4)
+    rounds, _, outbox, peers = _job(4, results, readers=range(4), deterministic=True)
+    _contribute(rounds, peers, [True] * 4, DType.FLOAT32, ReduceOp.SUM, xs, order=order)
+    answers = [_answer(outbox, peer, DType.FLOAT32, n, results) for peer in peers]
+    assert [how for how, _ in answers] == ["slot"] + [protocol.shared_result_aux(0, 1)] * 3
+    for _, got in answers:
+        assert (got == 1.0).all()
+    assert bytes(peers[2].segment.slot(SLOT, 4 * n)) == xs[2].tobytes()  # held, folded, never written

@@ -79,9 +79,8 @@ class Reducer:
         self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
         self.members = Membership(self.outbox, self.clock, index, world_size, liveness_timeout,
                                   loss_memory=round_timeout, on_lost=self._rank_lost)
-        # ranks on this host read results written once for all of them from these (shared memory);
-        # deterministic mode's folds are ordered, not finished in place, so it writes none there
-        self.results = SharedResults(min(max_chunk_bytes, MAX_OFFERED_SLOT_BYTES)) if shared and not deterministic else None
+        # ranks on this host read results written once for all of them from these (shared memory)
+        self.results = SharedResults(min(max_chunk_bytes, MAX_OFFERED_SLOT_BYTES)) if shared else None
         self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
                              max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
                              deterministic=deterministic, results=self.results)

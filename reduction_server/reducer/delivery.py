@@ -34,6 +34,7 @@ class Delivery:
         self.index = index
         self.bytes_out = 0
         self.bytes_shared_out = 0
+        self.results_shared = 0  # RESULT_SHARED sent
 
     def result(self, rnd: Round, out: Optional[Result]) -> Optional[zmq.Frame]:
         """The result to every rank: into its shared-memory slot (already there for rnd.copied;
@@ -60,6 +61,7 @@ class Delivery:
                     self.shared.hand(rnd.result_slot, rank, live[0])  # told: it releases it now
                     self.bytes_out += nbytes
                     self.bytes_shared_out += nbytes
+                    self.results_shared += 1
                 continue
             if live is not None:
                 segment, slot = live

@@ -6,13 +6,14 @@ slot, or a received frame of its own, summed into in place and sent back as the 
 others are folded in by the native kernels (the GIL released); the last one also writes the
 result (divided, rounded) into the ranks' shared-memory slots block by block, while each block is
 in cache (Delivery.slot_copies says where). In deterministic mode they are
-folded in rank order whatever their arrival order, early ones held until their turn. Every byte
+folded in rank order whatever their arrival order, early ones held until their turn (the last
+fold, of the last rank, writes the result into the slots then). Every byte
 kept is charged to the pool's budget and to a rank's (accumulator.py); the reducer's result slots
 are bounded apart (shared_results.py).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import zmq
@@ -23,6 +24,9 @@ from ..protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
 from ..round import Round
 
 Payload = Union[zmq.Frame, memoryview, None]
+#: where the last fold also writes the result, by rank (Delivery.slot_copies), asked once the round
+#: has its accumulator (in deterministic mode the last to arrive may be the first folded)
+Copies = Optional[Callable[[], Dict[int, memoryview]]]
 Result = Union[zmq.Frame, np.ndarray]  # a broadcast root's frame as it came, or the accumulator's memory
 #: below this, a result goes out copied into a message libzmq owns, and its memory returns to the
 #: pool at once: a copy costs less than a zero-copy send's tracking (an Event per frame, and a
@@ -40,11 +44,14 @@ class Folder:
         self.deterministic = deterministic
 
     def completes_in_place(self, rnd: Round) -> bool:
-        """Whether folding its next contribution completes rnd (no folds held back), so that the fold can write the
-        result where it goes: an average divided, 16-bit floats rounded, as it is folded."""
-        return not self.deterministic and rnd.accumulator is not None and len(rnd.contributed) + 1 == len(rnd.ranks)
+        """Whether folding its next contribution completes rnd, so that the last fold can write the
+        result where it goes: an average divided, 16-bit floats rounded, as it is folded. In
+        deterministic mode the last to arrive folds every contribution held back after it, in rank
+        order (the first of them, when it is the first in rank order, becomes the accumulator), and
+        the last of those folds writes it."""
+        return (rnd.accumulator is not None or self.deterministic) and len(rnd.contributed) + 1 == len(rnd.ranks)
 
-    def fold(self, rnd: Round, h: Header, payload: Payload, copies: Optional[Dict[int, memoryview]] = None) -> None:
+    def fold(self, rnd: Round, h: Header, payload: Payload, copies: Copies = None) -> None:
         """Fold h's payload (a frame, or a view of its shared-memory slot) into rnd; raises
         PoolExhausted past a budget, ValueError for a contribution without the payload it needs.
         `copies`, when folding h completes rnd in place: the result also goes there, by rank."""
@@ -73,18 +80,20 @@ class Folder:
         ready = rnd.in_rank_order(h.rank, data)
         for rank, held in ready[1:]:
             self.pool.unhold(len(held), rank)
+        last = len(ready) - 1
         for i, (rank, held) in enumerate(ready):  # the first is this very contribution: adoptable
-            self._fold_one(rnd, h, rank, held, payload if i == 0 else None)
+            self._fold_one(rnd, h, rank, held, payload if i == 0 else None, copies if i == last else None)
 
     def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
-                  payload: Payload = None, copies: Optional[Dict[int, memoryview]] = None) -> None:
+                  payload: Payload = None, copies: Copies = None) -> None:
         """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
         if rnd.accumulator is not None:
-            if copies:  # each block of the sum is copied while in cache, not the whole sum again later
-                outs = list({id(view): view for view in copies.values()}.values())  # ranks may share a result slot
+            targets = copies() if copies is not None else None
+            if targets:  # each block of the sum is copied while in cache, not the whole sum again later
+                outs = list({id(view): view for view in targets.values()}.values())  # ranks may share a result slot
                 _native.accumulate_copies(rnd.accumulator, data, h.dtype, h.op, rnd.world, outs)
                 # acc is now the result (divided) where the dtype accumulates in itself; 16-bit: the float32 sum
-                rnd.copied = frozenset(copies)
+                rnd.copied = frozenset(targets)
                 return None
             return _native.accumulate(rnd.accumulator, data, h.dtype, h.op)
         # The first contribution. When the dtype accumulates in itself its memory becomes the

@@ -14,6 +14,7 @@ the workers only through the Outbox.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
@@ -77,6 +78,11 @@ class Rounds:
         return self.delivery.bytes_shared_out
 
     @property
+    def results_shared(self) -> int:
+        """Results a rank was told to read from a result slot (RESULT_SHARED)."""
+        return self.delivery.results_shared
+
+    @property
     def open_count(self) -> int:
         """Rounds still waiting for contributions."""
         return len(self.rounds) - self.failed_kept
@@ -125,7 +131,7 @@ class Rounds:
         arrived = time.monotonic() if self.metrics is not None else 0.0
         copies = None
         if self.folder.completes_in_place(rnd):  # into the slots it goes to as it is summed
-            copies = self.delivery.slot_copies(rnd, h, (peer.segment, slot) if slot is not None else None)
+            copies = functools.partial(self.delivery.slot_copies, rnd, h, (peer.segment, slot) if slot is not None else None)
         try:
             self.folder.fold(rnd, h, payload, copies)
         except PoolExhausted as exc:

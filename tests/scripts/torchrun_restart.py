@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import reduction_server.client.torch  # noqa: F401 - registers the backend
+from report import say
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
             os.replace(directory / "checkpoint.tmp", checkpoint)  # whole or not at all
     if rank == 0:
         torch.save(model.module.state_dict(), directory / "final.pt")
-    print(f"rank {rank} attempt {attempt} resumed from {start}", flush=True)
+    say(f"rank {rank} attempt {attempt} resumed from {start}")
     dist.destroy_process_group()
 
 
