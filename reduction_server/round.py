@@ -9,8 +9,8 @@ answered.
 
 In deterministic mode (RS_DETERMINISTIC=1) contributions are folded in rank order whatever
 their arrival order: rank k is folded once ranks 0..k have arrived, and a contribution that
-arrives before its turn is held (a view of its received frame or of its shared-memory slot, no
-copy) until then.
+arrives before its turn is held (a view of its received frame or of its shared-memory slot, or
+a copy of a small frame, which may share libzmq's receive buffer) until then.
 """
 from __future__ import annotations
 

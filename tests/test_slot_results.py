@@ -251,3 +251,19 @@ def test_deterministic_mode_writes_the_rank_order_sum_into_the_result_slot_as_th
     for _, got in answers:
         assert (got == 1.0).all()
     assert bytes(peers[2].segment.slot(SLOT, 4 * n)) == xs[2].tobytes()  # held, folded, never written
+
+
+def test_a_kernel_that_refuses_the_last_fold_fails_the_round_on_every_rank(monkeypatch):
+    """No rank waits on a round whose last fold stopped part way: every one hears INTERNAL."""
+    from reduction_server.reducer import fold
+
+    def refuse(*args):
+        raise SystemError("reduction kernel rejected its arguments")
+
+    monkeypatch.setattr(fold._native, "accumulate_copies", refuse)
+    rounds, _, outbox, peers = _job(3, deterministic=True)
+    xs = [np.full(5000, rank + 1.0, np.float32) for rank in range(3)]
+    _contribute(rounds, peers, [True] * 3, DType.FLOAT32, ReduceOp.SUM, xs, order=[1, 2, 0])  # and nothing left
+    errors = {identity: frames for identity, frames in outbox.sent if frames[0] == "ERROR"}
+    assert sorted(errors) == sorted(peer.identity for peer in peers)
+    assert all(code == protocol.ErrorCode.INTERNAL and "kernel rejected" in text for _, code, text in errors.values())

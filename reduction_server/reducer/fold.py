@@ -53,8 +53,9 @@ class Folder:
 
     def fold(self, rnd: Round, h: Header, payload: Payload, copies: Copies = None) -> None:
         """Fold h's payload (a frame, or a view of its shared-memory slot) into rnd; raises
-        PoolExhausted past a budget, ValueError for a contribution without the payload it needs.
-        `copies`, when folding h completes rnd in place: the result also goes there, by rank."""
+        PoolExhausted past a budget, ValueError for a contribution without the payload it needs,
+        SystemError where a kernel refuses. `copies`, when folding h completes rnd in place: asked
+        before the last fold, where the result also goes, by rank."""
         if h.op == OP_BROADCAST:  # h agrees with the round's first contribution
             if h.rank == h.aux:
                 if payload is None:

@@ -138,6 +138,8 @@ class Rounds:
             return self.fail(rnd, ErrorCode.TOO_LARGE, str(exc), extra=h)
         except ValueError as exc:
             return self.fail(rnd, ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}", extra=h)
+        except SystemError as exc:  # a kernel refused: the round may be half folded, so no rank may wait on it
+            return self.fail(rnd, ErrorCode.INTERNAL, f"folding rank {h.rank}'s contribution failed: {exc}", extra=h)
         rnd.contributed[h.rank] = h
         if slot is not None:  # its result goes back into the same slot of the same segment
             rnd.slots[h.rank] = (peer.segment, slot)
