@@ -18,6 +18,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import psutil
 
+from reduction_server.reducer import shards
+
+from .ports import REDUCER_PORTS, free_port_range
 from .source_tree import ROOT
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -49,7 +52,9 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 class Reducers:
     """R reducer processes on free loopback ports; stopped (and reaped) on exit. Their indexes
-    start at `first_index` (a group that stands at the end of RS_REDUCERS)."""
+    start at `first_index` (a group that stands at the end of RS_REDUCERS). Each one's ports (one
+    per shard) lie below the ephemeral range: a reducer restarted at its address must find them
+    free, and a connection's local port, taken from that range, could hold one (seen once in CI)."""
 
     def __init__(self, count: int, workers: Optional[int], env: Dict[str, str], first_index: int = 0) -> None:
         self.procs: List[subprocess.Popen] = []
@@ -59,8 +64,9 @@ class Reducers:
         self.env = env
         self.first_index = first_index
         self.workers = workers
+        ports = shards.count(env.get("RS_SHARDS"))
         for index in range(first_index, first_index + count):
-            cmd = self._command("127.0.0.1", "0", index)
+            cmd = self._command("127.0.0.1", str(free_port_range(ports, REDUCER_PORTS, reuse=True)), index)
             # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
             log = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
