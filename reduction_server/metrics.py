@@ -65,7 +65,7 @@ class _ReducerCollector:
                       "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM, RESULT_SHARED).",
                       r.bytes_shared)
         yield counter("shared_results", "Results sent to workers on this host as one result slot that several of "
-                      "them read, written once (RESULT_SHARED): one per worker told.", r.rounds.results_shared)
+                      "them read, written once (RESULT_SHARED): one per worker told.", r.rounds.delivery.results_shared)
         yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
                       "rank and sent back to all of them.", r.rounds.completed)
         failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "

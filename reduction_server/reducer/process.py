@@ -169,7 +169,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
     event(log, NOTICE, "stopped", reducer=index, **({"shard": shard} if count > 1 else {}), completed=rounds.completed, failed=rounds.failed,
           failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=rounds.bytes_out,
-          bytes_shared_memory=reducer.bytes_shared, shared_results=rounds.results_shared,
+          bytes_shared_memory=reducer.bytes_shared, shared_results=rounds.delivery.results_shared,
           peers_admitted=reducer.admission.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
           open_rounds=len(rounds.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
     return 0

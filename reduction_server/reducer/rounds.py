@@ -78,11 +78,6 @@ class Rounds:
         return self.delivery.bytes_shared_out
 
     @property
-    def results_shared(self) -> int:
-        """Results a rank was told to read from a result slot (RESULT_SHARED)."""
-        return self.delivery.results_shared
-
-    @property
     def open_count(self) -> int:
         """Rounds still waiting for contributions."""
         return len(self.rounds) - self.failed_kept
@@ -131,7 +126,8 @@ class Rounds:
         arrived = time.monotonic() if self.metrics is not None else 0.0
         copies = None
         if self.folder.completes_in_place(rnd):  # into the slots it goes to as it is summed
-            copies = functools.partial(self.delivery.slot_copies, rnd, h, (peer.segment, slot) if slot is not None else None)
+            own = (peer.segment, slot) if slot is not None else None
+            copies = functools.partial(self.delivery.slot_copies, rnd, h, own)
         try:
             self.folder.fold(rnd, h, payload, copies)
         except PoolExhausted as exc:
