@@ -6,7 +6,7 @@ Every test it runs must pass. A test may be skipped only by torch itself for wan
 world size or of another backend's feature (its own words, matched below), or by this
 project's list of what the backend does not do yet (UNSUPPORTED in scripts/torch_suite.py, each
 skipped with "reduction_server: <why>"). CI runs a selection that covers every collective; `pytest --torch-suite=all` runs the
-whole suite (about 12 minutes per world size here).
+whole suite (about a minute per world size here).
 """
 import re
 import subprocess

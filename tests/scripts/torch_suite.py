@@ -1,11 +1,17 @@
 """PyTorch's own distributed test suite (DistributedTest._DistTestBase, shipped in the torch
 wheel) against the reduction_server backend, as third-party backends run it (torch_ucc's
 test/torch_tests.py): the backend is named in DistTestCases' feature sets and the suite's
-TestDistBackend spawns WORLD_SIZE ranks per test.
+TestDistBackend starts WORLD_SIZE ranks per test.
 
 Run by tests/test_torch_suite.py with BACKEND, WORLD_SIZE, TEMP_DIR and RS_REDUCERS set; each test
 gets a generation of its own (RS_GENERATION), so that its ranks never meet an earlier test's
 rounds on the reducers.
+
+The ranks are forked from this process, as torch's own CPU suite ran them (test_distributed_fork,
+until CUDA made spawn its only way): spawned, each rank of each test imports torch and the suite
+again, 3-5 s a test on a 2-core machine against under one forked. This process runs no collective
+and starts no engine before it forks (as torch's DataLoader forks its workers after torch is
+imported); the backend is registered on import here, and so in every rank.
 """
 import functools
 import itertools
@@ -15,6 +21,7 @@ import time
 import unittest
 
 import reduction_server.client.torch  # noqa: F401  (registers the backend)
+import torch.multiprocessing
 from torch.testing._internal.common_distributed import DistTestCases
 from torch.testing._internal.common_utils import run_tests
 
@@ -59,15 +66,16 @@ def _ungated(test):
     return run
 
 
-# Newer than any generation the reducers served before (a test takes more than a second).
-_generations = itertools.count(int(time.time()) - 1_700_000_000)
+# Newer than any generation the reducers served before: tenths of a second since 2023-11 (a test
+# takes longer than that; the header's 32 bits last until 2037).
+_generations = itertools.count(int(time.time() * 10) - 17_000_000_000)
 
 
 class TestBackend(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self) -> None:
         os.environ["RS_GENERATION"] = str(next(_generations))
         super().setUp()
-        self._spawn_processes()
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
 
 for _name in RUN_ANYWAY:
