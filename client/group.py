@@ -63,7 +63,8 @@ class Group(Communicator):
         return super()._start(*args, **kwargs)
 
     def close(self) -> None:
-        """The group takes no more collectives; the engine stays its parent's."""
+        """The group takes no more collectives (those started end as they would); the engine
+        stays its parent's."""
         if not self._closed:
             self._closed = True
             self._engine.remove_group(self.group_id)

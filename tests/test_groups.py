@@ -1,10 +1,12 @@
 """Groups of some of a job's ranks (client/group.py) on real reducers: their own collectives
 beside the job's, exact results, groups announced two ways, a member lost, hand-driven peers
-that break the rules, and a reducer restarted under a group."""
+that break the rules, a reducer restarted under a group, and a group closed with a collective in
+flight."""
 import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import pytest
 import reduction_server
 from reduction_server import protocol
 from reduction_server.client.buffers import wire_view
+from reduction_server.client.engine.inbox import Inbox
 from reduction_server.client.group import Group, group_id
 from reduction_server.protocol import ErrorCode, MsgType
 from helpers.cluster import reducers
@@ -218,3 +221,53 @@ def test_a_broadcast_root_gets_no_copy_of_its_own_data():
         log = single.stop()[0]
     sent = [int(v) for v in re.findall(r"stopped .*?\bbytes_out=(\d+)", log)]  # a line per shard
     assert sent and sum(sent) == 2 * 2 * 4 * n, log[-2000:]
+
+
+def test_a_group_closed_with_a_collective_in_flight_keeps_its_results_until_it_ends(group):
+    """Rank 0 closes its group while its all-reduce still waits for rank 1: failover may still
+    need that collective's results, so they are kept until it ends, and then let go (a group
+    made and closed in a loop would otherwise leave each one's last window behind)."""
+    closed, contributed = threading.Event(), threading.Event()
+
+    def body(comm, rank):
+        sub = Group(comm, [0, 1], "closed early")
+        kept = comm._engine.failover.results.kept
+        mine = lambda: [key for key, ring in kept.items() if key[0] == sub.group_id and ring]  # noqa: E731
+        x = np.arange(100_000, dtype=np.float32) + rank
+        if rank == 0:
+            handle = sub.all_reduce_async(x)
+            sub.close()
+            time.sleep(0.3)  # the engine has seen the close: it keeps the results all the same
+            closed.set()
+            assert contributed.wait(10)
+            got = handle.wait(10)
+            until(lambda: not mine(), "rank 0's results of the closed group to be let go", 5)
+            with pytest.raises(reduction_server.CollectiveError, match="closed"):
+                sub.all_reduce(x)
+        else:
+            assert closed.wait(10)
+            got = sub.all_reduce(x)
+            assert mine(), "rank 1 keeps the results of its open group"
+            contributed.set()
+        return got
+
+    want = 2 * np.arange(100_000, dtype=np.float32) + 1
+    for got in run_job(2, body, group=group, chunk_bytes=65536):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_closed_groups_results_go_when_nothing_of_it_is_in_flight_and_not_if_it_is_made_again():
+    inbox = Inbox(0)
+    try:
+        inbox.remove_group(7)
+        inbox.add_group(7, (0, 1))  # made again before the engine saw the close: the same key, kept on
+        assert inbox.idle_closed_groups([]) == []
+        inbox.remove_group(8)
+        assert inbox.idle_closed_groups([SimpleNamespace(group=8)]) == []  # one of its collectives in flight
+        inbox.queue.append(SimpleNamespace(group=8))
+        assert inbox.idle_closed_groups([SimpleNamespace(group=9)]) == []  # one queued
+        inbox.queue.clear()
+        assert inbox.idle_closed_groups([SimpleNamespace(group=9)]) == [8]
+        assert inbox.closed_groups == []
+    finally:
+        inbox.close()

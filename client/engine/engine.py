@@ -135,7 +135,7 @@ class Engine:
         self.inbox.add_group(group, ranks)
 
     def remove_group(self, group: int) -> None:
-        """`group` takes no more collectives: the results kept for it can go."""
+        """`group` takes no more collectives: the results kept for it go once its last one ends."""
         self.inbox.remove_group(group)
 
     def close(self) -> None:
@@ -201,8 +201,8 @@ class Engine:
             with inbox.lock:
                 while inbox.groups:
                     conn.announce(*inbox.groups.pop(0))
-                while inbox.closed_groups:
-                    self.failover.results.forget_group(inbox.closed_groups.pop())
+                for group in inbox.idle_closed_groups(ledger.active.values()):
+                    self.failover.results.forget_group(group)
                 while inbox.queue and not self._held(inbox.queue[0]):
                     coll = inbox.queue.popleft()
                     if coll.future.done():

@@ -6,10 +6,11 @@ a lock, and the engine thread takes it at the top of each turn of its loop.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import deque
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Sequence, Tuple
 
 from reduction_server.errors import CollectiveError
 
@@ -27,7 +28,9 @@ class Inbox:
         os.set_blocking(self._wake_w, False)  # written under the lock: it must never block
         self.queue: Deque[Collective] = deque()
         self.groups: List[Tuple[int, Tuple[int, ...]]] = []  # to announce, before the queue's collectives
-        self.closed_groups: List[int] = []  # groups whose kept results (kept.py) can go
+        # closed groups whose kept results (kept.py) go once none of their collectives is queued
+        # or in flight: until then failover may still need them
+        self.closed_groups: List[int] = []
         self.closing = False
         self.dead: Optional[str] = None  # why the engine stopped, once it has
 
@@ -46,15 +49,27 @@ class Inbox:
         with self.lock:
             self._refuse_if_closed("cannot serve a new group")
             self.groups.append((group, tuple(ranks)))
+            if group in self.closed_groups:  # made again: its results are kept again, under the same key
+                self.closed_groups.remove(group)
             self._wake()
 
     def remove_group(self, group: int) -> None:
-        """`group` takes no more collectives: the results kept for it can go."""
+        """`group` takes no more collectives: the results kept for it can go once its last one ends."""
         with self.lock:
             if self.closing:  # the engine, and what it keeps, is gone or going
                 return
             self.closed_groups.append(group)
             self._wake()
+
+    def idle_closed_groups(self, active: Iterable[Collective]) -> List[int]:
+        """The closed groups of which no collective is queued or `active` (the engine's, in
+        flight), taken off the list: their kept results can go (called under the lock)."""
+        if not self.closed_groups:
+            return []
+        busy = {coll.group for coll in itertools.chain(self.queue, active)}
+        idle = [group for group in self.closed_groups if group not in busy]
+        self.closed_groups = [group for group in self.closed_groups if group in busy]
+        return idle
 
     def ask_to_close(self) -> bool:
         """Tell the engine thread to stop; False if it was told already."""
