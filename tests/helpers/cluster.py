@@ -30,6 +30,7 @@ TOKEN = "test-token"
 #: metrics or budgets): one shard whatever RS_SHARDS says (conftest.py)
 ONE_PROCESS = {"RS_SHARDS": "1"}
 _LISTENING = re.compile(r"listening on tcp://(\S+):(\d+)")
+_START_TRIES = 3  # a reducer's start, each at a port probed again
 
 
 def unreachable(url: str) -> Optional[str]:
@@ -66,16 +67,23 @@ class Reducers:
         self.workers = workers
         ports = shards.count(env.get("RS_SHARDS"))
         for index in range(first_index, first_index + count):
-            cmd = self._command("127.0.0.1", str(free_port_range(ports, REDUCER_PORTS, reuse=True)), index)
-            # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
-            log = tempfile.TemporaryFile(mode="w+")
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-            self.procs.append(proc)
-            self.logs.append(log)
-            line = proc.stdout.readline()
-            match = _LISTENING.search(line)
-            if not match:
-                raise RuntimeError(f"reducer {index} did not start: {line!r} {self.stop()[-1]}")
+            for attempt in range(_START_TRIES):
+                cmd = self._command("127.0.0.1", str(free_port_range(ports, REDUCER_PORTS, reuse=True)), index)
+                # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
+                log = tempfile.TemporaryFile(mode="w+")
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+                self.procs.append(proc)
+                self.logs.append(log)
+                match = _LISTENING.search(proc.stdout.readline())
+                if match:
+                    break
+                why = _stopped(proc, log)
+                self.procs.pop(), self.logs.pop()
+                # A port free when probed may be taken before the reducer binds it (seen once in CI):
+                # probe again, as `serve` itself does for a port of its own choosing.
+                if "already in use" not in why or attempt == _START_TRIES - 1:
+                    self.stop()
+                    raise RuntimeError(f"reducer {index} did not start: {why}")
             self.addresses.append(f"{match.group(1)}:{match.group(2)}")
 
     def restart(self, i: int, env: Optional[Dict[str, str]] = None) -> None:
@@ -131,18 +139,21 @@ class Reducers:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
-        logs = []
-        for proc, log in zip(self.procs, self.logs):
-            try:
-                proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-            log.seek(0)
-            logs.append(log.read())
-            log.close()
-        self.stopped = logs
-        return logs
+        self.stopped = [_stopped(proc, log) for proc, log in zip(self.procs, self.logs)]
+        return self.stopped
+
+
+def _stopped(proc: subprocess.Popen, log: Any) -> str:
+    """The log of a reducer told to stop (or one that exited), once it has exited (killed after 10 s)."""
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    log.seek(0)
+    text = log.read()
+    log.close()
+    return text
 
 
 @contextmanager
