@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -65,10 +66,11 @@ class Reducers:
         self.env = env
         self.first_index = first_index
         self.workers = workers
-        ports = shards.count(env.get("RS_SHARDS"))
+        ports = self.ports = shards.count(env.get("RS_SHARDS"))  # each reducer's: one per shard
         for index in range(first_index, first_index + count):
             for attempt in range(_START_TRIES):
-                cmd = self._command("127.0.0.1", str(free_port_range(ports, REDUCER_PORTS, reuse=True)), index)
+                base = free_port_range(ports, REDUCER_PORTS, reuse=True)
+                cmd = self._command("127.0.0.1", str(base), index)
                 # Logs go to a file: a pipe read only at stop() would block a chatty reducer.
                 log = tempfile.TemporaryFile(mode="w+")
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -84,6 +86,8 @@ class Reducers:
                 if "already in use" not in why or attempt == _START_TRIES - 1:
                     self.stop()
                     raise RuntimeError(f"reducer {index} did not start: {why}")
+                warnings.warn(f"reducer {index}: ports {base}-{base + ports - 1}, free when probed, were taken "
+                              f"before it bound them, by {_holders(base, ports)}; probing again")
             self.addresses.append(f"{match.group(1)}:{match.group(2)}")
 
     def restart(self, i: int, env: Optional[Dict[str, str]] = None) -> None:
@@ -100,7 +104,8 @@ class Reducers:
                 self.procs[i] = proc
                 return
             proc.wait()
-            assert time.monotonic() < deadline, f"reducer {i} could not bind its port again: {line!r}"
+            assert time.monotonic() < deadline, \
+                f"reducer {i} could not bind its port again: {line!r}; held: {_holders(int(port), self.ports)}"
             time.sleep(0.2)  # the port may linger for a moment
 
     def signal(self, i: int, sig: int) -> None:
@@ -141,6 +146,19 @@ class Reducers:
                 proc.terminate()
         self.stopped = [_stopped(proc, log) for proc, log in zip(self.procs, self.logs)]
         return self.stopped
+
+
+def _holders(base: int, count: int) -> List[str]:
+    """Who has a TCP socket on ports base .. base+count-1: pid, command line and the socket's state."""
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and base <= conn.laddr.port < base + count:
+            try:
+                who = " ".join(psutil.Process(conn.pid).cmdline()) if conn.pid else "no process"
+            except psutil.Error:
+                who = "a process gone since"
+            found.append(f"{conn.laddr.port} {conn.status} pid {conn.pid}: {who}")
+    return found
 
 
 def _stopped(proc: subprocess.Popen, log: Any) -> str:
