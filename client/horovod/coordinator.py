@@ -60,7 +60,6 @@ class Coordinator:
         self._stopping = False
         self._join: Optional[Future] = None  # this rank's hvd.join(), until every rank has joined
         self._joining = False  # join() called, not yet announced
-        self._failure: Optional[BaseException] = None  # what ended the negotiation, if it failed
         self._ended: Optional[str] = None  # why no collective can run any more
         self._names: Dict[str, Callable[[], str]] = {}  # automatic names, by kind: this coordinator's own
         self._cycle = threading.Thread(target=self._run, name=f"rs-hvd-cycle-rank{self.rank}", daemon=True)
@@ -118,11 +117,6 @@ class Coordinator:
     close = shutdown  # a Coordinator closes like the Communicator under it
 
     @property
-    def failure(self) -> Optional[BaseException]:
-        """What ended the negotiation, if it failed."""
-        return self._failure
-
-    @property
     def running(self) -> bool:
         """Whether collectives can still be submitted: False after shutdown() or once a failure
         ended the collectives."""
@@ -147,7 +141,6 @@ class Coordinator:
             error = exc if isinstance(exc, CollectiveError) else CollectiveError(
                 f"rank {self.rank}: negotiation failed: {exc!r}")
             self._fail_all(error, f"an earlier collective failed: {error}")
-            self._failure = error
         finally:
             self.runner.stop()
             if self._owns:
