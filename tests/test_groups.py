@@ -232,7 +232,8 @@ def test_a_group_closed_with_a_collective_in_flight_keeps_its_results_until_it_e
     def body(comm, rank):
         sub = Group(comm, [0, 1], "closed early")
         kept = comm._engine.failover.results.kept
-        mine = lambda: [key for key, ring in kept.items() if key[0] == sub.group_id and ring]  # noqa: E731
+        # a snapshot taken in one step: the engine thread adds and pops keys meanwhile
+        mine = lambda: [key for key, ring in list(kept.items()) if key[0] == sub.group_id and ring]  # noqa: E731
         x = np.arange(100_000, dtype=np.float32) + rank
         if rank == 0:
             handle = sub.all_reduce_async(x)
