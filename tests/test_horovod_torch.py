@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
 from helpers.cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.devices import label, on_device, tolerance  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
@@ -18,20 +19,25 @@ import torch_model  # noqa: E402
 CONFIGS = {"plain": {}, "momentum": {"momentum": 0.9}, "accumulate": {"passes": 2},
            "predivide": {"predivide": 2.0}, "fp16": {"fp16": True}, "sum": {"op": "sum"},
            "explicit_sync": {"explicit_sync": True}}
+#: the jobs, by (world size, device); on a GPU machine two ranks share its GPU
+JOBS = [(2, "cpu"), (3, "cpu"), (2, "cuda")]
 _results = {}
 
 
-def run_job(world):
-    if world not in _results:
+def run_job(key):
+    world, device = key
+    env = on_device(device)
+    if key not in _results:
         with reducers(world - 1, workers=world) as group:  # W=2: one reducer, W=3: two
-            _results[world] = run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)],
-                                          timeout=150)
-    return _results[world]
+            _results[key] = run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)],
+                                        extra_env=env, timeout=150)
+    return _results[key]
 
 
-@pytest.fixture(params=[2, 3], ids=lambda w: f"W{w}")
+@pytest.fixture(params=JOBS, ids=label)
 def job(request):
-    return request.param, run_job(request.param)
+    world, device = request.param
+    return world, device, run_job(request.param)
 
 
 def reference(world, momentum=0.0):
@@ -43,17 +49,17 @@ def reference(world, momentum=0.0):
 
 
 def test_training_matches_a_single_process_on_the_whole_batch(job):
-    world, results = job
+    world, device, results = job
     rank0_start = torch.cat([p.detach().reshape(-1) for p in torch_model.make_model(seed=1000).parameters()])
     for name, config in CONFIGS.items():
         expected = reference(world, config.get("momentum", 0.0))
-        tol = 1e-2 if config.get("fp16") else 1e-5
+        rtol, atol = (1e-2, 1e-4) if config.get("fp16") else tolerance(device)
         for r in results:
             run = r["train"][name]
             # Ranks seeded differently start from rank 0's weights after broadcast_parameters.
             assert torch.equal(torch.tensor(run["initial"]), rank0_start), (name, r["rank"])
             final = torch.tensor(run["final"])
-            assert torch.allclose(final, expected, rtol=tol, atol=tol * 1e-2), \
+            assert torch.allclose(final, expected, rtol=rtol, atol=atol), \
                 (name, r["rank"], float((final - expected).abs().max()))
             assert run["final"] == results[0]["train"][name]["final"], f"{name}: ranks differ"
         if config.get("fp16"):
@@ -63,7 +69,7 @@ def test_training_matches_a_single_process_on_the_whole_batch(job):
 def test_gradient_all_reduces_start_during_backward(job):
     """When backward reaches the first layer (its gradients come last), the later layers'
     all-reduces have already been handed to the negotiation: communication overlaps backward."""
-    world, results = job
+    _, _, results = job
     for r in results:
         started = r["train"]["plain"]["started_before_first_layer"]
         assert len(started) == 2 * torch_model.STEPS  # two parameters (weight, bias) per backward
@@ -71,7 +77,7 @@ def test_gradient_all_reduces_start_during_backward(job):
 
 
 def test_collectives_matched_by_name(job):
-    world, results = job
+    world, _, results = job
     ranks = range(world)
     values = [[i + r + 1.0 for i in range(6)] for r in ranks]
     expect = {"sum": [sum(v[i] for v in values) for i in range(6)],
@@ -95,6 +101,8 @@ def test_collectives_matched_by_name(job):
         assert c["broadcast"] == [[float(world - 1)] * 2] * 2
         assert c["broadcast_input_untouched"] == [[float(r["rank"])] * 2] * 2
         assert c["broadcast_"] == [[1.0] * 2] * 2
+        me = r["rank"]
+        assert c["default_device"] == [[0.0] * 3, [100 * k + 2 * me + i for k in ranks for i in range(2)]]
         assert c["allgather_bf16"] == ["torch.bfloat16", [[float(k)] * 2 for k in ranks for _ in range(k + 1)]]
         assert c["allgather_bool"] == [k % 2 == 0 for k in ranks]
         assert c["allgather_scalar"] == [10 * k for k in ranks]

@@ -32,7 +32,7 @@ def _pieces(flat: torch.Tensor, counts: Sequence[int]) -> List[torch.Tensor]:
 
 def _scratch_like(tensor: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
     """A host buffer for a piece this rank receives and drops (or copies out)."""
-    return torch.empty(tensor.numel() if count is None else count, dtype=tensor.dtype)
+    return torch.empty(tensor.numel() if count is None else count, dtype=tensor.dtype, device="cpu")
 
 
 class Collectives:

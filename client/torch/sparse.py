@@ -38,8 +38,8 @@ class Sparse:
                     if j == comm.rank:
                         indices, values = mine.indices().contiguous(), mine.values().contiguous()
                     else:
-                        indices = torch.empty((mine.sparse_dim(), nnz[j]), dtype=torch.int64)
-                        values = torch.empty((nnz[j], *mine.shape[mine.sparse_dim():]), dtype=mine.dtype)
+                        indices = torch.empty((mine.sparse_dim(), nnz[j]), dtype=torch.int64, device="cpu")
+                        values = torch.empty((nnz[j], *mine.shape[mine.sparse_dim():]), dtype=mine.dtype, device="cpu")
                     handles += [collectives.relay(indices, j, timeout), collectives.relay(values, j, timeout)]
                     parts.append((indices, values))
                 received.append(parts)

@@ -80,13 +80,13 @@ class Staged:
         self.cuda = check_device(tensor, what) == "cuda"
         if self.cuda:
             # Blocking copy: ordered after the work queued on the current stream (the producer).
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
             if load:
                 self.host.copy_(tensor)
         elif tensor.is_contiguous():
             self.host = tensor.detach()
         else:
-            self.host = tensor.detach().contiguous() if load else torch.empty(tensor.shape, dtype=tensor.dtype)
+            self.host = tensor.detach().contiguous() if load else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         self.copy_back = self.cuda or self.host.data_ptr() != tensor.data_ptr()
 
     def finish(self) -> None:

@@ -1,6 +1,7 @@
 """One rank of a Horovod-style PyTorch job (reduction_server.client.horovod.torch): the
 collectives, submitted in a different order on every rank, then training runs with
-DistributedOptimizer in several configurations. Prints one JSON line."""
+DistributedOptimizer in several configurations, on RS_TEST_DEVICE's tensors (cpu, or cuda in the
+tests' GPU runs). Prints one JSON line."""
 import json
 import random
 import sys
@@ -11,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import reduction_server.client.horovod.torch as hvd  # noqa: E402
-from torch_model import LR, STEPS, batch, make_model  # noqa: E402
+from torch_model import DEVICE, LR, STEPS, batch, make_model  # noqa: E402
 from report import report  # noqa: E402
 
 
@@ -50,6 +51,14 @@ def collectives(rank, world):
     out["broadcast_input_untouched"] = b.tolist()
     hvd.broadcast_(b, root_rank=1, name="bcast_")
     out["broadcast_"] = b.tolist()
+    # A script that sets another default device (torch.set_default_device("cuda")) still gets
+    # host buffers on the host ("meta" stands in for "cuda" here): a column of a CPU matrix goes
+    # through a contiguous buffer of the backend's own.
+    column = torch.full((3, 2), float(rank), device="cpu")[:, 1]
+    with torch.device("meta"):
+        hvd.broadcast_(column, root_rank=0, name="bcast.default_device")
+        pieces = hvd.alltoall(torch.arange(2 * world, device="cpu") + 100 * rank, name="alltoall.default_device")
+    out["default_device"] = [column.tolist(), pieces.tolist()]
 
     gathered = hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.bfloat16), name="gather.bf16")
     out["allgather_bf16"] = [str(gathered.dtype), gathered.float().tolist()]
@@ -106,9 +115,10 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
-              "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
-              "train": {name: train(rank, world, config) for name, config in configs.items()}}
+    with torch.device(DEVICE):  # every tensor made below: on the GPU in the tests' CUDA runs
+        result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+                  "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
+                  "train": {name: train(rank, world, config) for name, config in configs.items()}}
     hvd.shutdown()
     report(result)
 

@@ -1,5 +1,14 @@
-"""The model, data and training loop shared by the DDP worker script and the tests' reference."""
+"""The model, data and training loop shared by the DDP worker script and the tests' reference.
+
+Worker processes place the model and data on RS_TEST_DEVICE ("cuda" in the GPU runs of the
+tests); both are made on the CPU first, so every device starts from the same numbers as the
+tests' reference, which runs on the CPU.
+"""
+import os
+
 import torch
+
+DEVICE = torch.device(os.environ.get("RS_TEST_DEVICE", "cpu"))
 
 STEPS = 5
 LR = 0.1
@@ -25,7 +34,8 @@ class Net(torch.nn.Module):
 
 def make_model(seed):
     torch.manual_seed(seed)
-    return Net()
+    with torch.device("cpu"):
+        return Net().to(DEVICE)
 
 
 def batch(world):
@@ -33,7 +43,7 @@ def batch(world):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(world * PER_RANK, IN, generator=g)
     y = torch.randn(world * PER_RANK, OUT, generator=g)
-    return x, y
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 def train(model, x, y, steps, momentum=0.0):

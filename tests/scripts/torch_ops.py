@@ -40,7 +40,16 @@ def expected(op, dtype, world):
     return out.to(dtype)  # integer overflow wraps, as the reducers' does
 
 
+DEVICE = os.environ.get("RS_TEST_DEVICE", "cpu")  # "cuda" in the tests' GPU runs
+
+
 def main():
+    """Every check, on tensors made on RS_TEST_DEVICE."""
+    with torch.device(DEVICE):
+        return _checks()
+
+
+def _checks():
     os.environ.pop("MASTER_ADDR", None)
     os.environ.pop("MASTER_PORT", None)
     dist.init_process_group("reduction_server")
@@ -148,6 +157,9 @@ def main():
             failures.append(f"a failed all_reduce raised without the reducers' words: {exc}")
     relays_and_reductions(rank, world, check)
     point_to_point(rank, world, check)
+    another_default_device(rank, world, check)
+    if DEVICE == "cuda":
+        stream_order(rank, world, check)
     backend = dist.get_backend()
     dist.destroy_process_group()
     return {"rank": rank, "done": done, "failures": failures[:20], "backend": backend}
@@ -291,3 +303,61 @@ def subgroups(rank, world, check):
 
 if __name__ == "__main__":
     report(main())
+
+
+def another_default_device(rank, world, check):
+    """A script that sets another default device (torch.set_default_device("cuda"), as GPU
+    scripts do) still gets the backend's host buffers on the host: "meta" stands in for "cuda"
+    here. Each collective below makes buffers of its own (scratch pieces, non-contiguous outputs,
+    received sparse parts)."""
+    def mine(r, n=6, dtype=torch.float32):
+        return (torch.arange(n, device="cpu") + 10 * r + 1).to(dtype)
+
+    total = sum(mine(r) for r in range(world))
+    pieces = torch.cat([mine(r, 3) for r in range(world)])
+    with torch.device("meta"):
+        t = mine(rank)
+        dist.reduce(t, dst=0)
+        check("default meta: reduce", t, total if rank == 0 else mine(rank))
+        outs = [torch.zeros(6, device="cpu") for _ in range(world)] if rank == 0 else None
+        dist.gather(mine(rank), outs, dst=0)
+        if rank == 0:
+            check("default meta: gather", torch.stack(outs), torch.stack([mine(r) for r in range(world)]))
+        out = torch.zeros(6, device="cpu")
+        dist.scatter(out, [mine(r) for r in range(world)] if rank == 0 else None, src=0)
+        check("default meta: scatter", out, mine(rank))
+        strided = torch.zeros(6, 2, device="cpu")[:, 0]  # a non-contiguous output: staged through a buffer
+        dist.scatter(strided, [mine(r) for r in range(world)] if rank == 0 else None, src=0)
+        check("default meta: non-contiguous output", strided, mine(rank))
+        out = torch.zeros(3 * world, device="cpu")
+        dist.all_to_all_single(out, torch.cat([mine(rank, 3)] * world))
+        check("default meta: all_to_all_single", out, pieces)
+        sparse = torch.sparse_coo_tensor(torch.tensor([[rank]], device="cpu"), torch.tensor([1.0], device="cpu"),
+                                         (world,), device="cpu")
+        dist.all_reduce(sparse)
+        check("default meta: sparse all_reduce", sparse.to_dense(), torch.ones(world, device="cpu"))
+
+
+def stream_order(rank, world, check):
+    """CUDA: a collective reads its input after the work queued before it on the caller's
+    current stream, and once work.wait() returns that stream sees the result, even while the
+    copy back waits behind other work on the default stream. Each race is made likely by a
+    GPU-side sleep of about 50 ms where the wrong order would win it."""
+    total = float(sum(range(1, world + 1)))
+    side = torch.cuda.Stream()  # not synchronized with the default stream
+    with torch.cuda.stream(side):
+        x = torch.zeros(1 << 20)
+        torch.cuda._sleep(100_000_000)
+        x.fill_(rank + 1.0)  # the producer, late on the current stream
+        dist.all_reduce(x)
+        seen = x.clone()  # on the current stream, right after the call
+        y = torch.full((1 << 20,), rank + 1.0)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(100_000_000)  # the copy back of y's result queues behind this
+        work = dist.all_reduce(y, async_op=True)
+        work.wait()
+        after = y.clone()  # ordered after the copy back by wait(), not by the host
+    torch.cuda.synchronize()
+    check("cuda: input read after its producer", seen, torch.full((1 << 20,), total))
+    check("cuda: result seen by the waiting stream", after, torch.full((1 << 20,), total))

@@ -23,7 +23,7 @@ from .mpi_ops import (allgather_async, allreduce_async, alltoall_async, broadcas
 
 def _own_rows(grads: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     """This rank's rows of an allgather's gradient (every rank's row counts gathered first)."""
-    counts = allgather(torch.tensor([rows], dtype=torch.int64), process_set=process_set)
+    counts = allgather(torch.tensor([rows], dtype=torch.int64, device="cpu"), process_set=process_set)
     offset = int(counts[:process_set.rank()].sum())
     return grads.narrow(0, offset, rows)
 

@@ -211,7 +211,7 @@ def _splits(tensor: torch.Tensor, splits: Any, size: int) -> List[int]:
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension; got a scalar")
     if splits is not None:
-        values = splits if isinstance(splits, torch.Tensor) else torch.tensor(splits)
+        values = splits if isinstance(splits, torch.Tensor) else torch.tensor(splits, device="cpu")
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"alltoall's splits must be integers, got {values.dtype}")
         splits = values.reshape(-1).tolist()
@@ -229,7 +229,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
 
     def finish() -> tuple:
         rows, received = future.result()
-        return _from_bytes(rows, tensor), torch.tensor(received, dtype=torch.int32)
+        return _from_bytes(rows, tensor), torch.tensor(received, dtype=torch.int32, device="cpu")
     return new_handle([future], finish)
 
 
@@ -280,5 +280,5 @@ def join(device: int = -1) -> int:
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Wait until every rank (of `process_set`) has reached its barrier."""
-    placeholder = torch.empty(0, dtype=torch.uint8)
+    placeholder = torch.empty(0, dtype=torch.uint8, device="cpu")
     synchronize(new_handle([_submit(BARRIER, BARRIER_NAME, placeholder, placeholder, process_set)], lambda: None))

@@ -113,7 +113,7 @@ _Stats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def _gather_stats(x: torch.Tensor, eps: float, process_set: Optional[ProcessSet]) -> _Stats:
     """This rank's per-channel mean and invstd gathered with its element count per channel from
     every rank: (counts (W,), means (W, C), invstds (W, C)), ranks whose batch is empty left out."""
-    count = torch.tensor([[x.numel() // x.size(1)]], dtype=torch.int64)  # int64: no rounding of big batches
+    count = torch.tensor([[x.numel() // x.size(1)]], dtype=torch.int64, device="cpu")  # int64: no rounding of big batches
     if x.numel() == 0:  # no statistics of its own; its count of 0 has it left out below
         mean = torch.zeros(x.size(1), dtype=_acc_dtype(x), device=x.device)
         invstd = torch.ones_like(mean)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks that need a machine this one is not: a GPU (the CUDA tensor path) and many cores
+# (a reducer host's scaling), run in one go on a lent device machine, which reaches no network.
+#
+#   bench/device.sh pack   here: wheels for the device's Python into .device/ (git ignores it)
+#   bench/device.sh run    there, from the repository root, with .device carried: installs the
+#                          wheels, runs the CUDA tests and the scaling suites, and leaves each
+#                          log and table under $OUT (bench/out/device here when OUT is unset)
+#
+# The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
+# this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
+# image's is) and fetches pyzmq's. `run` builds the project there instead when the wheel does not
+# fit that Python. Each step of `run` is bounded in time and reports its exit status; the run
+# goes on past a failed step, so that one call brings back everything that worked.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+KIT=.device
+PYZMQ=${PYZMQ:-pyzmq==27.3.0}
+
+pack() {
+  set -e
+  local python=${DEVICE_PYTHON:-python3.12}
+  local version
+  version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  rm -rf "$KIT" && mkdir -p "$KIT/wheels"
+  "$python" -m pip wheel -q --no-deps -w "$KIT/wheels" .
+  "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$KIT/wheels" "$PYZMQ"
+  du -sh "$KIT" && ls "$KIT/wheels"
+}
+
+step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.log, and say how it ended
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (at most ${seconds} s)"
+  timeout -k 10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc"
+}
+
+run() {
+  OUT=${OUT:-bench/out/device}
+  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT"
+  local site=/tmp/rs-site
+  export PYTHONUNBUFFERED=1
+  python3 -V && nproc && (nvidia-smi -L || true)
+  rm -rf "$site"
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KIT"/wheels/*.whl; then
+    echo "the packed wheels do not fit $(python3 -V 2>&1): building this project here"
+    rm -rf "$site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KIT"/wheels/pyzmq-*.whl &&
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . ||
+      { echo "could not install reduction-server on $(python3 -V 2>&1)"; return 1; }
+  fi
+  export PYTHONPATH=$site PATH=$site/bin:$PATH
+  python3 -c 'import reduction_server, zmq, torch; print("reduction_server", reduction_server.__version__,
+    "pyzmq", zmq.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  # The CUDA tensor path: the torch and Horovod adapters' jobs with every tensor on the GPU.
+  step cuda-tests 240 python3 -m pytest -q -rs -p no:cacheprovider -k cuda \
+    tests/test_torch_backend.py tests/test_horovod_torch.py tests/test_communicator_lifetime.py
+  # A reducer host's cores: CPU per GiB and throughput against shards, and the loopback row; run
+  # away from the source tree, which holds an uncompiled reduction_server.
+  step bench-reducer 180 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
+    --out "$OUT"
+  step bench-loopback 150 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
+    --rounds 3 --out "$OUT"
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  run) run ;;
+  *) echo "usage: bench/device.sh pack|run" >&2; exit 2 ;;
+esac
