@@ -23,7 +23,12 @@ pack() {
   local version
   version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   rm -rf "$KIT" && mkdir -p "$KIT/wheels"
-  "$python" -m pip wheel -q --no-deps -w "$KIT/wheels" .
+  # Built from a copy of what git would commit: a build/ folder here may hold modules since removed.
+  local tree
+  tree=$(mktemp -d)
+  git ls-files -z --cached --others --exclude-standard | tar -c --null -T - | tar -x -C "$tree"
+  "$python" -m pip wheel -q --no-deps -w "$KIT/wheels" "$tree"
+  rm -rf "$tree"
   "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$KIT/wheels" "$PYZMQ"
@@ -55,16 +60,17 @@ run() {
       { echo "could not install reduction-server on $(python3 -V 2>&1)"; return 1; }
   fi
   export PYTHONPATH=$site PATH=$site/bin:$PATH
-  python3 -c 'import reduction_server, zmq, torch; print("reduction_server", reduction_server.__version__,
-    "pyzmq", zmq.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  env -C "$OUT" python3 -c 'import reduction_server, zmq, torch; print("reduction_server", reduction_server.__version__,
+    "from", reduction_server.__file__, "pyzmq", zmq.__version__, "torch", torch.__version__,
+    "cuda", torch.cuda.is_available())'
   # The CUDA tensor path: the torch and Horovod adapters' jobs with every tensor on the GPU.
-  step cuda-tests 240 python3 -m pytest -q -rs -p no:cacheprovider -k cuda \
+  step cuda-tests 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda \
     tests/test_torch_backend.py tests/test_horovod_torch.py tests/test_communicator_lifetime.py
   # A reducer host's cores: CPU per GiB and throughput against shards, and the loopback row; run
   # away from the source tree, which holds an uncompiled reduction_server.
-  step bench-reducer 180 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
+  step bench-reducer 150 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
     --out "$OUT"
-  step bench-loopback 150 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
+  step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
     --rounds 3 --out "$OUT"
 }
 

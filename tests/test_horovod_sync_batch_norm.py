@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
-from helpers.cluster import SCRIPTS, reducers, run_workers  # noqa: E402
+from helpers.cluster import SCRIPTS, once, reducers, run_workers  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import horovod_sync_batch_norm_worker as worker  # noqa: E402
@@ -20,10 +20,10 @@ _results = {}
 
 
 def run_job(world):
-    if world not in _results:
+    def run():
         with reducers(max(world - 1, 1), workers=world) as group:  # W=1, 2: one reducer, W=3: two
-            _results[world] = run_workers(world, group, "horovod_sync_batch_norm_worker.py", [], timeout=150)
-    return _results[world]
+            return run_workers(world, group, "horovod_sync_batch_norm_worker.py", [], timeout=150)
+    return once(_results, world, run)
 
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda w: f"W{w}")

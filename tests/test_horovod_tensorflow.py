@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
                                               "the adapter needs it")
 
-from helpers.cluster import ROOT, reducers, run_workers  # noqa: E402
+from helpers.cluster import ROOT, once, reducers, run_workers  # noqa: E402
 from helpers.reference import assert_close  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -31,10 +31,10 @@ _results = {}
 
 
 def run_job(world):
-    if world not in _results:
+    def run():
         with reducers(world - 1, workers=world) as group:
-            _results[world] = run_workers(world, group, "horovod_tf_worker.py", [json.dumps(SPEC)], timeout=240)
-    return _results[world]
+            return run_workers(world, group, "horovod_tf_worker.py", [json.dumps(SPEC)], timeout=240)
+    return once(_results, world, run)
 
 
 @pytest.fixture(params=[2, 3], ids=lambda w: f"W{w}")

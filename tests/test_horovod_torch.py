@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
-from helpers.cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
 from helpers.devices import label, on_device, tolerance  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
@@ -27,11 +27,12 @@ _results = {}
 def run_job(key):
     world, device = key
     env = on_device(device)
-    if key not in _results:
+
+    def run():
         with reducers(world - 1, workers=world) as group:  # W=2: one reducer, W=3: two
-            _results[key] = run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)],
-                                        extra_env=env, timeout=150)
-    return _results[key]
+            return run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)], extra_env=env,
+                               timeout=150)
+    return once(_results, key, run)
 
 
 @pytest.fixture(params=JOBS, ids=label)

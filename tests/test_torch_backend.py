@@ -14,7 +14,7 @@ if not dist.is_available():
 
 import reduction_server.client.torch as rst  # noqa: E402
 from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
-from helpers.cluster import SCRIPTS, reducers, run_example, run_workers  # noqa: E402
+from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
 from helpers.devices import label, on_device, tolerance  # noqa: E402
 from helpers.ports import free_ports  # noqa: E402
 
@@ -51,15 +51,16 @@ def run_job(key):
     """Every rank's results of the job `key` (world size, device), run once per session."""
     world, device = key
     env = on_device(device)
-    if key not in _results:
+
+    def run():
         reducer_count, setups = JOBS[key]
         spec = {"setups": setups, "master_ports": free_ports(len(setups)),
                 "rs_without_master": world == 3,  # W=3: the discovery-only rendezvous; W=2: TCP store
                 "bucket_cap_mb": 0.001,  # several buckets: one per tensor
                 "overlap_bucket_cap_mb": 0.25}
         with reducers(reducer_count, workers=world) as group:
-            _results[key] = run_workers(world, group, "torch_ddp.py", [json.dumps(spec)], extra_env=env, timeout=150)
-    return _results[key]
+            return run_workers(world, group, "torch_ddp.py", [json.dumps(spec)], extra_env=env, timeout=150)
+    return once(_results, key, run)
 
 
 @pytest.fixture(params=list(JOBS), ids=label)

@@ -16,7 +16,7 @@ from ..group import Group
 from .collectives import Collectives
 from .pipeline import Pipeline
 from .sparse import Sparse
-from .tensors import reduction
+from .tensors import future_for, reduction
 from .work import FutureWork
 
 BACKEND_NAME = "reduction_server"
@@ -26,13 +26,26 @@ def _as_list(tensors: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[torch
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _leaves(value: Any) -> List[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in _leaves(v)]
+
+
 def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.Future:
-    """One Future for several: `value` once all completed, the first error if one failed."""
-    def check(done: torch.futures.Future) -> Any:
-        for each in done.value():
-            each.value()
-        return value
-    return torch.futures.collect_all(futures).then(check)
+    """One Future for several: `value` (tensors, in lists) once all completed, the first error if
+    one failed. On the CUDA devices of value's tensors, as each of the several is: collect_all's
+    own Future has no devices, so its waiters' streams would not wait for the copies back."""
+    together = future_for(_leaves(value))
+
+    def complete(done: torch.futures.Future) -> None:
+        try:
+            for each in done.value():
+                each.wait()  # the error, and this thread's current stream after each one's copies back
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the Future
+            together.set_exception(exc)
+        else:
+            together.set_result(value)
+    torch.futures.collect_all(futures).add_done_callback(complete)
+    return together
 
 
 def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], world: int, what: str) -> List[torch.Tensor]:

@@ -3,7 +3,8 @@ non-contiguous and CUDA tensors through contiguous host buffers.
 
 CUDA tensors go through pinned host buffers: copied to the host before the collective (after the
 producing stream's work) and back, on the completing thread's current stream, before the Future
-completes (the Future then orders its consumers after that copy).
+completes (the Future then orders its consumers after that copy). An output that is not loaded
+first is copied back after the work its caller had queued when the collective started.
 """
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -78,11 +79,14 @@ class Staged:
     def __init__(self, tensor: torch.Tensor, what: str, *, load: bool = True) -> None:
         self.tensor = tensor
         self.cuda = check_device(tensor, what) == "cuda"
+        self.queued: Optional[torch.cuda.Event] = None  # the caller's stream, for a copy back of an output not loaded
         if self.cuda:
-            # Blocking copy: ordered after the work queued on the current stream (the producer).
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-            if load:
+            if load:  # blocking: ordered after the work queued on the current stream (the producer)
                 self.host.copy_(tensor)
+            else:  # the copy back must land after the caller's own writes queued so far
+                self.queued = torch.cuda.Event()
+                self.queued.record(torch.cuda.current_stream(tensor.device))
         elif tensor.is_contiguous():
             self.host = tensor.detach()
         else:
@@ -91,8 +95,10 @@ class Staged:
 
     def finish(self) -> None:
         """Copy the result back into the user's tensor when it was staged (non-blocking for
-        CUDA); nothing for a tensor used in place."""
+        CUDA, on this thread's current stream); nothing for a tensor used in place."""
         if self.copy_back:
+            if self.queued is not None:
+                torch.cuda.current_stream(self.tensor.device).wait_event(self.queued)
             with torch.no_grad():
                 self.tensor.copy_(self.host, non_blocking=self.cuda)
 

@@ -196,6 +196,19 @@ def run_workers(world: int, group: Reducers, script: str, args: List[str], token
     return collect(procs, timeout)
 
 
+def once(results: Dict[Any, Any], key: Any, run: Callable[[], Any]) -> Any:
+    """run()'s value for `key`, run at most once per session (a module's job whose results
+    several tests read): a failure is kept too, and raised again for each test that asks."""
+    if key not in results:
+        try:
+            results[key] = run()
+        except Exception as exc:  # noqa: BLE001 - kept for the next test that reads this job
+            results[key] = exc
+    if isinstance(results[key], Exception):
+        raise results[key]
+    return results[key]
+
+
 def collect(procs: List[subprocess.Popen], timeout: float) -> List[dict]:
     """Each rank process's last stdout line, parsed as JSON, by rank; a rank that fails is an
     AssertionError with its output; every process still running afterwards is killed."""

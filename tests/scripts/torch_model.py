@@ -41,8 +41,8 @@ def make_model(seed):
 def batch(world):
     """The whole batch: rank r trains on rows [r * PER_RANK, (r + 1) * PER_RANK)."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(world * PER_RANK, IN, generator=g)
-    y = torch.randn(world * PER_RANK, OUT, generator=g)
+    x = torch.randn(world * PER_RANK, IN, generator=g, device="cpu")
+    y = torch.randn(world * PER_RANK, OUT, generator=g, device="cpu")
     return x.to(DEVICE), y.to(DEVICE)
 
 

@@ -301,10 +301,6 @@ def subgroups(rank, world, check):
     dist.destroy_process_group(mine)
 
 
-if __name__ == "__main__":
-    report(main())
-
-
 def another_default_device(rank, world, check):
     """A script that sets another default device (torch.set_default_device("cuda"), as GPU
     scripts do) still gets the backend's host buffers on the host: "meta" stands in for "cuda"
@@ -338,26 +334,44 @@ def another_default_device(rank, world, check):
         check("default meta: sparse all_reduce", sparse.to_dense(), torch.ones(world, device="cpu"))
 
 
+SLEEP = 1_000_000_000  # GPU cycles: about half a second, far longer than a collective of 4 MiB
+
+
 def stream_order(rank, world, check):
-    """CUDA: a collective reads its input after the work queued before it on the caller's
-    current stream, and once work.wait() returns that stream sees the result, even while the
-    copy back waits behind other work on the default stream. Each race is made likely by a
-    GPU-side sleep of about 50 ms where the wrong order would win it."""
+    """CUDA: the order of a collective's copies against the caller's stream (its own, not
+    synchronized with the default stream, on which the backend's thread copies results back).
+    Each race is provoked by a GPU-side sleep on the stream whose work must come first."""
+    n = 1 << 20
     total = float(sum(range(1, world + 1)))
-    side = torch.cuda.Stream()  # not synchronized with the default stream
+    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        x = torch.zeros(1 << 20)
-        torch.cuda._sleep(100_000_000)
-        x.fill_(rank + 1.0)  # the producer, late on the current stream
+        x = torch.zeros(n)
+        torch.cuda._sleep(SLEEP)
+        x.fill_(rank + 1.0)  # the producer, late
         dist.all_reduce(x)
-        seen = x.clone()  # on the current stream, right after the call
-        y = torch.full((1 << 20,), rank + 1.0)
+        check("cuda: the input is read after its producer", x, torch.full((n,), total))
+        z = torch.empty(n)
+        torch.cuda._sleep(SLEEP)
+        z.fill_(float(rank))  # the caller's last write to an output that is not read (off the root), late
+        dist.broadcast(z, src=0)
+        check("cuda: the result lands after the caller's last write", z, torch.zeros(n))
+        y = torch.full((n,), rank + 1.0)
+        pieces = torch.arange(world * 4, dtype=torch.float32) + 100 * rank  # 4 elements for each rank
+        got = torch.empty(world * 4)
         torch.cuda.synchronize()
         with torch.cuda.stream(torch.cuda.default_stream()):
-            torch.cuda._sleep(100_000_000)  # the copy back of y's result queues behind this
-        work = dist.all_reduce(y, async_op=True)
-        work.wait()
-        after = y.clone()  # ordered after the copy back by wait(), not by the host
+            torch.cuda._sleep(SLEEP)  # the copies back queue behind this
+        works = [dist.all_reduce(y, async_op=True), dist.all_to_all_single(got, pieces, async_op=True)]
+        for work in works:
+            work.wait()
+        busy = not torch.cuda.default_stream().query()
+        check("cuda: the copies back were still queued when wait() returned", torch.tensor([busy]),
+              torch.tensor([True]))
+        check("cuda: all_reduce's result is seen by the waiting stream", y, torch.full((n,), total))
+        want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * j for j in range(world)])
+        check("cuda: all_to_all_single's result is seen by the waiting stream", got, want)
     torch.cuda.synchronize()
-    check("cuda: input read after its producer", seen, torch.full((1 << 20,), total))
-    check("cuda: result seen by the waiting stream", after, torch.full((1 << 20,), total))
+
+
+if __name__ == "__main__":
+    report(main())

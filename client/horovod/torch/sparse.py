@@ -30,5 +30,5 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         if op == Average:
             gathered_values = gathered_values / process_set.size()
         return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size(),
-                                       check_invariants=False)
+                                       device=tensor.device, check_invariants=False)
     return result
