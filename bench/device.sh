@@ -26,9 +26,10 @@ pack() {
   # Built from a copy of what git would commit: a build/ folder here may hold modules since removed.
   local tree
   tree=$(mktemp -d)
-  git ls-files -z --cached --others --exclude-standard | tar -c --null -T - | tar -x -C "$tree"
+  trap "rm -rf '$tree'" EXIT
+  git ls-files -z --cached --others --exclude-standard \
+    | tar -c --null --ignore-failed-read -T - | tar -x -C "$tree"  # a file deleted but not staged: left out
   "$python" -m pip wheel -q --no-deps -w "$KIT/wheels" "$tree"
-  rm -rf "$tree"
   "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$KIT/wheels" "$PYZMQ"

@@ -150,9 +150,10 @@ class Collectives:
         return self.submit(start, tensors)
 
     def all_gather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
-                   timeout: Optional[float] = None) -> torch.futures.Future:
+                   timeout: Optional[float] = None, value: Any = None) -> torch.futures.Future:
         """Each input into outputs[i][rank] on every rank, as one broadcast per rank; the
-        Future's value is the output lists. ValueError for lists or tensors that do not match."""
+        Future's value is `value` (default: the output lists). ValueError for lists or tensors
+        that do not match."""
         world, rank = self.world, self.rank
         if len(outputs) != len(inputs):
             raise ValueError(f"allgather: {len(outputs)} output lists for {len(inputs)} inputs")
@@ -179,7 +180,7 @@ class Collectives:
                 for root, s in staged:
                     if root != rank:
                         s.finish()
-                return [list(outs) for outs in outputs]
+                return [list(outs) for outs in outputs] if value is None else value
             return handles, finish
         return self.submit(start, [o for outs in outputs for o in outs])
 
@@ -192,7 +193,7 @@ class Collectives:
         if not output.is_contiguous():
             raise ValueError("all_gather_into_tensor: the output tensor must be contiguous")
         pieces = _pieces(_flat(output), [input.numel()] * self.world)
-        return self.all_gather([pieces], [input], timeout).then(lambda _: output)
+        return self.all_gather([pieces], [input], timeout, value=output)
 
     def gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, root: int,  # noqa: A002
                timeout: Optional[float] = None) -> torch.futures.Future:

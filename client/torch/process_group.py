@@ -36,11 +36,11 @@ def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.
     own Future has no devices, so its waiters' streams would not wait for the copies back."""
     together = future_for(_leaves(value))
 
-    def complete(done: torch.futures.Future) -> None:
+    def complete(_: torch.futures.Future) -> None:
         try:
-            for each in done.value():
-                each.wait()  # the error, and this thread's current stream after each one's copies back
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the Future
+            for each in futures:
+                each.wait()  # the first error; and this thread's current stream after each one's copies back
+        except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the Future
             together.set_exception(exc)
         else:
             together.set_result(value)

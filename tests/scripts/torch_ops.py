@@ -2,6 +2,7 @@
 (no MASTER_ADDR: the discovery-only rendezvous). Checks every result against what each rank's
 known inputs give and prints {"rank", "done", "failures"} as one JSON line."""
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -148,13 +149,16 @@ def _checks():
     t = torch.ones(3)
     dist.all_reduce(t)
     check("default group after new_group", t, torch.full((3,), float(world)))
-    failed = torch.ones(3 if rank == 0 else 4)  # the ranks disagree: the reducers fail it on every rank
-    try:
-        dist.all_reduce(failed)
-        failures.append("an all_reduce the reducers failed returned")
-    except RuntimeError as exc:
-        if "disagree" not in str(exc):
-            failures.append(f"a failed all_reduce raised without the reducers' words: {exc}")
+    n = 3 if rank == 0 else 4  # the ranks disagree on a size: the reducers fail it on every rank
+    for name, call in (("all_reduce", lambda: dist.all_reduce(torch.ones(n))),
+                       ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.ones(n * world),
+                                                                                      torch.ones(n)))):
+        try:
+            call()
+            failures.append(f"an {name} the reducers failed returned")
+        except RuntimeError as exc:
+            if "disagree" not in str(exc):
+                failures.append(f"a failed {name} raised without the reducers' words: {exc}")
     relays_and_reductions(rank, world, check)
     point_to_point(rank, world, check)
     another_default_device(rank, world, check)
@@ -340,36 +344,50 @@ SLEEP = 1_000_000_000  # GPU cycles: about half a second, far longer than a coll
 def stream_order(rank, world, check):
     """CUDA: the order of a collective's copies against the caller's stream (its own, not
     synchronized with the default stream, on which the backend's thread copies results back).
-    Each race is provoked by a GPU-side sleep on the stream whose work must come first."""
+    Each race is provoked by a GPU-side sleep on the stream whose work must come first, and
+    checked to be still running when the host saw the collective end."""
     n = 1 << 20
     total = float(sum(range(1, world + 1)))
     side = torch.cuda.Stream()
+
+    def busy(stream):
+        return torch.tensor([not stream.query()])
+
     with torch.cuda.stream(side):
         x = torch.zeros(n)
         torch.cuda._sleep(SLEEP)
         x.fill_(rank + 1.0)  # the producer, late
         dist.all_reduce(x)
         check("cuda: the input is read after its producer", x, torch.full((n,), total))
+        dist.barrier()
         z = torch.empty(n)
-        torch.cuda._sleep(SLEEP)
-        z.fill_(float(rank))  # the caller's last write to an output that is not read (off the root), late
-        dist.broadcast(z, src=0)
+        if rank:  # off the root, the output is not read: its result must land after this late write
+            torch.cuda._sleep(SLEEP)
+        z.fill_(float(rank))
+        work = dist.broadcast(z, src=0, async_op=True)
+        while not work.is_completed():
+            time.sleep(0.001)
+        if rank:
+            check("cuda: the caller's write was still queued when the broadcast ended", busy(side),
+                  torch.tensor([True]))
+        work.wait()
         check("cuda: the result lands after the caller's last write", z, torch.zeros(n))
         y = torch.full((n,), rank + 1.0)
         pieces = torch.arange(world * 4, dtype=torch.float32) + 100 * rank  # 4 elements for each rank
-        got = torch.empty(world * 4)
+        got = torch.full((world * 4,), -1.0)
         torch.cuda.synchronize()
+        dist.barrier()
         with torch.cuda.stream(torch.cuda.default_stream()):
             torch.cuda._sleep(SLEEP)  # the copies back queue behind this
         works = [dist.all_reduce(y, async_op=True), dist.all_to_all_single(got, pieces, async_op=True)]
         for work in works:
             work.wait()
-        busy = not torch.cuda.default_stream().query()
-        check("cuda: the copies back were still queued when wait() returned", torch.tensor([busy]),
+        seen_y, seen_got = y.clone(), got.clone()  # before anything waits on the host
+        check("cuda: the copies back were still queued when wait() returned", busy(torch.cuda.default_stream()),
               torch.tensor([True]))
-        check("cuda: all_reduce's result is seen by the waiting stream", y, torch.full((n,), total))
+        check("cuda: all_reduce's result is seen by the waiting stream", seen_y, torch.full((n,), total))
         want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * j for j in range(world)])
-        check("cuda: all_to_all_single's result is seen by the waiting stream", got, want)
+        check("cuda: all_to_all_single's result is seen by the waiting stream", seen_got, want)
     torch.cuda.synchronize()
 
 
