@@ -353,6 +353,12 @@ def stream_order(rank, world, check):
     def busy(stream):
         return torch.tensor([not stream.query()])
 
+    # Each shape once first, so that the pinned host buffers of the races come from torch's cache:
+    # a new one (cudaHostAlloc) may wait for the whole device, a sleep included.
+    dist.all_reduce(torch.zeros(n))
+    dist.broadcast(torch.zeros(n), src=0)
+    dist.all_to_all_single(torch.empty(world * 4), torch.zeros(world * 4))
+    torch.cuda.synchronize()
     with torch.cuda.stream(side):
         x = torch.zeros(n)
         torch.cuda._sleep(SLEEP)
