@@ -4,6 +4,7 @@ gloo, the comm hooks, overlap of bucket all-reduces with backward, plain collect
 device checks."""
 import json
 import sys
+import time
 
 import pytest
 
@@ -174,3 +175,28 @@ def test_device_checks():
     assert fake.device.type == "cuda"
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         rst_tensors.Staged(fake, "all_reduce tensor")
+
+
+def test_a_completion_that_raises_what_is_not_an_exception_fails_its_collective_alone():
+    """A finish step that raises SystemExit (not an Exception, which a torch Future refuses)
+    fails its own Future with a RuntimeError that names it; the completing thread goes on."""
+    from types import SimpleNamespace
+
+    from reduction_server.client.torch.pipeline import Pipeline
+
+    def exits():
+        raise SystemExit(3)
+
+    pipeline = Pipeline(SimpleNamespace(rank=0), owns=False)
+    try:
+        failed = pipeline.run(lambda: ([], exits), torch.futures.Future())
+        after = pipeline.run(lambda: ([], lambda: 7), torch.futures.Future())
+        deadline = time.monotonic() + 10
+        while not (failed.done() and after.done()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed.done() and after.done(), "the completing thread stopped"
+        with pytest.raises(RuntimeError, match="interrupted by SystemExit"):
+            failed.wait()
+        assert after.wait() == 7
+    finally:
+        pipeline.close()

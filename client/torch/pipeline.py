@@ -19,6 +19,16 @@ from ..communicator import Communicator, Handle
 Started = Tuple[List[Handle], Callable[[], Any]]
 
 
+def _as_exception(exc: BaseException) -> Exception:
+    """exc, or a RuntimeError naming it where it is not an Exception (SystemExit, say), which a
+    torch Future refuses: the completing thread would die, and every collective behind it hang."""
+    if isinstance(exc, Exception):
+        return exc
+    error = RuntimeError(f"a collective's completion was interrupted by {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
 class Pipeline:
     """A Communicator and one thread that completes torch Futures in submission order."""
 
@@ -63,7 +73,7 @@ class Pipeline:
                     handle.wait()
                 value = finish()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the Future
-                future.set_exception(exc)
+                future.set_exception(_as_exception(exc))
             else:
                 future.set_result(value)
 
