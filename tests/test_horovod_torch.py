@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
 
 from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
-from helpers.devices import label, on_device, tolerance  # noqa: E402
+from helpers.devices import TOLERANCE, label, on_device  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
@@ -54,7 +54,7 @@ def test_training_matches_a_single_process_on_the_whole_batch(job):
     rank0_start = torch.cat([p.detach().reshape(-1) for p in torch_model.make_model(seed=1000).parameters()])
     for name, config in CONFIGS.items():
         expected = reference(world, config.get("momentum", 0.0))
-        rtol, atol = (1e-2, 1e-4) if config.get("fp16") else tolerance(device)
+        rtol, atol = (1e-2, 1e-4) if config.get("fp16") else TOLERANCE[device]
         for r in results:
             run = r["train"][name]
             # Ranks seeded differently start from rank 0's weights after broadcast_parameters.

@@ -16,7 +16,7 @@ if not dist.is_available():
 import reduction_server.client.torch as rst  # noqa: E402
 from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
 from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
-from helpers.devices import label, on_device, tolerance  # noqa: E402
+from helpers.devices import TOLERANCE, label, on_device  # noqa: E402
 from helpers.ports import free_ports  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
@@ -71,7 +71,7 @@ def job(request):
 
 def test_ddp_matches_single_process_and_gloo(job):
     (world, device), results = job
-    tol = tolerance(device)
+    tol = TOLERANCE[device]
     setups = [s for s in JOBS[world, device][1] if s not in ("ops", "overlap")]
     want = reference(world)
     start = torch.cat([p.detach().reshape(-1) for p in torch_model.make_model(seed=1000).parameters()])

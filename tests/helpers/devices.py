@@ -22,11 +22,6 @@ def on_device(device: str) -> Dict[str, str]:
     return {"RS_TEST_DEVICE": device}
 
 
-def tolerance(device: str) -> Tuple[float, float]:
-    """(rtol, atol) for weights trained on `device` against the CPU reference."""
-    return TOLERANCE[device]
-
-
 def label(key: Tuple[int, str]) -> str:
     """A test id for a job (world size, device): "W2", or "W2-cuda" off the CPU."""
     world, device = key

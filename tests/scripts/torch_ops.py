@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import reduction_server.client.torch  # noqa: F401  (registers the backend)
 from report import report  # noqa: E402
+from torch_model import DEVICE  # noqa: E402  (RS_TEST_DEVICE: "cuda" in the tests' GPU runs)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
           torch.uint8]
@@ -39,9 +40,6 @@ def expected(op, dtype, world):
     else:
         out = xs.max(0).values
     return out.to(dtype)  # integer overflow wraps, as the reducers' does
-
-
-DEVICE = os.environ.get("RS_TEST_DEVICE", "cpu")  # "cuda" in the tests' GPU runs
 
 
 def main():
@@ -162,7 +160,7 @@ def _checks():
     relays_and_reductions(rank, world, check)
     point_to_point(rank, world, check)
     another_default_device(rank, world, check)
-    if DEVICE == "cuda":
+    if DEVICE.type == "cuda":
         stream_order(rank, world, check)
     backend = dist.get_backend()
     dist.destroy_process_group()
