@@ -279,6 +279,23 @@ def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
     assert all(shard.proc.poll() is not None for shard in supervisor.shards)
 
 
+def test_a_shard_that_keeps_dying_is_started_again_after_the_longest_backoff_however_often():
+    """A shard that dies within STEADY_S of every start (another program holds its port) is
+    never given up: after a thousand deaths in a row the supervisor still waits MAX_BACKOFF_S,
+    where the doubling once overflowed a float and stopped every shard."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    supervisor = shard_count.Supervisor(host="127.0.0.1", port=0, index=0, shards=1, workers=None,
+                                        deterministic=False, metrics_port=0)
+    shard = shard_count.Shard(0, 0, proc=dead, started=time.monotonic(), failures=1023)
+    supervisor.shards = [shard]
+    turns = iter([False, True])
+    before = time.monotonic()
+    supervisor.watch(lambda: next(turns))
+    assert shard.failures == 1024
+    assert before + shard_count.MAX_BACKOFF_S <= shard.restart_at <= time.monotonic() + shard_count.MAX_BACKOFF_S
+
+
 def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
     port = free_port_range(2)  # not next to an ephemeral port, which another connection may hold
     with socket.socket() as taken:

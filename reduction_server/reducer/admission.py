@@ -6,12 +6,15 @@ worker's nonce (auth.py) and a nonce for the worker's own proof; the AUTH that a
 the worker (WELCOME) when its proof holds, and may offer shared-memory slots. A HELLO for a
 newer generation, or for another job, replaces the job served once it authenticates; one for an
 older generation is refused, and a reconnecting worker never takes the reducer from the job it
-serves now. A peer that sends MAX_STRIKES malformed frames is ignored from then on.
+serves now. A peer that sends MAX_STRIKES malformed frames or failed handshakes is ignored from
+then on; a HELLO costs the reducer a few hundred bytes until AUTH follows, and at most
+MAX_PENDING_HELLOS of them are kept, whatever the rate of new connections.
 """
 from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple
 
 import zmq
@@ -35,6 +38,26 @@ MAX_STRIKES = 16
 # finds its connection gone; at most MAX_STRIKE_ENTRIES strike counts are kept (the oldest go).
 FORGET_AFTER_S = 60.0
 MAX_STRIKE_ENTRIES = 65536
+#: HELLOs not (yet) followed by AUTH that are kept, the oldest dropped first
+MAX_PENDING_HELLOS = 65536
+#: what is kept of a HELLO's JSON, for log lines and to tell a restarted worker process from the
+#: same one (Peer.process): a stranger's HELLO may carry 64 KiB, and none of it is kept but these
+_KEPT_FACTS = ("host", "pid")
+_MAX_FACT_CHARS = 256
+#: seconds between two log lines of failed authentications (each is counted, and REJECTed)
+_AUTH_LOG_S = 10.0
+
+
+def _facts(info: object) -> dict:
+    """The worker's host and pid as its HELLO said them, short; nothing else of it."""
+    kept: dict = {}
+    for key in _KEPT_FACTS:
+        value = info.get(key) if isinstance(info, dict) else None
+        if isinstance(value, str):
+            kept[key] = value[:_MAX_FACT_CHARS]
+        elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63:
+            kept[key] = value
+    return kept
 
 
 class Admission:
@@ -56,7 +79,10 @@ class Admission:
         self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
         self.read_events = read_events  # the socket monitor's news, read before a WELCOME
         self.strikes: Dict[bytes, Tuple[int, float]] = {}  # identity -> (malformed frames, last heard)
+        self.pending: "OrderedDict[bytes, None]" = OrderedDict()  # HELLOs awaiting AUTH, the oldest first
         self.admissions = 0
+        self.auth_failures = 0
+        self._next_auth_log = 0.0
 
     def ignored(self, identity: bytes) -> bool:
         """Whether `identity` sent too many malformed frames to be heard any more."""
@@ -68,6 +94,10 @@ class Admission:
 
     def hello(self, identity: bytes, h: Header, payload: Optional[zmq.Frame]) -> None:
         job = self.members.job
+        if self.members.admitted(identity) is not None:
+            # A worker greets each connection once: another rank (or job) on an admitted
+            # connection would leave the rank it holds neither served nor lost.
+            return self._refuse(identity, f"a second HELLO (rank {h.rank}) on a connection admitted already")
         if not 0 < h.world <= protocol.MAX_WORLD_SIZE or h.rank >= h.world:
             return self.outbox.reject(identity, f"rank {h.rank} / world size {h.world} is out of range")
         if self.members.fixed_world is not None and h.world != self.members.fixed_world:
@@ -81,7 +111,7 @@ class Admission:
         try:
             info = json.loads(payload.bytes) if payload is not None else {}
         except ValueError as exc:
-            return self.outbox.reject(identity, f"HELLO payload is not valid JSON: {exc}")
+            return self._refuse(identity, f"HELLO payload is not valid JSON: {exc}")
         if isinstance(info, dict) and info.get("rejoin") and job is not None and (h.job, h.generation) != job:
             # A worker reconnecting after losing this reducer never replaces the job it serves now.
             return self.outbox.reject(identity, (
@@ -92,15 +122,16 @@ class Admission:
         except (KeyError, TypeError, ValueError):
             theirs = b""
         if len(theirs) != auth.NONCE_BYTES:
-            return self.outbox.reject(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
-                                                "(\"nonce\", hex) for this reducer to prove the job token against")
+            return self._refuse(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
+                                          "(\"nonce\", hex) for this reducer to prove the job token against")
         # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
         proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation,
                                    shard=self.shard)
         nonce = auth.new_nonce()
-        self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce, info=info,
-                                            hello_at=self.clock.now,
+        self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce,
+                                            info=_facts(info), hello_at=self.clock.now,
                                             heartbeats=isinstance(info, dict) and info.get("heartbeats") is True)
+        self._pend(identity)
         payload = auth.challenge(nonce, proof)
         self.outbox.send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
                                                          job=h.job, generation=h.generation,
@@ -111,19 +142,23 @@ class Admission:
         peer = members.peers.get(identity)
         if peer is None or peer.admitted:
             return self.malformed(identity, "AUTH without a HELLO before it")
+        self.pending.pop(identity, None)
         claimed, rest = auth.split_auth(payload.bytes if payload is not None else b"")
         if self.job_token and not auth.verify_worker(self.job_token, peer.nonce, claimed, job=peer.job,
                                                      generation=peer.generation, rank=peer.rank, world=peer.world):
             del members.peers[identity]
-            event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
-                  reason="proof does not match RS_JOB_TOKEN")
-            return self.outbox.reject(identity, f"rank {peer.rank}: authentication failed: wrong or missing job "
-                                                "token (RS_JOB_TOKEN)")
+            self.auth_failures += 1
+            if self.clock.now >= self._next_auth_log:  # a stranger may try again and again: logged at a bounded rate
+                self._next_auth_log = self.clock.now + _AUTH_LOG_S
+                event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
+                      reason="proof does not match RS_JOB_TOKEN", failures=self.auth_failures)
+            return self._refuse(identity, f"rank {peer.rank}: authentication failed: wrong or missing job token "
+                                          "(RS_JOB_TOKEN)", logged=False)
         try:
             facts = json.loads(rest) if rest else {}
         except ValueError as exc:
             del members.peers[identity]
-            return self.outbox.reject(identity, f"rank {peer.rank}: AUTH payload after the proof is not valid JSON: {exc}")
+            return self._refuse(identity, f"rank {peer.rank}: AUTH payload after the proof is not valid JSON: {exc}")
         if members.job != (peer.job, peer.generation):
             self._start_job(peer)
         elif over := members.run_over(peer):
@@ -187,19 +222,42 @@ class Admission:
 
     def malformed(self, identity: bytes, reason: str) -> None:
         """A frame that could not be used: answered, counted, and the peer dropped at MAX_STRIKES."""
-        strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
-        self.strikes[identity] = (strikes, self.clock.now)
+        strikes = self._strike(identity)
         event(log, logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
               reason=reason, strikes=strikes)
+        self.outbox.error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
+
+    def _refuse(self, identity: bytes, reason: str, logged: bool = True) -> None:
+        """A handshake no worker of a job sends (malformed, or its proof fails): REJECTed, and
+        counted as a malformed frame is, so that one connection cannot try forever."""
+        self._strike(identity)
+        self.outbox.reject(identity, reason, logged=logged)
+
+    def _strike(self, identity: bytes) -> int:
+        """Count a bad message of `identity`'s; at MAX_STRIKES it is ignored from then on (and the
+        rank it holds lost). Its count."""
+        strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
+        self.strikes[identity] = (strikes, self.clock.now)
         if strikes >= MAX_STRIKES:
             event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
-                  reason=f"{MAX_STRIKES} malformed messages")
+                  reason=f"{MAX_STRIKES} malformed messages or failed handshakes")
             peer = self.members.holder(identity)
             if peer is not None:
                 # its later messages are ignored: the other ranks must not wait for its contributions
                 self.members.lose_rank(peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on")
             self.members.peers.pop(identity, None)
-        self.outbox.error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
+        return strikes
+
+    def _pend(self, identity: bytes) -> None:
+        """identity said HELLO: kept until its AUTH, FORGET_AFTER_S, or MAX_PENDING_HELLOS newer ones."""
+        self.pending.pop(identity, None)
+        self.pending[identity] = None
+        peers = self.members.peers
+        while len(self.pending) > MAX_PENDING_HELLOS:
+            oldest, _ = self.pending.popitem(last=False)
+            peer = peers.get(oldest)
+            if peer is not None and not peer.admitted:
+                del peers[oldest]
 
     def forget_strangers(self, now: float) -> None:
         """Drop what is kept about peers that are not admitted and went silent (FORGET_AFTER_S):
@@ -212,5 +270,11 @@ class Admission:
             for identity in oldest[:len(self.strikes) - MAX_STRIKE_ENTRIES]:
                 del self.strikes[identity]
         peers = self.members.peers
-        for identity in [i for i, p in peers.items() if not p.admitted and p.hello_at < cutoff]:
-            del peers[identity]
+        while self.pending:
+            identity = next(iter(self.pending))
+            peer = peers.get(identity)
+            if peer is not None and not peer.admitted and peer.hello_at >= cutoff:
+                break  # the rest came later
+            del self.pending[identity]
+            if peer is not None and not peer.admitted:
+                del peers[identity]

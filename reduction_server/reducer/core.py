@@ -285,4 +285,8 @@ class Reducer:
             return self.outbox.error(identity, ErrorCode.STALE, (
                 f"{self.name}: rank {peer.rank} of job {peer.job:#x} generation {peer.generation} sent "
                 f"{h.describe()} claiming rank {h.rank}"), about=h)
+        if h.world != peer.world:  # the round's ranks, and an average's divisor, are the job's
+            return self.outbox.error(identity, ErrorCode.MISMATCH, (
+                f"{self.name}: rank {peer.rank} of a job of {peer.world} ranks sent {h.describe()} saying the "
+                f"world size is {h.world}"), about=h)
         self.rounds.contribute(peer, h, payload, bad_payload, slot)

@@ -60,6 +60,11 @@ class Folder:
             if h.rank == h.aux:
                 if payload is None:
                     raise ValueError(f"broadcast root {h.rank} sent no payload")
+                if not isinstance(payload, memoryview):  # a frame the reducer keeps, charged until sent
+                    if len(payload) < BATCHED_RECV_BYTES:  # in a shared receive buffer: a copy pins less
+                        payload = zmq.Frame(payload.bytes)
+                    self.pool.hold(len(payload), h.rank)
+                    rnd.owner, rnd.charged = h.rank, len(payload)
                 rnd.adopted = payload  # the root's frame goes back out as it came: no copy
             return
         if payload is None:

@@ -81,9 +81,10 @@ class Outbox:
         payload = clip(text).encode()
         self.send(identity, [protocol.error_header(code, payload, about), payload])
 
-    def reject(self, identity: bytes, reason: str) -> None:
-        """A REJECT of a handshake, logged."""
+    def reject(self, identity: bytes, reason: str, logged: bool = True) -> None:
+        """A REJECT of a handshake, logged unless the caller logs it (at a bounded rate)."""
         reason = clip(reason)  # the log line and the reply both stay short
-        event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
+        if logged:
+            event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
         text = f"{self.name}: {reason}".encode()
         self.send(identity, [protocol.text_header(MsgType.REJECT, text), text])

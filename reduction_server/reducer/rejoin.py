@@ -6,7 +6,8 @@ collective it will start. It starts none beyond that seq plus REJOIN_LEAD until 
 Once every member of a group has reported, the reducer answers them all (JOIN) with the
 boundary: the furthest report plus REJOIN_LEAD, a collective no member has started. From that
 seq on, every member sends the group's chunks that belong to this reducer here again. A rank
-that reports again (it reconnected) hears the boundary already chosen.
+that reports again (it reconnected) hears the boundary already chosen, unless it reports a seq
+past it: it used this reducer from the boundary and lost it again, so the group agrees anew.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Callable, Dict, Optional, Sequence
 from .. import protocol
 from ..protocol import REJOIN_LEAD, MsgType
 from .outbox import Outbox
+
+_MAX_REPORTED_SEQ = (1 << 64) - 1 - REJOIN_LEAD
 
 
 class Rejoin:
@@ -34,9 +37,15 @@ class Rejoin:
             ranks = ranks_of(group)
             if rank not in ranks:
                 return f"rank {rank} reported progress in group {group:#x}, which it is not a member of"
+            if seq > _MAX_REPORTED_SEQ:  # its boundary (REJOIN_LEAD beyond) would not fit a JOIN
+                return f"rank {rank} reported seq {seq} in group {group:#x}, beyond any collective's"
             if group in self.boundaries:
-                self._join(identity_of(rank), group, ident)
-                continue
+                if seq <= self.boundaries[group]:
+                    self._join(identity_of(rank), group, ident)
+                    continue
+                # It started collectives past the boundary, here, and lost this reducer again
+                # (a stopped reducer that went on, not a restarted one): a new boundary is agreed.
+                del self.boundaries[group]
             reports = self.reports.setdefault(group, {})
             reports[rank] = seq
             if len(reports) == len(ranks):

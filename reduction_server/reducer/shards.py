@@ -39,6 +39,7 @@ READY_TIMEOUT_S = 60.0
 #: a shard that dies is started again after this long, doubled for each time in a row it died
 #: within STEADY_S of its start, up to MAX_BACKOFF_S; it is never given up (its peers fail over)
 FIRST_BACKOFF_S, MAX_BACKOFF_S, STEADY_S = 0.2, 5.0, 10.0
+_MAX_DOUBLINGS = 16  # past MAX_BACKOFF_S already; a float power of 2 overflows past 1023
 _POLL_S = 0.1
 _STOP_GRACE_S = 10.0
 _PORT_TRIES = 5  # free runs of N ports tried when the port is 0 (another program may take one meanwhile)
@@ -244,7 +245,7 @@ class Supervisor:
                               **({"reason": failed} if failed else {}))
                 elif shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
                     shard.failures = shard.failures + 1 if now - shard.started < STEADY_S else 0
-                    backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** shard.failures)
+                    backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** min(shard.failures, _MAX_DOUBLINGS))
                     shard.restart_at, shard.metrics_port = now + backoff, None
                     event(log, NOTICE, "shard_died", reducer=self.index, shard=shard.number, port=shard.port,
                           status=shard.proc.returncode if shard.proc is not None else "not started",

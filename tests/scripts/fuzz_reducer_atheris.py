@@ -123,6 +123,8 @@ def check(reducer: Reducer, seen: dict) -> None:
     for rnd in reducer.rounds.rounds.values():
         if rnd.charged:
             charged[rnd.owner] = charged.get(rnd.owner, 0) + rnd.charged
+            if rnd.adopted is not None:  # a frame kept (a broadcast root's, or one summed into), not pool memory
+                held += rnd.charged
         for rank, frame in rnd.held.items():
             charged[rank] = charged.get(rank, 0) + len(frame)
             held += len(frame)
