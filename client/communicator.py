@@ -188,7 +188,8 @@ class Communicator:
                          timeout: Optional[float] = None) -> Handle:
         """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
         not change until then; collectives complete in the order they were started. `timeout`:
-        seconds it may take from its start before it fails (None: the reducers' RS_TIMEOUT)."""
+        seconds it may take from this call before it fails, waiting to start included (None: the
+        reducers' RS_TIMEOUT)."""
         op = ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:
             raise ValueError("broadcast is not a reduction op; use broadcast()")

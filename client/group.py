@@ -30,7 +30,9 @@ class Group(Communicator):
             ends the group too.
         ranks: the job's ranks in the group, in any order (the group's rank i is the i-th smallest).
         name: what identifies the group: the same on every member, different for every group of
-            the job (torch's group name; two groups over the same ranks need two names).
+            the job (torch's group name; two groups over the same ranks need two names: two
+            open under one name count their collectives alike, and a collective started while
+            another of the same seq is in flight fails, saying so).
 
     Raises:
         ValueError: ranks outside the job, or without this rank.

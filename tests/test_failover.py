@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -330,7 +331,7 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
     import numpy as np
 
     import reduction_server.client as rs
-    from reduction_server import protocol
+    from reduction_server import CollectiveError, protocol
     from reduction_server.protocol import REJOIN_LEAD, MsgType
 
     from helpers.peers import JOB, Peer, data
@@ -372,9 +373,14 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
                 time.sleep(0.05)
             while seq < reported + REJOIN_LEAD:
                 step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
-            held = comm.all_reduce_async(ones)  # beyond its report plus REJOIN_LEAD: it waits
+            # Beyond its report plus REJOIN_LEAD, a collective waits for the JOIN, but not past its own timeout.
+            late = comm.all_reduce_async(ones, timeout=1.0)
+            with pytest.raises(CollectiveError, match="before it started"):
+                late.wait(10)
+            seq += 1  # its seq is spent, and no rank sent a chunk of it: no reducer has a round of it
+            held = comm.all_reduce_async(ones)
             time.sleep(0.5)
-            assert not held.done() and comm._engine.ledger.next_seq[0] == seq  # not started: no chunk sent
+            assert not held.done() and comm._engine.ledger.next_seq[0] == seq - 1  # not started: no chunk sent
             peers[1] = Peer(group.addresses[1])
             peers[1].handshake(1, 2)
             payload = protocol.seq_pairs_payload([(0, seq + 1)])
@@ -397,6 +403,73 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
             comm.close()
             for p in peers:
                 p.close()
+
+
+def _spare_job(group, kill: int, steps: int, limit: float) -> list:
+    """W=2 ranks with the last reducer a spare: each all-reduces a few times, then reducer `kill`
+    is SIGKILLed and each rank, once it has seen the loss, all-reduces `steps` times (within
+    `limit` seconds); per rank, each step's result, or the error's text."""
+    import numpy as np
+
+    from reduction_server import CollectiveError
+
+    from helpers.jobs import run_job, until
+
+    dead = threading.Barrier(2, timeout=30)
+
+    def body(comm, rank):
+        for _ in range(3):
+            assert np.array_equal(comm.all_reduce(np.ones(1000, np.float32)), np.full(1000, 2.0, np.float32))
+        dead.wait()
+        if rank == 0:
+            group.signal(kill, signal.SIGKILL)
+        until(lambda: kill in comm._engine.connections.down, f"rank {rank} to see reducer {kill} lost")
+        dead.wait()
+        started, outcomes = time.monotonic(), []
+        for step in range(steps):
+            if time.monotonic() - started > limit:
+                break
+            try:
+                outcomes.append(comm.all_reduce(np.full(1000, step + rank, np.float32))[0])
+            except CollectiveError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    return run_job(2, body, group=group, limit=limit + 60, spares=1, failover=True, timeout=8)
+
+
+def test_a_spare_that_dies_leaves_the_reducers_in_use_serving():
+    """The spare itself is lost (and stays down): the two reducers in use carry on, and nothing
+    waits for a JOIN from it; it was once asked to join again at each loss, and every collective
+    from REJOIN_LEAD on waited RS_TIMEOUT for it and failed."""
+    from reduction_server.protocol import REJOIN_LEAD
+
+    steps = 2 * REJOIN_LEAD + 10
+    with reducers(3, extra_env=FAST) as group:
+        outcomes = _spare_job(group, kill=2, steps=steps, limit=40)
+    for rank in range(2):
+        assert outcomes[rank] == [2.0 * step + 1 for step in range(steps)], outcomes[rank][:40]
+
+
+def test_the_spare_of_a_single_reducer_takes_over_once_every_rank_agrees():
+    """One reducer in use and a spare: the reducer is lost. What was in flight, and what starts
+    before the boundary the spare's JOIN names, has nowhere to go and fails at once, naming the
+    loss; from the boundary on the spare sums. (It was never asked to join: every collective
+    waited for the lost reducer and failed.)"""
+    from reduction_server.protocol import REJOIN_LEAD
+
+    steps = 3 * REJOIN_LEAD
+    with reducers(2, extra_env=FAST) as group:
+        outcomes = _spare_job(group, kill=0, steps=steps, limit=40)
+    for rank in range(2):
+        failed = [o for o in outcomes[rank] if isinstance(o, str)]
+        assert failed and all("reducer 0" in text and "was lost" in text for text in failed), failed[:3]
+        first = len(failed)
+        assert outcomes[rank][:first] == failed, outcomes[rank]  # the failures come first, then no more
+        assert first <= 2 * REJOIN_LEAD + 2, first
+        assert outcomes[rank][first:] == [2.0 * step + 1 for step in range(first, len(outcomes[rank]))]
+        assert len(outcomes[rank]) == steps
+    assert len(outcomes[0]) - outcomes[0].count(None) == len(outcomes[1])
 
 
 @pytest.mark.parametrize("spares, failover, words", [(2, True, "leave at least one of the 2 reducers"),

@@ -272,3 +272,21 @@ def test_a_closed_groups_results_go_when_nothing_of_it_is_in_flight_and_not_if_i
         assert inbox.closed_groups == []
     finally:
         inbox.close()
+
+
+def test_two_groups_made_under_one_name_fail_the_collective_that_would_share_a_seq(group):
+    """Two Group objects of one name count their collectives apart, so both have a seq 0: the
+    second, started while the first is in flight, fails by name, and the first completes (its
+    answers could not have been told apart: the first once waited for ever)."""
+    def body(comm, rank):
+        first, second = Group(comm, [0, 1], "twice"), Group(comm, [0, 1], "twice")
+        if rank == 1:
+            time.sleep(1.0)  # rank 0 starts both before rank 1 joins the first
+            return first.all_reduce(np.ones(4, np.float32)).tolist()
+        pending = first.all_reduce_async(np.ones(4, np.float32))
+        with pytest.raises(reduction_server.CollectiveError, match="another collective with its group and seq"):
+            second.all_reduce_async(np.ones(4, np.float32)).wait(10)
+        return pending.wait(10).tolist()
+
+    assert run_job(2, body, group=group) == [[2.0] * 4] * 2
+

@@ -1,6 +1,7 @@
 """One collective in flight on a worker: its buffers, its chunk plan, and each chunk's state."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,13 +40,15 @@ class Collective:
     trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
     traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
     group: int = 0  # the group of ranks it runs in (0: all of them); seq counts within it
-    time_limit: Optional[float] = None  # seconds it may take from its start, its caller's timeout
-    deadline: float = float("inf")  # monotonic time it fails unless done (set when it starts)
+    time_limit: Optional[float] = None  # seconds it may take from its submission, its caller's timeout
+    deadline: float = float("inf")  # monotonic time it fails unless done (from time_limit, as it is made)
     kept: List[Any] = field(default_factory=list)  # kept.Kept results that are views of recv, until it ends
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
         self.moved = bytearray(len(self.chunks))
+        if self.time_limit is not None:
+            self.deadline = time.monotonic() + self.time_limit
 
     @cached_property
     def reducers(self) -> FrozenSet[int]:

@@ -205,11 +205,13 @@ class Connections:
         text = f"{self.name(r)} was lost: {reason}"
         failover = self.failover
         self.down[r] = (text, reconnect)
-        if failover.enabled and failover.survivors(without=r):
+        if failover.enabled and (failover.survivors(without=r) or failover.recruitable(self.down)):
+            # With no reducer left in use but a spare up, what is in flight fails (nowhere to
+            # move it), and the spare takes the chunks from the boundary its JOIN names.
             self.event("reducer_lost", r, reason=reason, failover=True, left=len(failover.survivors(without=r)))
             for coll in failover.move_off(r, text, self.ledger):
                 self.ledger.give_up(coll, f"no reducer is left for one of its chunks: {failover.reason()}")
-            for spare, progress in failover.recruit(self._progress()).items():
+            for spare, progress in failover.recruit(self._progress(), self.down).items():
                 self.report(spare, progress)
         else:
             self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)

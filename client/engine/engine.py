@@ -207,6 +207,10 @@ class Engine:
                     coll = inbox.queue.popleft()
                     if coll.future.done():
                         continue  # it failed while it waited (_held)
+                    if (coll.group, coll.seq) in ledger.active:  # its answers could not be told apart
+                        ledger.fail(coll, "another collective with its group and seq is in flight on this rank "
+                                          "(two groups made under one name?)")
+                        continue
                     ledger.start(coll)
                     if self.failover.rerouting and not self.failover.place(coll):
                         ledger.give_up(coll, f"no reducer is left for one of its chunks: {self.failover.reason()}")
@@ -241,8 +245,13 @@ class Engine:
         waited past RS_TIMEOUT fails instead."""
         if not self.failover.rejoining:
             return False
-        verdict = self.failover.waits(coll, time.monotonic(), self.timeout, self.connections.report,
-                                      self.connections.name)
+        now = time.monotonic()
+        if now >= coll.deadline:
+            self.ledger.fail(coll, f"Timed out after {coll.time_limit:g} s (the timeout it was given) before it "
+                                   "started: it waited for a reducer that came back to name the collective from "
+                                   "which every rank uses it again")
+            return False
+        verdict = self.failover.waits(coll, now, self.timeout, self.connections.report, self.connections.name)
         if isinstance(verdict, str):
             self.ledger.fail(coll, verdict)
             return False

@@ -19,7 +19,7 @@ after the one this rank lacks, so every rank that got it still keeps it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import Callable, Container, Deque, Dict, List, Optional, Tuple, Union
 
 from reduction_server.protocol import REJOIN_LEAD
 
@@ -178,13 +178,18 @@ class Failover:
         self.since.pop(r, None)
         return self.rejoining[r]
 
-    def recruit(self, next_seqs: Dict[int, int]) -> Dict[int, Dict[int, int]]:
-        """A reducer was lost: each spare not asked yet is asked to join (PROGRESS, as a reducer
-        that came back), with what to report to it, by spare."""
+    def recruitable(self, down: Container[int]) -> List[int]:
+        """The spares not in use nor asked to join yet, leaving out those `down` (a spare that is
+        down reports when it is admitted again: readmitted)."""
+        return [r for r in range(self.active, self.num_reducers)
+                if r in self.lost and r not in self.rejoining and r not in self.since and r not in down]
+
+    def recruit(self, next_seqs: Dict[int, int], down: Container[int]) -> Dict[int, Dict[int, int]]:
+        """A reducer was lost: each spare that is up and not asked yet is asked to join
+        (PROGRESS, as a reducer that came back), with what to report to it, by spare."""
         asked = {}
-        for r in range(self.active, self.num_reducers):
-            if r in self.lost and r not in self.rejoining and r not in self.since:
-                asked[r] = self.rejoining[r] = dict(next_seqs)
+        for r in self.recruitable(down):
+            asked[r] = self.rejoining[r] = dict(next_seqs)
         return asked
 
     def joined(self, r: int, boundaries: Dict[int, int]) -> None:

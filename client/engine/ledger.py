@@ -37,8 +37,6 @@ class Ledger:
     def start(self, coll: Collective) -> None:
         """Track a collective handed to the engine: active by seq, queued for sending, its progress clock started."""
         coll.last_progress = time.monotonic()
-        if coll.time_limit is not None:
-            coll.deadline = coll.last_progress + coll.time_limit
         self.active[coll.group, coll.seq] = coll
         self.next_seq[coll.group] = coll.seq + 1
         queue = self.sending.get(coll.group)
