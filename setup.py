@@ -57,7 +57,8 @@ setup(
     package_dir=ROOTS,
     package_data={"reduction_server": ["_native.pyi", "py.typed"]},
     ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}),
-    install_requires=["numpy>=1.24", "pyzmq>=26", "prometheus_client>=0.20"],
+    install_requires=["numpy>=1.24", "pyzmq>=26", "prometheus_client>=0.20",
+                      "cloudpickle>=2"],  # Horovod's object collectives: lambdas and local functions too
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],

@@ -9,13 +9,14 @@
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
 # this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
-# image's is) and fetches pyzmq's. `run` builds the project there instead when the wheel does not
+# image's is) and fetches pyzmq's and cloudpickle's. `run` builds the project there instead when the wheel does not
 # fit that Python. Each step of `run` is bounded in time and reports its exit status; the run
 # goes on past a failed step, so that one call brings back everything that worked.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 KIT=.device
 PYZMQ=${PYZMQ:-pyzmq==27.3.0}
+CLOUDPICKLE=${CLOUDPICKLE:-cloudpickle==3.1.3}
 
 pack() {
   set -e
@@ -32,7 +33,7 @@ pack() {
   "$python" -m pip wheel -q --no-deps -w "$KIT/wheels" "$tree"
   "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$KIT/wheels" "$PYZMQ"
+    -d "$KIT/wheels" "$PYZMQ" "$CLOUDPICKLE"
   du -sh "$KIT" && ls "$KIT/wheels"
 }
 
@@ -56,7 +57,8 @@ run() {
   if ! python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KIT"/wheels/*.whl; then
     echo "the packed wheels do not fit $(python3 -V 2>&1): building this project here"
     rm -rf "$site"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KIT"/wheels/pyzmq-*.whl &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KIT"/wheels/pyzmq-*.whl \
+      "$KIT"/wheels/cloudpickle-*.whl &&
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . ||
       { echo "could not install reduction-server on $(python3 -V 2>&1)"; return 1; }
   fi

@@ -109,6 +109,17 @@ def test_collectives_matched_by_name(job):
         assert c["allgather_scalar"] == [10 * k for k in ranks]
         assert c["object"] == {"from": 1, "list": [1, 1, 1]}
         assert c["objects"] == [["rank", k] for k in ranks]
+        assert c["function"] == 1 + 100 * (world - 1) and c["functions"] == [k + 1 for k in ranks]
+        # An object the root (or a rank) cannot serialize fails there as pickling does, and on
+        # the others at once, naming it, instead of leaving them waiting for RS_TIMEOUT.
+        unserializable = c["unserializable"]
+        for failure, culprit in zip(unserializable, (1, 0)):
+            if me == culprit:
+                assert failure.startswith("TypeError") and "lock" in failure, failure
+            else:
+                assert failure == f"HorovodInternalError: rank(s) {culprit} could not serialize the object", failure
+        assert c["parameters"] == [[[float(world - 1)] * 2] * 2, [float(world - 1)] * 2]
+        assert r["refused"] == 'process_sets=\'static\': give a list of ProcessSets, or "dynamic"'
         shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
         assert c["mismatch"] == f"HorovodInternalError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
                                 f"shape: {shapes}"

@@ -11,7 +11,7 @@ import pickle
 import socket
 import threading
 from concurrent.futures import Future
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ..communicator import Communicator
 from ..timeline import open_timeline, timeline_path
 from .coordinator import ALLGATHER, BROADCAST, Coordinator, Request, gather_bytes, name_counter
 from . import elastic
-from .exceptions import as_horovod_errors
+from .exceptions import HorovodInternalError, as_horovod_errors
 from .process_sets import ProcessSet, ProcessSetLike, ProcessSets
 
 _lock = threading.Lock()
@@ -48,11 +48,18 @@ class _Process:
         self.set_names = name_counter("process_set")  # advanced by every rank alike, unlike object_names
 
 
-def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+def init(comm: Optional[Communicator] = None,
+         process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
     """Join the job: a Communicator from the environment (or `comm`), and the negotiation thread;
     then add `process_sets` (every rank passes the same). Calling it again while initialized does
-    nothing, as in Horovod; after shutdown() it joins the job again, on a generation of its own."""
+    nothing, as in Horovod; after shutdown() it joins the job again, on a generation of its own.
+    `process_sets="dynamic"` (Horovod's switch for adding them later) adds none: here they may
+    always be added and removed at run time."""
     global _state, _incarnations, _inits
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets={process_sets!r}: give a list of ProcessSets, or \"dynamic\"")
+        process_sets = None
     with _lock:
         if _state is not None:
             if _state.coordinator.running:
@@ -192,14 +199,35 @@ def cross_size() -> int:
     return _process().cross_size
 
 
+def _serialized(obj: Any) -> Tuple[bytes, Optional[BaseException]]:
+    """obj as bytes, by cloudpickle as in Horovod (lambdas and local functions too), or why it
+    cannot be: the collective still runs with a mark of the failure, so that no other rank waits."""
+    import cloudpickle  # only the object collectives need it
+
+    try:
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:  # noqa: BLE001 - raised again once every rank knows
+        return b"", exc
+
+
+def _unserializable(ranks: Sequence[int], error: Optional[BaseException]) -> None:
+    """Raise `error` (this rank's own), or HorovodInternalError naming the ranks whose object
+    could not be serialized."""
+    if error is not None:
+        raise error
+    if len(ranks):
+        raise HorovodInternalError(f"rank(s) {', '.join(map(str, ranks))} could not serialize the object")
+
+
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> Any:
     """root_rank's `obj` (pickled), on every rank (of `process_set`)."""
     state = _process()
     name = name or state.object_names()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if rank() == root_rank else b""
-    length = np.array([len(data)], np.int64)
+    data, error = _serialized(obj) if rank() == root_rank else (b"", None)
+    length = np.array([len(data) if error is None else -1], np.int64)
     run(BROADCAST, f"{name}.length", length, length, root=root_rank, process_set=process_set)
+    _unserializable([root_rank] if length[0] < 0 else [], error)
     buf = np.zeros(int(length[0]), np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
     run(BROADCAST, f"{name}.bytes", buf, buf, root=root_rank, process_set=process_set)
@@ -209,9 +237,11 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> List[Any]:
     """Every rank's `obj` (pickled), in rank order (the ranks of `process_set`)."""
     name = name or _process().object_names()
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    lengths = run(ALLGATHER, f"{name}.length", np.array([len(data)], np.int64), process_set=process_set)
-    joined = run(ALLGATHER, f"{name}.bytes", data, process_set=process_set)
+    data, error = _serialized(obj)
+    length = np.array([len(data) if error is None else -1], np.int64)
+    lengths = run(ALLGATHER, f"{name}.length", length, process_set=process_set)
+    _unserializable(np.flatnonzero(lengths < 0).tolist(), error)
+    joined = run(ALLGATHER, f"{name}.bytes", np.frombuffer(data, np.uint8), process_set=process_set)
     ends = np.cumsum(lengths)
     return [pickle.loads(joined[e - n:e].tobytes()) for e, n in zip(ends, lengths)]
 

@@ -5,6 +5,7 @@ tests' GPU runs). Prints one JSON line."""
 import json
 import random
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,6 +67,24 @@ def collectives(rank, world):
     out["allgather_scalar"] = hvd.allgather(torch.tensor(rank * 10), name="gather.scalar").tolist()
     out["object"] = hvd.broadcast_object({"from": rank, "list": [rank] * 3}, root_rank=1)
     out["objects"] = hvd.allgather_object(("rank", rank))
+
+    def scaled(x):  # a local function, as Horovod's cloudpickle carries it
+        return x * (rank + 1)
+    out["function"] = hvd.broadcast_object(lambda x: x + 100 * rank, root_rank=world - 1)(1)
+    out["functions"] = [f(1) for f in hvd.allgather_object(scaled)]
+    for call in (lambda: hvd.broadcast_object(threading.Lock(), root_rank=1),  # nothing can serialize a lock
+                 lambda: hvd.allgather_object(threading.Lock() if rank == 0 else rank)):
+        try:
+            call()
+            out.setdefault("unserializable", []).append(None)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.setdefault("unserializable", []).append(f"{type(exc).__name__}: {exc}")
+    layer = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(rank)
+    hvd.broadcast_parameters(list(layer.parameters()), root_rank=world - 1)  # bare tensors, named by position
+    out["parameters"] = [p.tolist() for p in layer.parameters()]
     try:
         hvd.allreduce(torch.zeros(rank + 1), name="mismatch")
         out["mismatch"] = None
@@ -113,10 +132,15 @@ def train(rank, world, config):
 def main():
     configs = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    hvd.init()
+    try:
+        hvd.init(process_sets="static")
+        refused = None
+    except ValueError as exc:  # refused before anything connects
+        refused = str(exc)
+    hvd.init(process_sets="dynamic")  # Horovod's switch: here process sets may always come and go
     rank, world = hvd.rank(), hvd.size()
     with torch.device(DEVICE):  # every tensor made below: on the GPU in the tests' CUDA runs
-        result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+        result = {"refused": refused, "rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
                   "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
                   "train": {name: train(rank, world, config) for name, config in configs.items()}}
     hvd.shutdown()

@@ -11,13 +11,18 @@ from .mpi_ops import broadcast_async_, synchronize
 from .optimizer import is_distributed
 
 
-def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
+                                      Iterable[Union[Tuple[str, torch.Tensor], torch.Tensor]]],
                          root_rank: int) -> None:
-    """Overwrite every rank's parameters (a state_dict or named_parameters()) with root_rank's."""
-    items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
+    """Overwrite every rank's parameters (a state_dict, named_parameters(), or a list of tensors
+    such as list(model.parameters()), named by position) with root_rank's."""
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    else:
+        items = [p if not isinstance(p, torch.Tensor) else (f"#{i}", p) for i, p in enumerate(params)]
     if any(not (isinstance(i, tuple) and len(i) == 2) for i in items):
-        raise ValueError("broadcast_parameters takes a state_dict or a sequence of (name, tensor) pairs, "
-                         "e.g. model.named_parameters()")
+        raise ValueError("broadcast_parameters takes a state_dict, a sequence of (name, tensor) pairs such as "
+                         "model.named_parameters(), or a sequence of tensors")
     handles = [broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
                                 f"broadcast.parameter.{name}")
                for name, p in items if isinstance(p, torch.Tensor)]
