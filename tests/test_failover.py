@@ -9,6 +9,7 @@ several cores. RS_FAILOVER_RUNS sets how many runs of each kind (longer campaign
 keeps CI to a few minutes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -323,6 +324,28 @@ def test_a_pool_with_no_reducer_left_fails_naming_every_reducer(monkeypatch):
                     c.close()
 
 
+@contextlib.contextmanager
+def _rank_0_beside_a_hand_driven_rank_1(monkeypatch):
+    """Two reducers of one process each; rank 0 a Communicator, rank 1 a hand-driven peer at each
+    reducer (helpers/peers.py), both admitted: (group, peers, comm), closed at the end."""
+    import reduction_server.client as rs
+
+    from helpers.peers import Peer
+
+    monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
+    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
+        peers = [Peer(address) for address in group.addresses]
+        for p in peers:
+            p.handshake(1, 2)
+        comm = rs.Communicator(group.addresses, 0, 2, job_token=TOKEN, timeout=20, connect_timeout=10)
+        try:
+            yield group, peers, comm
+        finally:
+            comm.close()
+            for p in peers:
+                p.close()
+
+
 def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monkeypatch):
     """Rank 0 (a Communicator) lost reducer 1 and readmits it when it is restarted; rank 1 (a
     hand-driven peer) has not reached it yet. Rank 0 goes on REJOIN_LEAD collectives past its
@@ -330,20 +353,14 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
     takes its own chunks again (as DATA, not moved)."""
     import numpy as np
 
-    import reduction_server.client as rs
     from reduction_server import CollectiveError, protocol
     from reduction_server.protocol import REJOIN_LEAD, MsgType
 
     from helpers.peers import JOB, Peer, data
 
-    monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
     n = 64
     ones = np.ones(n, np.float32)
-    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
-        peers = [Peer(address) for address in group.addresses]
-        for p in peers:
-            p.handshake(1, 2)
-        comm = rs.Communicator(group.addresses, 0, 2, job_token=TOKEN, timeout=20, connect_timeout=10)
+    with _rank_0_beside_a_hand_driven_rank_1(monkeypatch) as (group, peers, comm):
         seq = 0
 
         def step(reducer: int, mtype: MsgType, wait: bool = True):
@@ -358,51 +375,97 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
                 assert header.type is MsgType.RESULT
             return handle
 
-        try:
-            for _ in range(4):
-                step(seq % 2, MsgType.DATA)
-            group.signal(1, signal.SIGKILL)
-            peers[1].close()
-            for _ in range(4):  # odd seqs belong to reducer 1: moved to reducer 0
-                step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
-            reported = seq
-            group.restart(1)
-            deadline = time.monotonic() + 10
-            while 1 not in comm._engine.failover.rejoining:  # read without a lock: a test's glimpse
-                assert time.monotonic() < deadline, "rank 0 did not readmit the restarted reducer"
-                time.sleep(0.05)
-            while seq < reported + REJOIN_LEAD:
-                step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
-            # Beyond its report plus REJOIN_LEAD, a collective waits for the JOIN, but not past its own timeout.
-            late = comm.all_reduce_async(ones, timeout=1.0)
-            with pytest.raises(CollectiveError, match="before it started"):
-                late.wait(10)
-            seq += 1  # its seq is spent, and no rank sent a chunk of it: no reducer has a round of it
-            held = comm.all_reduce_async(ones)
-            time.sleep(0.5)
-            assert not held.done() and comm._engine.ledger.next_seq[0] == seq - 1  # not started: no chunk sent
-            peers[1] = Peer(group.addresses[1])
-            peers[1].handshake(1, 2)
-            payload = protocol.seq_pairs_payload([(0, seq + 1)])
-            peers[1].send(protocol.text_header(MsgType.PROGRESS, payload, rank=1, world=2, job=JOB), payload)
-            header, joined = peers[1].recv(5)
-            boundary = seq + 1 + REJOIN_LEAD  # the furthest report (rank 1's) plus the lead
-            assert header.type is MsgType.JOIN and protocol.seq_pairs(joined) == {0: boundary}
-            peers[0].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 else MsgType.DATA),
+        for _ in range(4):
+            step(seq % 2, MsgType.DATA)
+        group.signal(1, signal.SIGKILL)
+        peers[1].close()
+        for _ in range(4):  # odd seqs belong to reducer 1: moved to reducer 0
+            step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
+        reported = seq
+        group.restart(1)
+        deadline = time.monotonic() + 10
+        while 1 not in comm._engine.failover.rejoining:  # read without a lock: a test's glimpse
+            assert time.monotonic() < deadline, "rank 0 did not readmit the restarted reducer"
+            time.sleep(0.05)
+        while seq < reported + REJOIN_LEAD:
+            step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
+        # Beyond its report plus REJOIN_LEAD, a collective waits for the JOIN, but not past its own timeout.
+        late = comm.all_reduce_async(ones, timeout=1.0)
+        with pytest.raises(CollectiveError, match="before it started"):
+            late.wait(10)
+        seq += 1  # its seq is spent, and no rank sent a chunk of it: no reducer has a round of it
+        held = comm.all_reduce_async(ones)
+        time.sleep(0.5)
+        assert not held.done() and comm._engine.ledger.next_seq[0] == seq - 1  # not started: no chunk sent
+        peers[1] = Peer(group.addresses[1])
+        peers[1].handshake(1, 2)
+        payload = protocol.seq_pairs_payload([(0, seq + 1)])
+        peers[1].send(protocol.text_header(MsgType.PROGRESS, payload, rank=1, world=2, job=JOB), payload)
+        header, joined = peers[1].recv(5)
+        boundary = seq + 1 + REJOIN_LEAD  # the furthest report (rank 1's) plus the lead
+        assert header.type is MsgType.JOIN and protocol.seq_pairs(joined) == {0: boundary}
+        peers[0].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 else MsgType.DATA),
+                      ones.tobytes())
+        assert np.array_equal(held.wait(10), 2 * ones)
+        peers[0].recv(5)
+        seq += 1
+        while seq < boundary:
+            step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
+        for _ in range(4):  # from the boundary on, reducer 1 has its own chunks again
+            step(seq % 2, MsgType.DATA)
+        failover = comm._engine.failover
+        assert failover.joins == 1 and failover.rejoined_chunks == 2
+
+
+def test_a_reducer_lost_while_another_awaits_its_join_is_a_loss_like_any_other(monkeypatch):
+    """Reducer 1 came back and awaits its JOIN (rank 1, hand-driven, has not reported) when
+    reducer 0 is lost too. Rank 0 keeps both losses and waits for the agreement, as a rank that
+    had read the JOIN first does; it used to forget every loss instead (no reducer left in use),
+    and so sent its chunks as planned while its peers kept to the boundary. From the boundary on
+    reducer 1 takes every chunk, reducer 0's moved."""
+    import numpy as np
+
+    from reduction_server import CollectiveError, protocol
+    from reduction_server.protocol import REJOIN_LEAD, MsgType
+
+    from helpers.jobs import until
+    from helpers.peers import JOB, Peer, data
+
+    n = 64
+    ones = np.ones(n, np.float32)
+    with _rank_0_beside_a_hand_driven_rank_1(monkeypatch) as (group, peers, comm):
+        failover = comm._engine.failover  # read without a lock: a test's glimpse
+        for seq in range(2):  # each collective is one chunk, on reducer seq % 2
+            handle = comm.all_reduce_async(ones)
+            peers[seq % 2].send(data(1, 2, seq=seq, count=n), ones.tobytes())
+            assert np.array_equal(handle.wait(10), 2 * ones)
+            peers[seq % 2].recv(5)
+        group.signal(1, signal.SIGKILL)
+        peers[1].close()
+        until(lambda: 1 in failover.lost, "rank 0 to lose reducer 1")
+        group.restart(1)
+        until(lambda: 1 in failover.rejoining, "rank 0 to readmit reducer 1 and report to it")
+        group.signal(0, signal.SIGKILL)
+        peers[0].close()
+        until(lambda: 0 in comm._engine.connections.down, "rank 0 to lose reducer 0")
+        assert sorted(failover.lost) == [0, 1] and 1 in failover.rejoining, (failover.lost, failover.rejoining)
+        peers[1] = Peer(group.addresses[1])
+        peers[1].handshake(1, 2)
+        payload = protocol.seq_pairs_payload([(0, 2)])
+        peers[1].send(protocol.text_header(MsgType.PROGRESS, payload, rank=1, world=2, job=JOB), payload)
+        header, joined = peers[1].recv(5)
+        boundary = 2 + REJOIN_LEAD  # both reported 2
+        assert header.type is MsgType.JOIN and protocol.seq_pairs(joined) == {0: boundary}
+        until(lambda: failover.since.get(1), "rank 0 to hear the JOIN")
+        for seq in range(2, boundary):  # no reducer takes these: they fail at once
+            with pytest.raises(CollectiveError, match="no reducer is left"):
+                comm.all_reduce_async(ones, timeout=5).wait(10)
+        for seq in range(boundary, boundary + 2):
+            handle = comm.all_reduce_async(ones)
+            peers[1].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 == 0 else MsgType.DATA),
                           ones.tobytes())
-            assert np.array_equal(held.wait(10), 2 * ones)
-            peers[0].recv(5)
-            seq += 1
-            while seq < boundary:
-                step(0, MsgType.MOVED if seq % 2 else MsgType.DATA)
-            for _ in range(4):  # from the boundary on, reducer 1 has its own chunks again
-                step(seq % 2, MsgType.DATA)
-            failover = comm._engine.failover
-            assert failover.joins == 1 and failover.rejoined_chunks == 2
-        finally:
-            comm.close()
-            for p in peers:
-                p.close()
+            assert np.array_equal(handle.wait(10), 2 * ones)
+            peers[1].recv(5)
 
 
 def _spare_job(group, kill: int, steps: int, limit: float) -> list:

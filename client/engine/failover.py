@@ -74,8 +74,11 @@ class Failover:
         return r not in self.lost or seq >= self.since.get(r, {}).get(group, _NEVER)
 
     def survivors(self, without: int) -> List[int]:
-        """The reducers in use (not lost, or back in some group), leaving out `without`."""
-        return [r for r in range(self.num_reducers) if r != without and (r not in self.lost or self.since.get(r))]
+        """The reducers in use (not lost, back in some group, or back and awaiting the JOIN that
+        says from when), leaving out `without`. One awaiting its JOIN counts: a rank that had
+        read the JOIN first would count it, and the ranks must agree on what is lost."""
+        return [r for r in range(self.num_reducers)
+                if r != without and (r not in self.lost or self.since.get(r) or r in self.rejoining)]
 
     def route(self, seq: int, chunk: int, group: int) -> Optional[int]:
         """The reducer chunk `chunk` of collective `seq` of `group` goes to: the first usable one
