@@ -26,7 +26,9 @@ import tf_custom_loop  # noqa: E402
 PER = 4
 SPEC = {"loop": {"steps": 4, "per": PER, "lr": 0.1, "predivide": 2.0},
         "fit": {"steps": 4, "per": PER, "lr": 0.05, "epochs": 2},
-        "warmup": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 3, "warmup": 2}}
+        "warmup": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 3, "warmup": 2},
+        "schedule": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 4,
+                     "schedule": {"multiplier": 0.5, "start_epoch": 1, "end_epoch": 3}}}
 _results = {}
 
 
@@ -78,6 +80,23 @@ def test_learning_rate_warmup(job):
         assert r["warmup"]["lr"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_learning_rate_schedule(job):
+    """Horovod's LearningRateScheduleCallback, staircase: untouched before start_epoch, then
+    lr * 0.5 ** (epoch - start_epoch) at each epoch's start until end_epoch, where it stays."""
+    _, results = job
+    lr = SPEC["schedule"]["lr"]
+    for r in results:
+        assert r["schedule"]["lr"] == pytest.approx([lr, lr, lr / 2, lr / 2], rel=1e-6)
+
+
+def test_local_variables_are_not_broadcast(job):
+    _, results = job
+    first = results[0]["local"]
+    for r in results[1:]:
+        assert r["local"][1:] == first[1:], "a variable that is not local was not broadcast"
+        assert r["local"][0] != first[0], "the local variable was broadcast"
+
+
 def test_collectives(job):
     world, results = job
     ranks = range(world)
@@ -93,6 +112,9 @@ def test_collectives(job):
         assert c["grouped"] == [[float(sum(ranks))] * 2, [float(world)] * 3]
         assert c["broadcast"] == [float(world - 1)] * 2
         assert c["allgather"] == [[k, k] for k in ranks for _ in range(k + 1)]
+        total = float(sum(ranks))
+        assert c["keras_positional"] == [[2.0 * world, 4.0 * total], [total / world] * 2, [[total] * 2],
+                                         [total / world]]
         assert c["in_graph"] == [[float(sum(ranks))], [float(k) for k in ranks]]
         assert c["object"] == {"from": 1}
         assert c["objects"] == [10 * k for k in ranks]

@@ -24,6 +24,7 @@ class BroadcastVariablesCallback(keras.callbacks.Callback):
     def __init__(self, root_rank: int = 0) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.local_variables: list = []  # kept by each rank (Horovod's callback names them)
         self._pending = False
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
@@ -47,6 +48,8 @@ class BroadcastVariablesCallback(keras.callbacks.Callback):
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
             variables += list(optimizer.variables)
+        local = {id(v) for v in self.local_variables}
+        variables = [v for v in variables if id(v) not in local and id(getattr(v, "value", None)) not in local]
         broadcast_variables(variables, self.root_rank)
 
 

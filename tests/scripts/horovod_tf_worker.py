@@ -42,16 +42,27 @@ def custom_loop(rank, world, steps, per, lr, predivide):
     return {"initial": initial.tolist(), "final": tf_custom_loop.weights(model).tolist()}
 
 
-def fit(rank, world, steps, per, lr, epochs, warmup=None):
+def fit(rank, world, steps, per, lr, epochs, warmup=None, schedule=None):
     model = keras_fit.make_model(seed=rank)
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
-    if warmup:
-        callbacks.append(hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=warmup))
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(device="")]
+    if warmup:  # Horovod's positional order: initial_lr, warmup_epochs, momentum_correction
+        callbacks.append(hvd.callbacks.LearningRateWarmupCallback(lr, warmup, True))
+    if schedule:
+        callbacks.append(hvd.callbacks.LearningRateScheduleCallback(initial_lr=lr, **schedule))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse", jit_compile=False)
     x, y = keras_fit.dataset(steps, per, world)
     history = model.fit(keras_fit.shard(x, per, rank, world), keras_fit.shard(y, per, rank, world),
                         batch_size=per, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return {"final": keras_fit.weights(model).tolist(), "history": history.history}
+
+
+def local_variables(rank):
+    """The first layer's kernel named a local variable: each rank keeps its own, the rest is rank 0's."""
+    model = keras_fit.make_model(seed=rank)
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0, device="", local_variables=model.weights[0])
+    callback.set_model(model)
+    callback.on_train_begin()
+    return [w.numpy().tolist() for w in model.weights]
 
 
 def collectives(rank, world):
@@ -66,6 +77,12 @@ def collectives(rank, world):
                       hvd.grouped_allreduce([tf.ones(2) * rank, tf.ones(3, tf.float64)], op=hvd.Sum)]
     out["broadcast"] = hvd.broadcast(tf.fill([2], float(rank)), root_rank=world - 1).numpy().tolist()
     out["allgather"] = hvd.allgather(tf.fill([rank + 1, 2], rank)).numpy().tolist()
+    # Keras's signatures (hvd is the keras module): the name second, reducescatter averaging by default
+    out["keras_positional"] = [hvd.allreduce([1.0, 2.0 * rank], "keras.allreduce", None, 2.0, 1.0, hvd.Sum).numpy().tolist(),
+                               hvd.allreduce(tf.fill([2], float(rank)), "keras.average").numpy().tolist(),
+                               hvd.reducescatter(tf.fill([world, 2], float(rank)), "keras.reducescatter",
+                                                 hvd.Sum).numpy().tolist(),
+                               hvd.reducescatter(tf.fill([world], float(rank)), "keras.rs.average").numpy().tolist()]
 
     @tf.function(jit_compile=False)
     def in_graph(x):
@@ -99,7 +116,8 @@ def main():
               "sparse": checks.sparse(rank, world), "process_sets": checks.process_sets(rank, world, even, odd),
               "join": checks.join_and_barrier(rank, world), "errors": checks.errors(rank, world),
               "loop": custom_loop(rank, world, **spec["loop"]), "fit": fit(rank, world, **spec["fit"]),
-              "warmup": fit(rank, world, **spec["warmup"])["history"]}
+              "warmup": fit(rank, world, **spec["warmup"])["history"],
+              "schedule": fit(rank, world, **spec["schedule"])["history"], "local": local_variables(rank)}
     hvd.shutdown()
     report(result)
 
