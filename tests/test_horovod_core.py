@@ -250,3 +250,13 @@ def test_timeline_shows_tensors_not_negotiation(group, tmp_path, monkeypatch):
                           and n["ts"] + n["dur"] <= e["ts"] + 1]
             assert negotiated and negotiated[-1]["dur"] > 0, events
         assert not [e for e in events if e.get("name", "").startswith("all_reduce")], "negotiation was traced"
+
+
+def test_adasum_is_refused_as_a_setting_and_as_horovod_refuses_what_it_cannot_run():
+    """hvd.Adasum is refused by name: a ConfigError, and the NotImplementedError Horovod raises
+    where it cannot run Adasum (sparse tensors), which Horovod's own tests expect."""
+    from reduction_server.client.horovod.ops import Adasum, resolve_op
+
+    with pytest.raises(ConfigError, match="Adasum is not supported") as caught:
+        resolve_op(Adasum)
+    assert isinstance(caught.value, NotImplementedError)

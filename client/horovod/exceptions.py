@@ -12,6 +12,13 @@ class HorovodInternalError(CollectiveError):
     shut down): what Horovod raises from synchronize(), and what its elastic mode recovers from."""
 
 
+class MismatchError(CollectiveError):
+    """A named collective the ranks asked for in ways that cannot run together (its kind, dtype,
+    op, root or shape differ, or a joined rank cannot stand in for it): what Horovod's ops fail
+    with FAILED_PRECONDITION. Raised as HorovodInternalError (the TensorFlow API: a subclass that
+    is also tf.errors.FailedPreconditionError)."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """The job's hosts changed: Horovod's elastic mode stops the step to take them in."""
 

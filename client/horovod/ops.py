@@ -14,6 +14,12 @@ _PROTOCOL = {Average: ReduceOp.AVG, Sum: ReduceOp.SUM, Min: ReduceOp.MIN, Max: R
 _NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 
+class AdasumUnsupported(ConfigError, NotImplementedError):
+    """hvd.Adasum asked for: a ConfigError (a setting this server cannot take), and the
+    NotImplementedError Horovod raises where it cannot run Adasum (sparse tensors, non-global
+    process sets), which Horovod's scripts and tests catch."""
+
+
 def resolve_op(op: Optional[Any], average: Optional[bool] = None) -> ReduceOp:
     """The protocol op for Horovod's (op, average) arguments: op wins; the deprecated `average`
     flag picks Average or Sum; neither means Average, as in Horovod."""
@@ -22,8 +28,8 @@ def resolve_op(op: Optional[Any], average: Optional[bool] = None) -> ReduceOp:
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
-        raise ConfigError("hvd.Adasum is not supported by the reduction server (it needs pairwise exchanges "
-                          "between workers); use hvd.Average or hvd.Sum")
+        raise AdasumUnsupported("hvd.Adasum is not supported by the reduction server (it needs pairwise "
+                                "exchanges between workers); use hvd.Average or hvd.Sum")
     try:
         return _PROTOCOL[op]
     except (KeyError, TypeError):

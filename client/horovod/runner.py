@@ -12,13 +12,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from reduction_server.errors import CollectiveError
 from reduction_server.protocol import DType, ReduceOp
 
 from ..buffers import WireBuffer
 from ..communicator import Communicator
 from ..timeline import Trace
 from . import gathering
+from .exceptions import MismatchError
 from .requests import ALLREDUCE, BARRIER, BROADCAST, REDUCING, Request, Submission, disagreement
 
 
@@ -62,7 +62,7 @@ class Runner:
             if problem is not None:
                 self._flush(batch, count)
                 batch, count = [], 0
-                mine.future.set_exception(CollectiveError(f"rank {self.rank}: {problem}"))
+                mine.future.set_exception(MismatchError(f"rank {self.rank}: {problem}"))
                 continue
             req = mine.request
             if req.kind in REDUCING:

@@ -11,9 +11,10 @@ Every collective is one stateful tf.numpy_function (eager, inside tf.function an
 not under XLA), matched across ranks by name (coordinator.py) as Horovod's are: ranks may call
 them in their own order, and a name whose kind, shape, dtype or op differs across ranks fails
 on every rank naming the ranks. `process_set=` runs one among a process set's ranks. A failed
-collective raises HorovodInternalError (inside tf.function, a tf.errors.UnknownError carrying
-its message, as Horovod's ops raise tf.errors there); a bad argument ArgumentError, which is
-both ValueError and tf.errors.InvalidArgumentError.
+collective raises HorovodInternalError, and one the ranks disagree on PreconditionError, which
+is also tf.errors.FailedPreconditionError as Horovod's ops raise (inside tf.function, a
+tf.errors.UnknownError carrying its message); a bad argument ArgumentError, which is both
+ValueError and tf.errors.InvalidArgumentError.
 
 Modules, as Horovod's own: mpi_ops (the ops and their gradients), reductions (allreduce and
 reducescatter, with compression and IndexedSlices), functions (variables and objects),

@@ -7,7 +7,7 @@ raise the latter). hvd.init() (init, here) joins the job and routes the TensorFl
 collectives through NegotiatedCollectives."""
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf  # the real tensorflow: absolute import
@@ -19,7 +19,7 @@ from ...communicator import Communicator
 from .. import basics
 from ..basics import coordinator, submit
 from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
-from ..exceptions import as_horovod_errors
+from ..exceptions import HorovodInternalError, MismatchError, as_horovod_errors
 from .. import shares
 from ..process_sets import ProcessSet
 
@@ -35,6 +35,20 @@ class ArgumentError(tf.errors.InvalidArgumentError, ValueError):
 
     def __init__(self, message: str) -> None:  # noqa: D107
         super().__init__(None, None, message)
+
+
+class PreconditionError(HorovodInternalError, tf.errors.FailedPreconditionError):
+    """The ranks asked for a named collective in ways that cannot run together (shapes, dtypes,
+    roots that differ): tf.errors.FailedPreconditionError, as Horovod's ops raise, and
+    HorovodInternalError, as this API's collectives raise on failure. Inside tf.function it
+    surfaces as tf.errors.UnknownError carrying it (a py_function keeps no other error's code)."""
+
+    def __init__(self, message: str) -> None:  # noqa: D107
+        HorovodInternalError.__init__(self, message)
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class _Pending(NamedTuple):
@@ -76,8 +90,13 @@ def _typed(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _wait(pending: Sequence[_Pending]) -> List[Any]:
     """Every submitted collective's result, in order (alltoall's: rows, received splits)."""
-    with as_horovod_errors():
-        values = [p.future.result() for p in pending]
+    try:
+        with as_horovod_errors():
+            values = [p.future.result() for p in pending]
+    except HorovodInternalError as error:
+        if isinstance(error.__cause__, MismatchError):
+            raise PreconditionError(str(error)) from error.__cause__
+        raise
     results: List[Any] = []
     for p, value in zip(pending, values):
         if p.kind == ALLTOALL:
@@ -175,9 +194,11 @@ class NegotiatedCollectives:
         return broadcast(arrays, names, root, None)
 
 
-def init(comm: Optional[Communicator] = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+def init(comm: Optional[Communicator] = None,
+         process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
     """Horovod's hvd.init: join the job (basics.init: a Communicator from the environment or
-    `comm`, then `process_sets` added, every rank passing the same), and route the TensorFlow
-    adapter's collectives (the Keras callbacks') through the same name-matching negotiation."""
+    `comm`, then `process_sets` added, every rank passing the same, or "dynamic"), and route the
+    TensorFlow adapter's collectives (the Keras callbacks') through the same name-matching
+    negotiation."""
     basics.init(comm, process_sets)
     rstf.use_collectives(NegotiatedCollectives())
