@@ -126,6 +126,16 @@ def test_collectives_matched_by_name(job):
         assert c["after_mismatch"] == [float(world)]  # a mismatch fails that tensor, not the job
 
 
+def test_gradient_predivide_factor_needs_op_average_as_in_horovod():
+    import reduction_server.client.horovod.torch as hvd
+
+    model = torch.nn.Linear(2, 2)
+    for op in (hvd.Sum, hvd.Min):
+        with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), op=op, gradient_predivide_factor=2.0)
+
+
 def test_example_runs_under_the_launcher(tmp_path):
     out = run_example("horovod_torch.py", "--steps", "3", "--fp16-allreduce", cwd=tmp_path)
     assert "weights identical on all ranks: True" in out, out

@@ -44,8 +44,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              "not in it; pass model.named_parameters() for the same model")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
-        if op not in (Average, Sum) and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor needs op=hvd.Average or hvd.Sum")
+        if op != Average and gradient_predivide_factor != 1.0:  # Horovod's rule, and its words
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
