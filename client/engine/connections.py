@@ -206,8 +206,6 @@ class Connections:
         failover = self.failover
         self.down[r] = (text, reconnect)
         if failover.enabled and (failover.survivors(without=r) or failover.recruitable(self.down)):
-            # With no reducer left in use but a spare up, what is in flight fails (nowhere to
-            # move it), and the spare takes the chunks from the boundary its JOIN names.
             self.event("reducer_lost", r, reason=reason, failover=True, left=len(failover.survivors(without=r)))
             for coll in failover.move_off(r, text, self.ledger):
                 self.ledger.give_up(coll, f"no reducer is left for one of its chunks: {failover.reason()}")

@@ -183,7 +183,9 @@ class Failover:
 
     def recruitable(self, down: Container[int]) -> List[int]:
         """The spares not in use nor asked to join yet, leaving out those `down` (a spare that is
-        down reports when it is admitted again: readmitted)."""
+        down reports when it is admitted again: readmitted). With no reducer left in use but such
+        a spare, a loss is moved off all the same: what is in flight fails (nowhere to move it),
+        and the spare takes the chunks from the boundary its JOIN names."""
         return [r for r in range(self.active, self.num_reducers)
                 if r in self.lost and r not in self.rejoining and r not in self.since and r not in down]
 

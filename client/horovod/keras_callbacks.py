@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional, Union
 
 import keras
+import tensorflow as tf
 
 from .. import tensorflow as rstf
 from . import basics
@@ -33,8 +34,6 @@ class BroadcastGlobalVariablesCallback(rstf.BroadcastVariablesCallback):
 
 
 def _is_variable(value: object) -> bool:
-    import tensorflow as tf
-
     return isinstance(value, (tf.Variable, keras.Variable))
 
 
@@ -112,13 +111,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def _set_rate(self, epoch: float) -> None:
         optimizer = self.model.optimizer
-        old = float(optimizer.learning_rate.numpy())
         new = self.initial_lr * self.multiplier(epoch)
-        optimizer.learning_rate.assign(new)
         momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and old and hasattr(momentum, "assign"):
-            self._restore_momentum = float(momentum.numpy())
-            momentum.assign(self._restore_momentum * new / old)
+        if self.momentum_correction and hasattr(momentum, "assign"):
+            old = float(optimizer.learning_rate.numpy())
+            if old:
+                self._restore_momentum = float(momentum.numpy())
+                momentum.assign(self._restore_momentum * new / old)
+        optimizer.learning_rate.assign(new)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):

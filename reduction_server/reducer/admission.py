@@ -252,12 +252,15 @@ class Admission:
         """identity said HELLO: kept until its AUTH, FORGET_AFTER_S, or MAX_PENDING_HELLOS newer ones."""
         self.pending.pop(identity, None)
         self.pending[identity] = None
-        peers = self.members.peers
         while len(self.pending) > MAX_PENDING_HELLOS:
-            oldest, _ = self.pending.popitem(last=False)
-            peer = peers.get(oldest)
-            if peer is not None and not peer.admitted:
-                del peers[oldest]
+            self._forget_hello(next(iter(self.pending)))
+
+    def _forget_hello(self, identity: bytes) -> None:
+        """Drop the oldest pending HELLO, `identity`'s, and its peer unless it was admitted since."""
+        del self.pending[identity]
+        peer = self.members.peers.get(identity)
+        if peer is not None and not peer.admitted:
+            del self.members.peers[identity]
 
     def forget_strangers(self, now: float) -> None:
         """Drop what is kept about peers that are not admitted and went silent (FORGET_AFTER_S):
@@ -269,12 +272,9 @@ class Admission:
             oldest = sorted(self.strikes, key=lambda i: self.strikes[i][1])
             for identity in oldest[:len(self.strikes) - MAX_STRIKE_ENTRIES]:
                 del self.strikes[identity]
-        peers = self.members.peers
         while self.pending:
             identity = next(iter(self.pending))
-            peer = peers.get(identity)
+            peer = self.members.peers.get(identity)
             if peer is not None and not peer.admitted and peer.hello_at >= cutoff:
                 break  # the rest came later
-            del self.pending[identity]
-            if peer is not None and not peer.admitted:
-                del peers[identity]
+            self._forget_hello(identity)

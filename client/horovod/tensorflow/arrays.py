@@ -90,13 +90,11 @@ def _typed(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _wait(pending: Sequence[_Pending]) -> List[Any]:
     """Every submitted collective's result, in order (alltoall's: rows, received splits)."""
-    try:
-        with as_horovod_errors():
+    with as_horovod_errors():
+        try:
             values = [p.future.result() for p in pending]
-    except HorovodInternalError as error:
-        if isinstance(error.__cause__, MismatchError):
-            raise PreconditionError(str(error)) from error.__cause__
-        raise
+        except MismatchError as error:  # a HorovodInternalError already: it passes as it is
+            raise PreconditionError(str(error)) from error
     results: List[Any] = []
     for p, value in zip(pending, values):
         if p.kind == ALLTOALL:
