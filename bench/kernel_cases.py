@@ -10,7 +10,7 @@ from typing import Callable, Tuple
 import numpy as np
 
 from reduction_server import _native
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG)
 WORLD = 3

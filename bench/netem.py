@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from tqdm import tqdm
 
 from reduction_server.errors import ConfigError
-from reduction_server.settings import TUNING, tuning
+from reduction_server.config.settings import TUNING, tuning
 
 from .emulated_network import MAX_HOSTS, EmulatedNetwork, check_delay, cleanup_on_sigterm
 
@@ -50,7 +50,7 @@ def plan_runs(worlds: Sequence[int], rates_mbit: Sequence[float], reducers: Opti
 
 
 _PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# The emulated hosts inherit this project's TUNING settings (reduction_server/settings.py):
+# The emulated hosts inherit this project's TUNING settings (reduction_server/config/settings.py):
 # `RS_PIPELINE_DEPTH=24 reduction-server bench netem` measures that depth.
 
 

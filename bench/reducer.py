@@ -1,5 +1,5 @@
 """`reduction-server bench reducer`: one reducer under the load of W local worker processes
-(reduction_server/reducer_load.py: RS_SHM=0, chunks through tcp sockets as between hosts), run as
+(reduction_server/tools/reducer_load.py: RS_SHM=0, chunks through tcp sockets as between hosts), run as
 1, 2, 4 ... shards (`serve --shards N`), and what that costs it (issue 18):
 
 - cpu_s_per_GiB: the CPU time of every thread of the reducer's processes over the timed
@@ -29,7 +29,9 @@ from typing import Dict, List, Sequence
 
 from tqdm import tqdm
 
-from reduction_server import reducer_load, settings
+from reduction_server.tools import reducer_load
+
+from reduction_server.config import settings
 from reduction_server.client.chunking import plan_chunks
 
 from . import copy_limit

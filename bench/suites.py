@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from reduction_server.settings import TUNING
+from reduction_server.config.settings import TUNING
 
 from . import report
 

@@ -5,7 +5,7 @@
         y = comm.all_reduce(x, op="sum")
 """
 from reduction_server.errors import CollectiveError, ConfigError, ReductionServerError
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 from .communicator import Communicator, Handle
 from .nccl import communicator_from_unique_id, get_unique_id

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from reduction_server.protocol import DType
+from reduction_server.wire.protocol import DType
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Tuple
 
-from reduction_server.settings import DEFAULT_PIPELINE_DEPTH
+from reduction_server.config.settings import DEFAULT_PIPELINE_DEPTH
 
 
 class Chunk(NamedTuple):

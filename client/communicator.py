@@ -15,12 +15,12 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from reduction_server.discovery import discover_worker, job_id_from, parse_address
+from reduction_server.config.discovery import discover_worker, job_id_from, parse_address
 from reduction_server.errors import ConfigError
-from reduction_server.protocol import ReduceOp
-from reduction_server.shared_memory import enabled as shared_memory_enabled
-from reduction_server import settings
-from reduction_server.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
+from reduction_server.wire.protocol import ReduceOp
+from reduction_server.wire.shared_memory import enabled as shared_memory_enabled
+from reduction_server.config import settings
+from reduction_server.config.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan, plan_chunks
@@ -91,7 +91,7 @@ class Communicator:
         encrypt: CurveZMQ on every connection, keys from the token (RS_ENCRYPT).
         shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
         send_buffer: the kernel send buffer of each connection: "auto" (each connection's from
-            its round trip and delivery rate: reduction_server/send_buffers.py), 0 for the kernel's
+            its round trip and delivery rate: reduction_server/wire/send_buffers.py), 0 for the kernel's
             autotuning, or bytes (RS_SNDBUF).
         failover: move a lost reducer's chunks to the reducers left, so that collectives
             complete (RS_FAILOVER, on by default); False: they fail naming it.

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from reduction_server.errors import CollectiveError, ConfigError
-from reduction_server.protocol import DType, ReduceOp
-from reduction_server import settings
+from reduction_server.wire.protocol import DType, ReduceOp
+from reduction_server.config import settings
 
 from .buffers import WireBuffer, wire_view
 from .communicator import Communicator, Handle

@@ -11,10 +11,10 @@ import json
 import secrets
 from typing import Mapping, Optional
 
-from reduction_server import settings
-from reduction_server.discovery import discover_reducers
+from reduction_server.config import settings
+from reduction_server.config.discovery import discover_reducers
 from reduction_server.errors import ConfigError
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 from .buffers import raw_view
 from .communicator import Communicator

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from reduction_server import settings
+from reduction_server.config import settings
 
 _lock = threading.Lock()
 _open: Dict[str, "Timeline"] = {}  # resolved path -> the timeline writing it

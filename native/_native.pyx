@@ -9,7 +9,7 @@
     store_release(buf, offset, value)        a uint64 counter in shared memory, written after
     load_acquire(buf, offset)                every access before it; read before every one after
 
-`dtype` is the wire dtype of src/dst (reduction_server.protocol.DType, NCCL numbering) and `op`
+`dtype` is the wire dtype of src/dst (reduction_server.wire.protocol.DType, NCCL numbering) and `op`
 a reduction op (ReduceOp, NCCL numbering). The accumulator is float32 for FLOAT16 and BFLOAT16
 and the dtype itself otherwise. acc, src and dst are any C-contiguous objects that export the
 buffer protocol; their bytes are read as `dtype` (or the accumulator type) whatever their own

@@ -5,7 +5,7 @@ The core (protocol, reducer, discovery, launcher) lives here; the worker-side li
 """
 from .errors import CollectiveError, ConfigError, ProtocolError, ReductionServerError
 from ._version import __version__
-from .protocol import DType, ReduceOp
+from .wire.protocol import DType, ReduceOp
 
 __all__ = ["CollectiveError", "ConfigError", "DType", "ProtocolError", "ReduceOp",
            "ReductionServerError", "__version__"]

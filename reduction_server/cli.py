@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ._version import __version__
 from .errors import ConfigError, ListenError
-from .settings import BENCH, LAUNCHER, REDUCERS, TUNING, variables_read_by
+from .config.settings import BENCH, LAUNCHER, REDUCERS, TUNING, variables_read_by
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .launcher import run_job
+    from .launch.launcher import run_job
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_job(np=args.np, reducers=args.reducers, command=command, port_base=args.port_base,
@@ -31,14 +31,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from .chaos import Target, inject, parse_match
+    from .tools.chaos import Target, inject, parse_match
 
     return inject(Target.parse(args.target), args.signal, at=args.at, between=args.between, hold=args.hold,
                   wait=args.wait, seed=args.seed, match=parse_match(args.match))
 
 
 def _size(args: argparse.Namespace) -> int:
-    from .sizing import explain, measure
+    from .tools.sizing import explain, measure
 
     if args.reducer_cores and not args.measure:
         raise ConfigError("--reducer-cores needs --measure (without a measurement the NIC alone sizes a reducer host)")

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from . import settings
+from .config import settings
 
 _configured = False
 NOTICE = 25

@@ -8,8 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from reduction_server import CollectiveError, auth, protocol
-from reduction_server.protocol import ErrorCode, MsgType
+from reduction_server import CollectiveError
+
+from reduction_server.wire import auth, protocol
+from reduction_server.wire.protocol import ErrorCode, MsgType
 
 from helpers.cluster import TOKEN, reducers
 from helpers.handshake import auth_payload, hello_payload

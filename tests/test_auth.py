@@ -1,4 +1,4 @@
-"""The proofs of the job token (reduction_server/auth.py): each binds what it says it binds, the
+"""The proofs of the job token (reduction_server/wire/auth.py): each binds what it says it binds, the
 two kinds never stand for each other, and the token is stretched before it keys an HMAC."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from reduction_server import auth
+from reduction_server.wire import auth
 from reduction_server.errors import ProtocolError
 
 TOKEN, NONCE = "a-token", bytes(range(32))

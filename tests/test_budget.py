@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
 
 from helpers.cluster import ONE_PROCESS, child_env, reducers
 from helpers.metrics import scrape, value

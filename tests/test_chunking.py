@@ -114,7 +114,7 @@ def test_each_reducer_gets_pipeline_depth_chunks(num_reducers, depth):
     from collections import Counter
 
     from reduction_server.client.chunking import reducer_of
-    from reduction_server.settings import DEFAULT_PIPELINE_DEPTH
+    from reduction_server.config.settings import DEFAULT_PIPELINE_DEPTH
 
     total = (16 << 20) // 4
     plan = plan_chunks(total, 4, num_reducers, 4 << 20, *([depth] if depth else []))

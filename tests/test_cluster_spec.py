@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from reduction_server.discovery import ReducerPlace, WorkerPlace, discover_reducer, discover_worker
+from reduction_server.config.discovery import ReducerPlace, WorkerPlace, discover_reducer, discover_worker
 
 from helpers.cluster_specs import (CHIEF_PS, FIXTURES, VERTEX_REDUCERS, as_task, config_error, hash64, load,
                                    tf_config, vertex)

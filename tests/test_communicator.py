@@ -17,7 +17,7 @@ from reduction_server.client.chunking import plan_chunks
 from helpers.cluster import TOKEN
 from helpers.jobs import OPTIONS, connect, new_job, run_job
 from helpers.reference import TWO_RANKS
-from reduction_server.discovery import job_id_from
+from reduction_server.config.discovery import job_id_from
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import pytest
 import reduction_server
 import reduction_server.client as rs
 from reduction_server.client.group import Group
-from reduction_server import settings
+from reduction_server.config import settings
 from helpers.cluster import TOKEN, reducers
 from helpers.jobs import connect, new_job, run_job, until
 from helpers.metrics import scrape

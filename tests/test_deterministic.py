@@ -25,8 +25,8 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server import protocol
-from reduction_server.protocol import MsgType
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import MsgType
 from reduction_server.reducer import Reducer
 
 from helpers.capture import CapturingSocket

@@ -10,7 +10,7 @@ from typing import Dict
 
 import pytest
 
-from reduction_server.discovery import discover_reducer, discover_worker, parse_address
+from reduction_server.config.discovery import discover_reducer, discover_worker, parse_address
 from reduction_server.errors import ConfigError
 
 from helpers.cluster_specs import VERTEX_REDUCERS, as_task, config_error, hash64, load, tf_config, vertex

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, protocol
+from reduction_server import CollectiveError
+from reduction_server.wire import protocol
 from reduction_server.errors import ConfigError
 
 from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers

@@ -194,7 +194,7 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
     import numpy as np
 
     import reduction_server.client as rs
-    from reduction_server.protocol import MsgType
+    from reduction_server.wire.protocol import MsgType
 
     from helpers.peers import Peer, data
 
@@ -255,7 +255,7 @@ def test_a_result_is_kept_as_a_view_in_flight_and_copied_when_its_collective_end
     from reduction_server.client.engine.failover import Failover
     from reduction_server.client.engine.identity import Identity
     from reduction_server.client.engine.ledger import Ledger
-    from reduction_server.protocol import DType, ReduceOp
+    from reduction_server.wire.protocol import DType, ReduceOp
 
     me = Identity(rank=0, world=2, job=1, generation=0)
     ledger = Ledger(me, ["reducer 0", "reducer 1"])
@@ -353,8 +353,10 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
     takes its own chunks again (as DATA, not moved)."""
     import numpy as np
 
-    from reduction_server import CollectiveError, protocol
-    from reduction_server.protocol import REJOIN_LEAD, MsgType
+    from reduction_server import CollectiveError
+
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
 
     from helpers.peers import JOB, Peer, data
 
@@ -425,8 +427,10 @@ def test_a_reducer_lost_while_another_awaits_its_join_is_a_loss_like_any_other(m
     reducer 1 takes every chunk, reducer 0's moved."""
     import numpy as np
 
-    from reduction_server import CollectiveError, protocol
-    from reduction_server.protocol import REJOIN_LEAD, MsgType
+    from reduction_server import CollectiveError
+
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
 
     from helpers.jobs import until
     from helpers.peers import JOB, Peer, data
@@ -505,7 +509,7 @@ def test_a_spare_that_dies_leaves_the_reducers_in_use_serving():
     """The spare itself is lost (and stays down): the two reducers in use carry on, and nothing
     waits for a JOIN from it; it was once asked to join again at each loss, and every collective
     from REJOIN_LEAD on waited RS_TIMEOUT for it and failed."""
-    from reduction_server.protocol import REJOIN_LEAD
+    from reduction_server.wire.protocol import REJOIN_LEAD
 
     steps = 2 * REJOIN_LEAD + 10
     with reducers(3, extra_env=FAST) as group:
@@ -519,7 +523,7 @@ def test_the_spare_of_a_single_reducer_takes_over_once_every_rank_agrees():
     before the boundary the spare's JOIN names, has nowhere to go and fails at once, naming the
     loss; from the boundary on the spare sums. (It was never asked to join: every collective
     waited for the lost reducer and failed.)"""
-    from reduction_server.protocol import REJOIN_LEAD
+    from reduction_server.wire.protocol import REJOIN_LEAD
 
     steps = 3 * REJOIN_LEAD
     with reducers(2, extra_env=FAST) as group:

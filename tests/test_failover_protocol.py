@@ -12,8 +12,8 @@ from typing import List
 import numpy as np
 import pytest
 
-from reduction_server import protocol
-from reduction_server.protocol import REJOIN_LEAD, DType, ErrorCode, MsgType, ReduceOp
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import REJOIN_LEAD, DType, ErrorCode, MsgType, ReduceOp
 
 from helpers.cluster import reducers
 from helpers.peers import JOB, Peer, data

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from reduction_server import settings
+from reduction_server.config import settings
 
 from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers, run_workers
 from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK

@@ -11,7 +11,7 @@ import sys
 import pytest
 import zmq
 
-from reduction_server import settings
+from reduction_server.config import settings
 from reduction_server.cli import build_parser
 from reduction_server.reducer import Reducer
 
@@ -169,8 +169,8 @@ def test_a_send_to_a_worker_that_said_bye_is_no_warning_and_no_loss(caplog):
 
 
 def _header(kind: str, payload: bytes, ident: dict) -> bytes:
-    from reduction_server import protocol
-    from reduction_server.protocol import MsgType
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import MsgType
 
     return protocol.text_header(MsgType[kind], payload, **ident)
 

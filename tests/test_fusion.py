@@ -6,8 +6,8 @@ import pytest
 
 import reduction_server.client as rs
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
-from reduction_server.protocol import DType
-from reduction_server.settings import DEFAULT_FUSION_THRESHOLD
+from reduction_server.wire.protocol import DType
+from reduction_server.config.settings import DEFAULT_FUSION_THRESHOLD
 from helpers.jobs import run_job
 
 F32, F16, I64 = DType.FLOAT32, DType.FLOAT16, DType.INT64

@@ -28,10 +28,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from reduction_server import protocol
+from reduction_server.wire import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.discovery import job_id_from
-from reduction_server.protocol import DType, MsgType, ReduceOp
+from reduction_server.config.discovery import job_id_from
+from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers
 from helpers.handshake import auth_payload, hello_payload

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import reduction_server
-from reduction_server import protocol
+from reduction_server.wire import protocol
 from reduction_server.client.buffers import wire_view
 from reduction_server.client.engine.inbox import Inbox
 from reduction_server.client.group import Group, group_id
-from reduction_server.protocol import ErrorCode, MsgType
+from reduction_server.wire.protocol import ErrorCode, MsgType
 from helpers.cluster import reducers
 from helpers.jobs import connect, new_job, run_job, until
 from helpers.peers import JOB, Peer, data

@@ -1,4 +1,4 @@
-"""A reducer keeps the memory its messages free (reduction_server/heap.py): large buffers freed
+"""A reducer keeps the memory its messages free (reduction_server/reducer/heap.py): large buffers freed
 and allocated again are not faulted in again. Each case runs in a fresh interpreter, since the
 setting holds for the whole process, with glibc's own environment variables left out."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ _CHUNKS, _CHUNK_BYTES, _STEPS, _WARMUP = 12, 8 << 20, 6, 2
 
 _CYCLES = f"""
 import ctypes, resource, sys, threading
-from reduction_server import heap
+from reduction_server.reducer import heap
 libc = ctypes.CDLL(None)
 libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: huge pages would hide the faults either way
 if sys.argv[1] == "kept" and not heap.keep_freed_memory():

@@ -15,7 +15,7 @@ from reduction_server.client.buffers import wire_view
 from reduction_server.client.horovod.coordinator import (ALLGATHER, ALLREDUCE, BROADCAST, Coordinator, Request,
                                                        cycle_time, gather_bytes)
 from reduction_server.errors import CollectiveError, ConfigError
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 
 def submit(coord, name, array, kind=ALLREDUCE, op=ReduceOp.SUM, root=0, out=True):

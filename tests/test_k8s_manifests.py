@@ -3,7 +3,7 @@ schemas (kubernetes-validate, which ships them), and the Kubeflow kinds against 
 from the training-operator's kubeflow.org/v1 CRD fields, whose pod templates are checked with
 the real Kubernetes PodTemplateSpec schema; and the environment the platform would give every
 replica (the operator's RANK and TF_CONFIG; the StatefulSet's pod index) gives every process its
-right role through reduction_server.discovery.
+right role through reduction_server.config.discovery.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="PyYAML is installed with the test extra (pip install '.[test]')")
 
 from helpers.source_tree import ROOT  # noqa: E402
-from reduction_server.discovery import discover_reducer, discover_worker  # noqa: E402
+from reduction_server.config.discovery import discover_reducer, discover_worker  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
 
 K8S = ROOT / "examples" / "k8s"

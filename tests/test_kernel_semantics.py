@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from reduction_server import _native
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 from helpers.kernel_reference import (HALF, OPS, WORLD, acc_dtype, assert_same, f32_to_bf16_by_definition, ml_dtypes,
                                       narrow, reference, trunc_div, widen)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reduction_server import _native
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 from helpers.kernel_reference import LENGTHS, OPS, WORLD, acc_dtype, assert_same, make_input, reference, widen
 

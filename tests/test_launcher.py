@@ -21,7 +21,7 @@ import pytest
 
 from helpers.ports import free_port_range
 from helpers.source_tree import ROOT
-from reduction_server.settings import ONE_HOST_PIPELINE_DEPTH
+from reduction_server.config.settings import ONE_HOST_PIPELINE_DEPTH
 
 WORKER = [sys.executable, str(ROOT / "tests" / "scripts" / "launcher_worker.py")]
 TIMEOUT_S = 60  # for any one launcher run; a hang fails the test

@@ -92,6 +92,63 @@ def test_the_core_never_imports_the_client_or_the_benchmarks():
     assert {name: targets for name, targets in wrong.items() if targets} == {}
 
 
+# Which packages each package may import (docs/design.md, "The tree"). "base" is the top level's
+# shared modules (errors, _version, log, children, the package itself for _native); the command
+# line and `python -m reduction_server` stand above every layer.
+MAY_IMPORT = {
+    "config": {"base"},
+    "wire": {"base", "config"},
+    "reducer": {"base", "config", "wire"},
+    "launch": {"base", "config", "wire"},
+    "tools": {"base", "config", "wire"},
+    "client": {"base", "config", "wire", "launch"},  # launch.rendezvous: the elastic rendezvous a worker joins
+    "bench": {"base", "config", "wire", "tools", "client"},
+    "base": {"base", "config"},  # log reads RS_LOG_LEVEL
+    "face": {"base", "wire"},  # the package's own __init__ re-exports the errors and the protocol's enums
+}
+PACKAGES = ("wire", "config", "reducer", "launch", "tools", "client", "bench")
+
+
+def package_of(module: str) -> str:
+    """The layer a module belongs to: one of PACKAGES, "base", "face" (the package's __init__) or
+    "entry" (the command line)."""
+    if module in ENTRY_POINTS:
+        return "entry"
+    if module == "reduction_server":
+        return "face"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PACKAGES) else "base"
+
+
+def layer_violations(graph: Dict[str, Set[str]]) -> Dict[str, List[str]]:
+    """Each module's imports of a package its own package may not import."""
+    wrong = {}
+    for name, targets in graph.items():
+        own = package_of(name)
+        if own == "entry":
+            continue
+        # the package itself (its errors, _native) runs before any of its modules, so any may name it
+        bad = sorted(t for t in targets
+                     if package_of(t) not in (own, "face") and package_of(t) not in MAY_IMPORT[own])
+        if bad:
+            wrong[name] = bad
+    return wrong
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    assert layer_violations(import_graph()) == {}
+
+
+def test_the_layer_check_finds_a_wire_module_importing_the_reducer():
+    graph = {"reduction_server.wire.protocol": {"reduction_server.reducer.round", "reduction_server.errors"},
+             "reduction_server.reducer.round": {"reduction_server.wire.protocol"}}
+    assert layer_violations(graph) == {"reduction_server.wire.protocol": ["reduction_server.reducer.round"]}
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {package_of(name) for name in import_graph()} <= {*PACKAGES, "base", "entry", "face"}
+
+
 def test_the_native_kernels_import_nothing_of_the_package():
     lines = (ROOT / "native" / "_native.pyx").read_text().splitlines()
     imports = [line for line in lines if line.startswith(("import ", "from ", "cimport "))]

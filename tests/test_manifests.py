@@ -1,6 +1,6 @@
 """The deployment files, without Docker: the Dockerfile passes hadolint; the Vertex AI CustomJob
 is four pools with the reducers third, and the CLUSTER_SPEC Vertex AI would derive from it gives
-every replica its right role through reduction_server.discovery. The Kubernetes manifests:
+every replica its right role through reduction_server.config.discovery. The Kubernetes manifests:
 test_k8s_manifests.py.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="PyYAML is installed with the test extra (pip install '.[test]')")
 
 from helpers.source_tree import ROOT  # noqa: E402
-from reduction_server.discovery import discover_reducer, discover_worker  # noqa: E402
+from reduction_server.config.discovery import discover_reducer, discover_worker  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
 
 VERTEX = ROOT / "examples" / "vertex"

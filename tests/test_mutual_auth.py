@@ -18,8 +18,9 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, auth, protocol
-from reduction_server.protocol import MsgType
+from reduction_server import CollectiveError
+from reduction_server.wire import auth, protocol
+from reduction_server.wire.protocol import MsgType
 
 from helpers.cluster import child_env, reducers, run_ranks
 

@@ -1,4 +1,4 @@
-"""Unit tests of the wire protocol (reduction_server/protocol.py, docs/protocol.md): header
+"""Unit tests of the wire protocol (reduction_server/wire/protocol.py, docs/protocol.md): header
 packing and validation, op parsing and dtype mapping. Fast: no processes, no sockets."""
 import struct
 
@@ -6,9 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from reduction_server import protocol
+from reduction_server.wire import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.protocol import (HEADER_SIZE, MAGIC, MAX_TEXT_PAYLOAD, VERSION, DType, ErrorCode,
+from reduction_server.wire.protocol import (HEADER_SIZE, MAGIC, MAX_TEXT_PAYLOAD, VERSION, DType, ErrorCode,
                                        Header, MsgType, ReduceOp)
 
 

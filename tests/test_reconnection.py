@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_a_rank_that_skips_a_collective_fails_it_at_once_not_at_the_timeout():
     """A rank sends its collectives in seq order: once it contributed to seq 6 on a reducer, it
     will never contribute to seq 5 there (the collective failed on its side)."""
-    from reduction_server.protocol import ErrorCode, MsgType
+    from reduction_server.wire.protocol import ErrorCode, MsgType
 
     with reducers(1, workers=2, extra_env={"RS_TIMEOUT": "60"}) as group:
         peers = [Peer(group.addresses[0]) for _ in range(2)]
@@ -40,8 +40,8 @@ def test_a_rank_that_skips_a_collective_fails_it_at_once_not_at_the_timeout():
 
 
 def test_a_closed_connection_fails_the_rounds_that_need_it_and_a_new_handshake_readmits():
-    from reduction_server import protocol
-    from reduction_server.protocol import ErrorCode, MsgType
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import ErrorCode, MsgType
 
     with reducers(1, workers=2, extra_env={**SILENT, "RS_TIMEOUT": "60"}) as group:
         peers = [Peer(group.addresses[0]) for _ in range(2)]
@@ -72,8 +72,8 @@ def test_a_closed_connection_fails_the_rounds_that_need_it_and_a_new_handshake_r
 
 
 def test_a_reconnecting_worker_never_takes_a_reducer_from_another_job():
-    from reduction_server import protocol
-    from reduction_server.protocol import ErrorCode, MsgType
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import ErrorCode, MsgType
 
     with reducers(1, workers=2) as group:
         current = Peer(group.addresses[0])

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server import CollectiveError, protocol, shared_memory
-from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+from reduction_server import CollectiveError
+
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
 
 from helpers.capture import CapturingSocket
 from helpers.cluster import reducers

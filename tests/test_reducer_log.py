@@ -45,7 +45,7 @@ def test_default_level_logs_the_configuration_and_a_summary_only():
     assert started["address"] == address
     assert (started["reducer"], started["workers"], started["auth"], started["metrics"]) == ("0", "2", "token", "off")
     if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
-        assert started["heap"] == "kept", started  # reduction_server/heap.py
+        assert started["heap"] == "kept", started  # reduction_server/reducer/heap.py
     for field in ("max_chunk_bytes", "max_accumulator_bytes", "timeout_s", "heartbeat_interval_s",
                   "liveness_timeout_s", "deterministic", "pid"):
         assert field in started, (field, started)

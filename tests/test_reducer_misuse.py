@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server import auth, protocol
-from reduction_server.protocol import REJOIN_LEAD, ErrorCode, Header, MsgType, ReduceOp
+from reduction_server.wire import auth, protocol
+from reduction_server.wire.protocol import REJOIN_LEAD, ErrorCode, Header, MsgType, ReduceOp
 from reduction_server.reducer import Reducer
 from reduction_server.reducer import admission as admission_module
 from reduction_server.reducer.admission import FORGET_AFTER_S, MAX_STRIKES

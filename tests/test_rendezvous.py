@@ -1,4 +1,4 @@
-"""The elastic job's rendezvous (reduction_server/rendezvous.py), over real HTTP on loopback:
+"""The elastic job's rendezvous (reduction_server/launch/rendezvous.py), over real HTTP on loopback:
 rounds form once every live worker asks, ranks follow worker ids, a removed worker lets the
 round form without it, and nothing is answered without the job token."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from reduction_server import rendezvous
+from reduction_server.launch import rendezvous
 from reduction_server.errors import CollectiveError
-from reduction_server.rendezvous import Rendezvous, Seat
+from reduction_server.launch.rendezvous import Rendezvous, Seat
 
 from helpers.jobs import parallel
 

@@ -1,10 +1,10 @@
-"""The registry of settings (reduction_server/settings.py): every variable declared once, each
+"""The registry of settings (reduction_server/config/settings.py): every variable declared once, each
 read one way, its errors naming it."""
 from __future__ import annotations
 
 import pytest
 
-from reduction_server import settings
+from reduction_server.config import settings
 from reduction_server.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""A sharded reducer's one metrics port (reduction_server/shard_metrics.py), against stand-in
+"""A sharded reducer's one metrics port (reduction_server/reducer/shard_metrics.py), against stand-in
 shards: real metrics pages beside a shard that is dead, one that never answers, one that answers
 something that is not HTTP, and one whose page stops halfway. Every page that can be read is
 served, labelled with its shard; every other shard is down for that scrape, and nothing else is
@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from reduction_server.shard_metrics import ShardMetrics, read_page
+from reduction_server.reducer.shard_metrics import ShardMetrics, read_page
 
 from helpers.metrics import scrape, value
 

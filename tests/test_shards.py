@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, ConfigError, settings
+from reduction_server import CollectiveError, ConfigError
+from reduction_server.config import settings
 from reduction_server.client.chunking import plan_chunks
 from reduction_server.errors import ListenError
 from reduction_server.reducer import shards as shard_count

@@ -1,4 +1,4 @@
-"""Shared-memory slots between workers and reducers on one host (reduction_server/shared_memory.py).
+"""Shared-memory slots between workers and reducers on one host (reduction_server/wire/shared_memory.py).
 
 The segment: what a reducer accepts and what it refuses (another boot, namespace, nonce, an
 unsealed or foreign descriptor), and that a worker cannot shrink it under the reducer. Then real
@@ -23,10 +23,10 @@ import pytest
 import reduction_server.client as rs
 from reduction_server import CollectiveError
 from reduction_server.client.chunking import plan_chunks
-from reduction_server import protocol, shared_memory
+from reduction_server.wire import protocol, shared_memory
 from reduction_server.client.engine import Engine
-from reduction_server.protocol import ErrorCode, Header, MsgType
-from reduction_server.shared_memory import Segment, Unavailable
+from reduction_server.wire.protocol import ErrorCode, Header, MsgType
+from reduction_server.wire.shared_memory import Segment, Unavailable
 
 from helpers import cluster
 from helpers.cluster import TOKEN, reducers
@@ -62,7 +62,7 @@ def test_a_segment_attached_elsewhere_shares_its_slots(segment):
 def test_another_process_attaches_through_proc(segment):
     """What a reducer process does: open /proc/<pid>/fd/<fd> of the worker and check the nonce."""
     segment.slot(1, 5)[:] = b"hello"
-    code = ("import json, sys; from reduction_server.shared_memory import Segment; "
+    code = ("import json, sys; from reduction_server.wire.shared_memory import Segment; "
             "s = Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20); print(bytes(s.slot(1, 5)).decode()); "
             "s.slot(1, 5)[:] = b'world'")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(segment.offer)], capture_output=True,
@@ -149,7 +149,7 @@ def test_a_process_in_another_network_namespace_declines(segment):
     name = f"rs-shm-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        code = ("import json, sys\nfrom reduction_server.shared_memory import Segment, Unavailable\n"
+        code = ("import json, sys\nfrom reduction_server.wire.shared_memory import Segment, Unavailable\n"
                 "try:\n    Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20)\nexcept Unavailable as e:\n    print(e)")
         out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", code, json.dumps(segment.offer)],
                              capture_output=True, text=True, timeout=30, cwd="/")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reduction_server import protocol, shared_memory
+from reduction_server.wire import protocol, shared_memory
 from reduction_server.client.chunking import Chunk
 from reduction_server.client.engine.collective import Collective
 from reduction_server.client.engine.identity import Identity
 from reduction_server.client.engine.kept import KeptResults
 from reduction_server.client.engine.slots import ResultLease, Slots
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 from reduction_server.reducer.shared_results import SHARED_RESULT_BYTES, SharedResults
 
 BIG = SHARED_RESULT_BYTES

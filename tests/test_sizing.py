@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from reduction_server.errors import ConfigError
-from reduction_server.reducer_load import GBIT_PER_GIB
-from reduction_server.sizing import Measurement, explain, measure, reducers_needed
+from reduction_server.tools.reducer_load import GBIT_PER_GIB
+from reduction_server.tools.sizing import Measurement, explain, measure, reducers_needed
 
 
 @pytest.mark.parametrize("workers,worker_gbps,reducer_gbps,expected", [

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server import protocol, shared_memory
-from reduction_server.accumulator import AccumulatorPool
-from reduction_server.protocol import DType, MsgType, ReduceOp
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.reducer.accumulator import AccumulatorPool
+from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 from reduction_server.reducer.clock import Clock
 from reduction_server.reducer.membership import Peer
 from reduction_server.reducer.rounds import Rounds

@@ -26,9 +26,9 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server import protocol
+from reduction_server.wire import protocol
 from reduction_server.reducer import admission as admission_module
-from reduction_server.protocol import MsgType
+from reduction_server.wire.protocol import MsgType
 from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
 from reduction_server.reducer.outbox import Outbox
 

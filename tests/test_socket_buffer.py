@@ -2,7 +2,7 @@
 reducer's, checked on real reducer processes through the kernel's own view of the sockets (ss):
 a fixed size, the kernel's autotuning (0), and `auto`, the default, where each connection's
 buffer, a worker's and a reducer's, follows its segments and what it measures
-(reduction_server/send_buffers.py): loopback keeps autotuning, a connection over a shaped
+(reduction_server/wire/send_buffers.py): loopback keeps autotuning, a connection over a shaped
 Ethernet link gets a few segments' worth on both ends."""
 import json
 import os
@@ -18,9 +18,9 @@ import pytest
 
 import reduction_server.client as rs
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers, run_ranks
-from reduction_server import send_buffers as sizing
+from reduction_server.wire import send_buffers as sizing
 from reduction_server.errors import ConfigError
-from reduction_server.settings import SNDBUF_AUTO, socket_send_buffer
+from reduction_server.config.settings import SNDBUF_AUTO, socket_send_buffer
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("ss") is None,

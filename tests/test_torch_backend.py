@@ -144,7 +144,7 @@ def test_module_imports_the_real_torch_and_registers_the_backend():
 
 
 def test_reduce_op_mapping_by_name():
-    from reduction_server.protocol import ReduceOp
+    from reduction_server.wire.protocol import ReduceOp
 
     assert rst.torch_reduce_op(dist.ReduceOp.SUM) is ReduceOp.SUM
     assert rst.torch_reduce_op(dist.ReduceOp.AVG) is ReduceOp.AVG

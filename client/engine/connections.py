@@ -21,11 +21,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
-from reduction_server import __version__, auth, encryption, protocol
+from reduction_server import __version__
+
+from reduction_server.wire import auth, encryption, protocol
 from reduction_server.log import event, get_logger
-from reduction_server.protocol import MsgType
-from reduction_server.send_buffers import EndpointBuffers
-from reduction_server.settings import SNDBUF_AUTO
+from reduction_server.wire.protocol import MsgType
+from reduction_server.wire.send_buffers import EndpointBuffers
+from reduction_server.config.settings import SNDBUF_AUTO
 
 from .endpoints import Endpoint, make_room
 from .failover import Failover
@@ -59,7 +61,7 @@ class Connections:
         self.heartbeat = heartbeat
         self.liveness = liveness
         # SO_SNDBUF of each reducer connection (RS_SNDBUF): a size, 0 (the kernel's autotuning) or
-        # SNDBUF_AUTO (reduction_server/send_buffers.py sizes each connection's from what it measures)
+        # SNDBUF_AUTO (reduction_server/wire/send_buffers.py sizes each connection's from what it measures)
         self.sndbuf = sndbuf
         self.send_buffers = EndpointBuffers(self.addresses) if sndbuf == SNDBUF_AUTO else None
         self.io_threads = io_threads

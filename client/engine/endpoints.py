@@ -18,7 +18,7 @@ from typing import List, Sequence, Tuple
 
 import zmq
 
-from reduction_server.cluster_spec import join_address, parse_address
+from reduction_server.config.cluster_spec import join_address, parse_address
 from reduction_server.errors import CollectiveError
 
 #: per endpoint: libzmq sockets (the DEALER, its monitor's pair) and file descriptors (the TCP

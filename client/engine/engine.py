@@ -14,10 +14,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import zmq
 
-from reduction_server import encryption, shared_memory
-from reduction_server.send_buffers import MEASURE_S
+from reduction_server.wire import encryption, shared_memory
+from reduction_server.wire.send_buffers import MEASURE_S
 from reduction_server.log import get_logger
-from reduction_server import settings
+from reduction_server.config import settings
 
 from .. import timeline
 from .collective import Collective

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Container, Deque, Dict, List, Optional, Tuple, Union
 
-from reduction_server.protocol import REJOIN_LEAD
+from reduction_server.wire.protocol import REJOIN_LEAD
 
 from ..chunking import preference
 from .collective import SENT, UNSENT, Collective

@@ -13,11 +13,11 @@ import json
 import time
 from typing import Any, Dict, Iterable, Optional
 
-from reduction_server import auth, protocol
+from reduction_server.wire import auth, protocol
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import NOTICE, event, get_logger
-from reduction_server.protocol import MsgType
-from reduction_server.settings import MAX_SHARDS
+from reduction_server.wire.protocol import MsgType
+from reduction_server.config.settings import MAX_SHARDS
 
 from .connections import Connections
 from .watch import CHALLENGED, PROGRESS

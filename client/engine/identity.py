@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reduction_server import protocol
-from reduction_server.protocol import MsgType
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import MsgType
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_FINAL
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import ITEMSIZE, MSG_FINAL
 
 from .collective import Collective
 from .identity import Identity

@@ -7,7 +7,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from reduction_server.errors import CollectiveError
-from reduction_server.protocol import Header
+from reduction_server.wire.protocol import Header
 
 from .collective import ANSWERED, SENT, Collective
 from .identity import Identity

@@ -15,8 +15,8 @@ from typing import Deque, List
 
 import zmq
 
-from reduction_server import protocol
-from reduction_server.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
 
 from .collective import SENT, Collective
 from .connections import Connections

@@ -17,9 +17,9 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from reduction_server import protocol
+from reduction_server.wire import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT,
+from reduction_server.wire.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT,
                                       MSG_RESULT_SHARED, MSG_RESULT_SHM, OP_BROADCAST, ErrorCode, MsgType)
 
 from .collective import Collective

@@ -1,7 +1,7 @@
 """Shared-memory slots between a worker and the reducers on its own host.
 
 With RS_SHM on (the default), the AUTH to each reducer whose address is one of this host's
-offers a segment of payload slots (reduction_server/shared_memory.py), sent only once
+offers a segment of payload slots (reduction_server/wire/shared_memory.py), sent only once
 that reducer has proved the job token. A reducer that maps it says so in its WELCOME; chunks of a
 reduction then go through a free slot (DATA_SHM) and come back in it (RESULT_SHM), which saves
 the socket copies. A slot is free again only once the reducer has answered its chunk, whatever
@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from reduction_server import shared_memory
+from reduction_server.wire import shared_memory
 from reduction_server.log import get_logger
-from reduction_server.protocol import Header, shared_result_slot
-from reduction_server.settings import MAX_WINDOW
+from reduction_server.wire.protocol import Header, shared_result_slot
+from reduction_server.config.settings import MAX_WINDOW
 
 from .identity import Identity
 

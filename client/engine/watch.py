@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from reduction_server import encryption
+from reduction_server.wire import encryption
 
 # How far a reducer's handshake got: no connection, no connection and refused, connected, proved.
 CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3

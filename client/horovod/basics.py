@@ -15,9 +15,9 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from reduction_server import settings
+from reduction_server.config import settings
 from reduction_server.errors import ConfigError
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ..buffers import wire_view
 from ..communicator import Communicator

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Tuple
 
 from reduction_server.errors import CollectiveError
-from reduction_server import settings
+from reduction_server.config import settings
 
 from ..buffers import WireBuffer
 from ..communicator import Communicator

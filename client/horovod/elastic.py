@@ -1,7 +1,7 @@
 """Horovod's elastic mode on this API: a training function that survives the loss of workers
 and takes in new ones, as `hvd.elastic.run` documents it.
 
-Under `reduction-server run --min-np A --max-np B` (reduction_server/rendezvous.py) each worker
+Under `reduction-server run --min-np A --max-np B` (reduction_server/launch/rendezvous.py) each worker
 joins through the launcher's rendezvous: hvd.init() waits there for every live worker and gets
 its rank, the world size and the round, which becomes the job's generation on the same
 reducers. When a worker is lost, the others' collectives fail (HorovodInternalError): they roll
@@ -16,7 +16,9 @@ import functools
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from reduction_server import rendezvous, settings
+from reduction_server.launch import rendezvous
+
+from reduction_server.config import settings
 
 from ..communicator import Communicator
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt

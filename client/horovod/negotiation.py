@@ -21,8 +21,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from reduction_server.protocol import ReduceOp
-from reduction_server import settings
+from reduction_server.wire.protocol import ReduceOp
+from reduction_server.config import settings
 
 from ..buffers import wire_view
 from ..communicator import Communicator

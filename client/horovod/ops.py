@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from reduction_server.errors import ConfigError
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 # Horovod's numbering, so scripts that compare or store them keep working.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5

@@ -6,7 +6,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from .ops import broadcast_variables, reduce_arrays
 

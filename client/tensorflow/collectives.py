@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from reduction_server.errors import ConfigError
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 from ..communicator import Communicator
 from ..fusion import FusedAllReduce, FusionPlan, TensorSpec, verify_plan

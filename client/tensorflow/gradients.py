@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import keras
 import tensorflow as tf  # the real tensorflow: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from .collectives import Compressor, size
 from .graph import dense

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf  # the real tensorflow: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from .collectives import Compressor, collectives, size
 from .graph import as_list, dense, refuse_xla

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import numpy as np
 import torch  # the real torch: imports are absolute
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ..communicator import Communicator, Handle
 from .pipeline import Pipeline, Started

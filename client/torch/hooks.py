@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ..communicator import Communicator
 from .collectives import Collectives

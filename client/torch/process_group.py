@@ -7,9 +7,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
 
-from reduction_server import settings
-from reduction_server.discovery import discover_worker
-from reduction_server.protocol import ReduceOp
+from reduction_server.config import settings
+from reduction_server.config.discovery import discover_worker
+from reduction_server.wire.protocol import ReduceOp
 
 from ..communicator import Communicator
 from ..group import Group

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 import torch.distributed as dist
 
-from reduction_server.discovery import discover_worker
+from reduction_server.config.discovery import discover_worker
 from reduction_server.errors import ConfigError
 
 from .process_group import BACKEND_NAME, create_backend

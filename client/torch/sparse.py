@@ -5,7 +5,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch  # the real torch: imports are absolute
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from .collectives import Collectives
 from .pipeline import Started

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 # torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
 _OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,

@@ -19,10 +19,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import zmq
 
-from .. import auth, protocol, shared_memory
+from ..wire import auth, protocol, shared_memory
 from ..log import event, get_logger
-from ..protocol import ErrorCode, Header, MsgType
-from ..settings import MAX_WINDOW
+from ..wire.protocol import ErrorCode, Header, MsgType
+from ..config.settings import MAX_WINDOW
 from .clock import Clock
 from .membership import Membership, Peer
 from .outbox import Outbox

@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
 
-from .. import protocol
-from ..accumulator import AccumulatorPool
+from ..wire import protocol
+from .accumulator import AccumulatorPool
 from ..errors import ProtocolError
 from ..log import get_logger
-from ..protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
-from ..send_buffers import AcceptedBuffers
-from ..settings import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES,
-                        DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT)
-from ..shared_memory import MAX_OFFERED_SLOT_BYTES
+from ..wire.protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
+from ..wire.send_buffers import AcceptedBuffers
+from ..config.settings import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT
+from ..wire.shared_memory import MAX_OFFERED_SLOT_BYTES
 from .admission import Admission
 from .clock import Clock
 from .fold import Payload
@@ -31,7 +30,7 @@ from .shared_results import SharedResults
 from .socket_events import SocketEvents
 
 if TYPE_CHECKING:
-    from ..metrics import ReducerMetrics
+    from .metrics import ReducerMetrics
 
 log = get_logger("reducer")
 

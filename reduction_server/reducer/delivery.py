@@ -9,11 +9,11 @@ from typing import Dict, Optional, Tuple
 
 import zmq
 
-from .. import protocol
+from ..wire import protocol
 from ..log import event, get_logger
-from ..protocol import OP_BROADCAST, Header, MsgType
-from ..round import Round
-from ..shared_memory import Segment
+from ..wire.protocol import OP_BROADCAST, Header, MsgType
+from .round import Round
+from ..wire.shared_memory import Segment
 from .fold import Folder, Result
 from .membership import Membership
 from .outbox import Outbox

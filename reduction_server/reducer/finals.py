@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Optional, Tuple
 
-from ..accumulator import AccumulatorPool, PoolExhausted
-from ..protocol import BATCHED_RECV_BYTES, ErrorCode, Header, MsgType
-from ..round import Round
+from .accumulator import AccumulatorPool, PoolExhausted
+from ..wire.protocol import BATCHED_RECV_BYTES, ErrorCode, Header, MsgType
+from .round import Round
 from .delivery import Delivery
 from .fold import Folder, Payload
 

@@ -19,9 +19,9 @@ import numpy as np
 import zmq
 
 from .. import _native
-from ..accumulator import AccumulatorPool
-from ..protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
-from ..round import Round
+from .accumulator import AccumulatorPool
+from ..wire.protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
+from .round import Round
 
 Payload = Union[zmq.Frame, memoryview, None]
 #: where the last fold also writes the result, by rank (Delivery.slot_copies), asked once the round

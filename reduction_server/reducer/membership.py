@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .. import protocol, shared_memory
+from ..wire import protocol, shared_memory
 from ..log import event, get_logger
-from ..protocol import MsgType
-from ..round import format_ranks
+from ..wire.protocol import MsgType
+from .round import format_ranks
 from .clock import Clock
 from .outbox import Outbox
 from .rejoin import Rejoin

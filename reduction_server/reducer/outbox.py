@@ -14,9 +14,9 @@ from typing import Callable, Dict, Optional
 
 import zmq
 
-from .. import protocol
+from ..wire import protocol
 from ..log import event, get_logger
-from ..protocol import ErrorCode, Header, MsgType
+from ..wire.protocol import ErrorCode, Header, MsgType
 
 log = get_logger("reducer")
 

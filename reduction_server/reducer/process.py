@@ -14,11 +14,13 @@ from typing import List, Optional, Union
 
 import zmq
 
-from .. import encryption, heap, protocol, settings, shared_memory
+from ..wire import encryption, protocol, shared_memory
+from . import heap
+from ..config import settings
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 from .core import Reducer
-from ..send_buffers import AcceptedBuffers
+from ..wire.send_buffers import AcceptedBuffers
 from .shards import Supervisor, count as shard_count
 
 log = get_logger("reducer")
@@ -65,7 +67,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     supervises that many reducer processes on ports port .. port+shards-1 (shards.py); `shard`
     makes it one of them. Once it listens, the bound port and a newline are written to
     `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
-    from ..discovery import discover_reducer
+    from ..config.discovery import discover_reducer
 
     if ready_fd is not None:
         try:
@@ -139,7 +141,7 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
         try:
             metrics_at = None
             if metrics_port:
-                from ..metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+                from .metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
 
                 reducer.metrics = ReducerMetrics(reducer)
                 # A shard's page is for its supervisor only (shard_metrics.py), at a port it is told of.
@@ -182,7 +184,7 @@ def _supervise(supervisor: Supervisor, *, token: str, encrypt: bool, ready_fd: O
     metrics = None
     try:
         if supervisor.metrics_port:  # first: a taken port starts no shard
-            from ..shard_metrics import ShardMetrics
+            from .shard_metrics import ShardMetrics
 
             metrics = ShardMetrics(supervisor)
             metrics.serve(supervisor.host, supervisor.metrics_port)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
 
-from .. import protocol
-from ..protocol import REJOIN_LEAD, MsgType
+from ..wire import protocol
+from ..wire.protocol import REJOIN_LEAD, MsgType
 from .outbox import Outbox
 
 _MAX_REPORTED_SEQ = (1 << 64) - 1 - REJOIN_LEAD

@@ -19,10 +19,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-from ..accumulator import AccumulatorPool, PoolExhausted
+from .accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
-from ..protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
-from ..round import Round, format_ranks
+from ..wire.protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
+from .round import Round, format_ranks
 from .clock import Clock
 from .delivery import Delivery
 from .finals import Finals
@@ -32,7 +32,7 @@ from .outbox import Outbox, clip
 from .shared_results import SharedResults
 
 if TYPE_CHECKING:
-    from ..metrics import ReducerMetrics
+    from .metrics import ReducerMetrics
 
 log = get_logger("reducer")
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
-from .. import settings
+from ..config import settings
 from ..children import die_with_parent_hook
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger

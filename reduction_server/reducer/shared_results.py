@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from .. import shared_memory
-from ..protocol import MAX_RESULT_USE, shared_result_aux
-from ..shared_memory import Segment
+from ..wire import shared_memory
+from ..wire.protocol import MAX_RESULT_USE, shared_result_aux
+from ..wire.shared_memory import Segment
 
 #: below this a result goes into each rank's slot: the copies cost less than a slot's bookkeeping
 SHARED_RESULT_BYTES = 256 << 10

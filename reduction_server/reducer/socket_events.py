@@ -15,9 +15,9 @@ from typing import Dict, Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .. import encryption
+from ..wire import encryption
 from ..log import event, get_logger
-from ..send_buffers import AcceptedBuffers
+from ..wire.send_buffers import AcceptedBuffers
 from .clock import Clock
 
 log = get_logger("reducer")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from reduction_server import auth
+from reduction_server.wire import auth
 
 
 def hello_payload(**facts: object) -> bytes:

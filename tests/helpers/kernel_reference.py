@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reduction_server.protocol import DType, ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
 try:
     import ml_dtypes

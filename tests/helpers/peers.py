@@ -11,9 +11,9 @@ from typing import List, Optional, Tuple
 
 import zmq
 
-from reduction_server import protocol
-from reduction_server.discovery import job_id_from
-from reduction_server.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
+from reduction_server.wire import protocol
+from reduction_server.config.discovery import job_id_from
+from reduction_server.wire.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
 from .cluster import TOKEN
 from .handshake import auth_payload, hello_payload

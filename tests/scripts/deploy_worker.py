@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import reduction_server.client as rs
-from reduction_server.discovery import discover_worker
+from reduction_server.config.discovery import discover_worker
 from report import report
 
 # (dtype, op, element count): small and multi-chunk buffers (RS_CHUNK_BYTES is set small by the

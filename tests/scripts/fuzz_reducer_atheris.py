@@ -30,8 +30,8 @@ from helpers.capture import CapturingSocket  # noqa: E402
 os.environ.setdefault("RS_LOG_LEVEL", "ERROR")  # a warning per rejected input would drown the fuzzer's output
 
 with atheris.instrument_imports(include=["reduction_server"]):
-    from reduction_server import auth, protocol
-    from reduction_server.protocol import DType, ErrorCode, MsgType, ReduceOp
+    from reduction_server.wire import auth, protocol
+    from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
     from reduction_server.reducer import MAX_STRIKES, Reducer
 
 TOKEN = "fuzz-token"

@@ -7,7 +7,7 @@ import numpy as np
 
 import reduction_server.client as rs
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec
-from reduction_server.protocol import DType
+from reduction_server.wire.protocol import DType
 from report import report
 
 PLAIN = [1000, 300_000]  # one chunk; several chunks

@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import tensorflow as tf  # the real tensorflow: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ... import tensorflow as rstf
 from ...tensorflow.gradients import Reduction

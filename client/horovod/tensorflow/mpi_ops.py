@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf  # the real tensorflow: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ...tensorflow.graph import as_list, refuse_xla
 from ..basics import coordinator, rank, set_root

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf  # the real tensorflow: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ..compression import Compression
 from ..coordinator import ALLREDUCE, REDUCESCATTER

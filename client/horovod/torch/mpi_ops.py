@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch  # the real torch: absolute import
 
-from reduction_server.protocol import ReduceOp
+from reduction_server.wire.protocol import ReduceOp
 
 from ...torch.tensors import Staged
 from ..basics import coordinator, rank, submit

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 VERTEX_POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
 TF_POOLS = ("chief", "master", "worker", "ps", "evaluator")

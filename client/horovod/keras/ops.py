@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import tensorflow as hvd_tf
-from .compression import Compression
+from .. import tensorflow as hvd_tf
+from ..compression import Compression
 
 __all__ = ["allreduce", "reducescatter"]
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .reducer_load import GBIT_PER_GIB
 
 

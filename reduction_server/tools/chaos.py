@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import psutil
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 _POLL_S = 0.2

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
-from .protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
-from .settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
+from ..wire.protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
+from ..config.settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
 
 if TYPE_CHECKING:
-    from .shared_memory import Segment
+    from ..wire.shared_memory import Segment
 
 # Header fields that every contribution to one key must agree on.
 AGREED_FIELDS = ("dtype", "op", "count", "offset", "total", "nchunks", "aux", "world")

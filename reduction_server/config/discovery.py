@@ -25,7 +25,7 @@ from typing import Mapping, Optional
 
 from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
 from . import settings
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
            "job_id_from", "parse_address"]

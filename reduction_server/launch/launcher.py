@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from .children import (POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit,
-                       signal_name, stop_all, wait_briefly)
-from .elastic_launch import Elastic
+from ..children import POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit, signal_name, stop_all, wait_briefly
+from .elastic import Elastic
 from .local_layout import Layout, check_arguments, job_environment, plan_layout, worker_environment
 
 _PREFIX = "reduction-server run:"
@@ -43,7 +42,7 @@ class _Job:
     command: List[str]
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
     max_restarts: int = 0
-    elastic: Optional[Elastic] = None  # --min-np/--max-np: workers come and go (elastic_launch.py)
+    elastic: Optional[Elastic] = None  # --min-np/--max-np: workers come and go (elastic.py)
     restarts: int = 0  # how many times the worker group has been started again
     env: Dict[str, str] = field(default_factory=dict)  # what every child sees (job_environment)
     workers: List[Child] = field(default_factory=list)
@@ -282,7 +281,7 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
             min_np: Optional[int] = None, max_np: Optional[int] = None, discovery: Optional[str] = None) -> int:
     """Run `reducers` reducer processes and `np` copies of `command` on this machine; a failing
     worker starts the worker group again up to `max_restarts` times. With `min_np`/`max_np` the
-    job is elastic (elastic_launch.py): it goes on without failed workers while `min_np` run,
+    job is elastic (elastic.py): it goes on without failed workers while `min_np` run,
     and starts new ones up to `max_np` as the `discovery` script reports slots.
 
     Returns 0 when every worker exits 0; the first failing worker's exit code (128+signal when

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import zmq
 
-from .errors import ReductionServerError
+from ..errors import ReductionServerError
 
 _ALIGN = 64  # cache line: vector loads never straddle two lines at the start of a buffer
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 MiB = 1 << 20
 

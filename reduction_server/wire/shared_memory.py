@@ -45,8 +45,9 @@ import socket
 import stat
 from typing import Any, Dict, Optional, Tuple
 
-from . import _native, settings
-from .errors import ReductionServerError
+from .. import _native
+from ..config import settings
+from ..errors import ReductionServerError
 
 _MAGIC = b"RSSHM1\0\0"
 _NONCE_BYTES = 16

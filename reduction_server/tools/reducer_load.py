@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from .children import die_with_parent_hook
+from ..children import die_with_parent_hook
 
 GIB = 1 << 30
 GBIT_PER_GIB = GIB * 8 / 1e9

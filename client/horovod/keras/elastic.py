@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import keras
 
-from .tensorflow.elastic import ObjectState, State, TensorFlowKerasState, run
+from ..tensorflow.elastic import ObjectState, State, TensorFlowKerasState, run
 
 
 class KerasState(TensorFlowKerasState):

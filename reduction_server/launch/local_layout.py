@@ -9,9 +9,9 @@ import socket
 from dataclasses import dataclass
 from typing import Collection, Dict, List, Optional, Sequence
 
-from . import settings
-from .cluster_spec import join_address
-from .settings import ONE_HOST_PIPELINE_DEPTH
+from ..config import settings
+from ..config.cluster_spec import join_address
+from ..config.settings import ONE_HOST_PIPELINE_DEPTH
 
 FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
 

@@ -8,8 +8,8 @@ from typing import Callable, Iterable, Optional, Union
 import keras
 import tensorflow as tf
 
-from .. import tensorflow as rstf
-from . import basics
+from ... import tensorflow as rstf
+from .. import basics
 
 __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
            "MetricAverageCallback"]

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 import zmq
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
 VERSION = 5  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL); 5: shards

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import zmq
 from zmq.utils import z85
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _REDUCER_LABEL = b"reduction-server CurveZMQ reducer key v1"
 _WORKER_LABEL = b"reduction-server CurveZMQ worker key v1"

@@ -36,8 +36,8 @@ import time
 from collections import deque
 from typing import Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from .log import event, get_logger
-from .settings import MAX_SNDBUF
+from ..log import event, get_logger
+from ..config.settings import MAX_SNDBUF
 
 log = get_logger("send_buffers")
 

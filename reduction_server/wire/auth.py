@@ -24,7 +24,7 @@ import secrets
 import struct
 from typing import Tuple
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # an HMAC-SHA256 digest

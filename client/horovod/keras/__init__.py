@@ -10,14 +10,14 @@
                                hvd.callbacks.LearningRateWarmupCallback(0.01 * hvd.size(), warmup_epochs=3)])
 
 Everything in reduction_server.client.horovod.tensorflow is here too, except that allreduce and
-reducescatter take Keras's signatures (keras_ops.py); ``callbacks``
-holds the Keras callbacks (keras_callbacks.py), ``elastic`` the elastic states and callbacks
-(keras_elastic.py).
+reducescatter take Keras's signatures (ops.py); ``callbacks``
+holds the Keras callbacks (callbacks.py), ``elastic`` the elastic states and callbacks
+(elastic.py).
 """
-from . import keras_callbacks as callbacks
-from .tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API
-from .tensorflow import __all__ as _tensorflow_all
-from . import keras_elastic as elastic  # noqa: E402 - after the star import: Keras's, not TensorFlow's
-from .keras_ops import allreduce, reducescatter  # noqa: E402,F811 - Keras's signatures
+from . import callbacks
+from ..tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API
+from ..tensorflow import __all__ as _tensorflow_all
+from . import elastic  # noqa: E402 - after the star import: Keras's, not TensorFlow's
+from .ops import allreduce, reducescatter  # noqa: E402,F811 - Keras's signatures
 
 __all__ = ["callbacks", *(name for name in _tensorflow_all if name != "elastic"), "elastic"]

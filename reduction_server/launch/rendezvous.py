@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, List, Optional, Set
 
-from .errors import CollectiveError
+from ..errors import CollectiveError
 
 #: how long a join waits for the other live workers before it fails
 JOIN_TIMEOUT_S = 120.0

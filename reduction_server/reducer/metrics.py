@@ -23,7 +23,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     SummaryMetricFamily)
 from prometheus_client.process_collector import ProcessCollector
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 PREFIX = "reduction_server"
 # One contribution folded into an accumulator: 64 KiB takes microseconds, 64 MiB about 10 ms.
