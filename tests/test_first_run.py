@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import zmq
@@ -175,14 +176,39 @@ def _header(kind: str, payload: bytes, ident: dict) -> bytes:
     return protocol.text_header(MsgType[kind], payload, **ident)
 
 
+def _broken_links(page: str) -> list:
+    """The relative links of `page` (a markdown file under ROOT) that leave the repository, name no
+    file, or name a heading that the markdown file they point to lacks (GitHub's anchors)."""
+    path = ROOT / page
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        where = (path.parent / target).resolve() if target else path
+        if not where.is_relative_to(ROOT) or not where.exists():
+            broken.append(target)
+        elif anchor and where.suffix == ".md" and anchor not in _anchors(where):
+            broken.append(f"{target}#{anchor}")
+    return broken
+
+
+def _anchors(markdown: Path) -> set:
+    text = re.sub(r"^```.*?^```", "", markdown.read_text(), flags=re.MULTILINE | re.DOTALL)  # no code blocks
+    headings = re.findall(r"^#{1,6} +(.+?) *$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def test_the_readme_links_only_to_files_in_the_repository():
     readme = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
-    local = [link for link in links if "://" not in link]
-    assert "docs/design.md" in local
-    missing = [link for link in local if not (ROOT / link).resolve().is_relative_to(ROOT)
-               or not (ROOT / link).exists()]
-    assert missing == [], f"README links outside the repository or to nothing: {missing}"
+    assert "](docs/design.md)" in readme  # the map of the tree
+    assert _broken_links("README.md") == [], "README links outside the repository or to nothing"
+
+
+@pytest.mark.parametrize("page", ["docs/frameworks.md", "docs/configuration.md", "docs/benchmarks.md",
+                                  "docs/operations.md"])
+def test_the_docs_pages_the_readme_sends_to_link_only_to_files_in_the_repository(page):
+    assert f"]({page})" in (ROOT / "README.md").read_text()
+    assert _broken_links(page) == [], f"{page} links outside the repository or to nothing"
 
 
 def test_the_launcher_refuses_a_port_that_a_stranger_holds():
@@ -210,6 +236,8 @@ def test_the_launcher_refuses_a_port_that_a_stranger_holds():
     assert "bytes_in=0" in stranger_log and " admitted " not in stranger_log
 
 
-def test_the_readme_table_of_variables_is_the_registry():
-    readme = (ROOT / "README.md").read_text()
-    assert settings.markdown_table() in readme, "regenerate the README's table: settings.markdown_table()"
+def test_the_configuration_page_table_of_variables_is_the_registry():
+    """docs/configuration.md holds the table of variables (the README links to it)."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert settings.markdown_table() in page, \
+        "regenerate the table in docs/configuration.md: settings.markdown_table()"

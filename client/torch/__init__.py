@@ -11,7 +11,7 @@ Importing this module registers the backend ``"reduction_server"``::
 The process group implements every collective of torch.distributed's API (all_reduce with every
 op torch has but the bitwise ones, reduce, reduce_scatter, all_gather and its tensor forms,
 gather, scatter, all_to_all, broadcast, barrier, sparse all_reduce, send/recv, subgroups; the
-README's table says how each is done) except a receive from any source. Each call hands its collective
+docs/frameworks.md's table says how each is done) except a receive from any source. Each call hands its collective
 to the shared Communicator without waiting and returns a Work whose Future one background thread
 completes, in submission order, as the reducers answer: DDP's bucket all-reduces run while
 backward computes the earlier layers' gradients.

@@ -2,7 +2,7 @@
 who reads it and what it means (VARIABLES), and the one way to read it (`read`).
 
 A value that is not of its type, or out of its range, is a ConfigError naming the variable. The
-README's table of variables and each subcommand's --help are made from this registry. Why a
+The table of variables in docs/configuration.md and each subcommand's --help are made from this registry. Why a
 default is what it is: the comments here, and the figures in bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Variable:
 
     name: str
     readers: Tuple[str, ...]
-    default: str  # in words, for the README and --help
+    default: str  # in words, for docs/configuration.md and --help
     meaning: str
     kind: type = str
     value: Any = None  # the default value
@@ -267,7 +267,7 @@ def variables_read_by(*readers: str) -> List[Variable]:
 
 
 def markdown_table() -> str:
-    """The README's table of variables, made from the registry."""
+    """The table of variables of docs/configuration.md, made from the registry."""
     rows = ["| variable | who reads it | default | meaning |", "| --- | --- | --- | --- |"]
     for v in VARIABLES:
         who = "both" if set(_BOTH) <= set(v.readers) else ", ".join(r for r in v.readers if r != BENCH) or "bench"
