@@ -7,7 +7,7 @@
  *   rs_accumulate(dtype, op, acc, src, n)    acc[i] = op(acc[i], widen(src[i]))
  *   rs_store(dtype, op, acc, dst, n, world)  dst[i] = narrow(acc[i])   (acc[i] / world for AVG)
  *
- * dtype and op use NCCL's numbering (reduction_server/protocol.py). The accumulator is float32
+ * dtype and op use NCCL's numbering (reduction_server/wire/protocol.py). The accumulator is float32
  * for FLOAT16 and BFLOAT16 and the wire type itself for every other dtype.
  *
  * Semantics (these match NumPy; tests/test_kernels.py checks them bit for bit):
@@ -45,7 +45,7 @@
 #endif
 
 /* ---------------------------------------------------------------------------------------- */
-/* Codes (NCCL numbering, see reduction_server/protocol.py)                                    */
+/* Codes (NCCL numbering, see reduction_server/wire/protocol.py)                                    */
 
 enum {
     RS_INT8 = 0, RS_UINT8 = 1, RS_INT32 = 2, RS_UINT32 = 3, RS_INT64 = 4, RS_UINT64 = 5,

@@ -1,7 +1,8 @@
 """reduction-server: all-reduce through CPU-only reducer processes over ZeroMQ.
 
-The core (protocol, reducer, discovery, launcher) lives here; the worker-side library is
-`reduction_server.client`. The core never imports the client.
+The core (the wire, configuration, the reducer, the launcher and tools) lives here; the
+worker-side library is `reduction_server.client`. The core never imports the client. The map of
+the tree and its layers: docs/design.md, "Where each concept lives".
 """
 from .errors import CollectiveError, ConfigError, ProtocolError, ReductionServerError
 from ._version import __version__

@@ -4,8 +4,7 @@
     import reduction_server.client.horovod.tensorflow as hvd   # horovod.tensorflow
     import reduction_server.client.horovod.keras as hvd        # horovod.tensorflow.keras
 
-The pieces: basics.py (init, rank, size, local rank; one Communicator per process),
-coordinator.py (collectives matched across ranks by name, negotiated every HOROVOD_CYCLE_TIME and
-fused up to HOROVOD_FUSION_THRESHOLD), ops.py (hvd.Average, hvd.Sum, ...), compression.py
-(hvd.Compression), and one module per framework.
+This package holds the core the framework packages share (collectives matched across ranks by
+name, negotiated every HOROVOD_CYCLE_TIME and fused up to HOROVOD_FUSION_THRESHOLD); its modules:
+docs/design.md, "Where each concept lives".
 """

@@ -46,8 +46,7 @@ The collectives go through FusedCollectives over one Communicator per process
 ``shutdown()`` closes it), matched across ranks by order; the Horovod layer installs its own,
 matched by name, with ``use_collectives``.
 
-Modules: collectives (where collectives go), graph (XLA, dense tensors), ops (the
-tf.numpy_function collectives), gradients (tape and optimizer), callbacks (Keras).
+The adapter's modules: docs/design.md, "Where each concept lives".
 """
 from .callbacks import BroadcastVariablesCallback, MetricAverageCallback
 from .collectives import (Collectives, Compressor, FusedCollectives, collectives, init, is_initialized, rank,

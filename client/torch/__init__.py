@@ -30,10 +30,7 @@ and gives the group a process-local store: this backend needs no store, and a ba
 
 CUDA tensors are staged through pinned host buffers (tensors.py).
 
-Modules: tensors (ops, dtypes, staging), pipeline (the completing thread), collectives (each
-torch collective composed of all-reduces and relays), sparse (sparse all_reduce), work (the Work
-torch waits on), process_group (the backend), rendezvous (env:// without MASTER_ADDR, and the
-registration), hooks (DDP comm hooks).
+The adapter's modules: docs/design.md, "Where each concept lives".
 """
 from .hooks import (ReductionServerHookState, reduction_server_bf16_hook, reduction_server_fp16_hook,
                     reduction_server_hook)

@@ -1,2 +1,2 @@
-"""Configuration: every RS_* variable declared once (settings), a cluster description parsed
-(cluster_spec), and where a process stands in its job (discovery). Imports only the top level."""
+"""Configuration: every RS_* setting, the cluster specs, and where a process stands in its job.
+Imports only the top level; its modules: docs/design.md, "Where each concept lives"."""

@@ -1,2 +1,2 @@
-"""Starting jobs: `reduction-server run`'s local launcher (launcher), the placement of its
-processes (local_layout), and elastic jobs' rendezvous (rendezvous, elastic)."""
+"""Starting jobs: `reduction-server run`'s local launcher and elastic jobs with their rendezvous.
+Its modules: docs/design.md, "Where each concept lives"."""

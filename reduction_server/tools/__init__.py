@@ -1,2 +1,2 @@
-"""Operator tools behind the command line: fault injection (chaos), pool sizing (sizing) and the
-load of one reducer core (reducer_load)."""
+"""Operator tools behind the command line: fault injection, pool sizing and the load of one
+reducer. Its modules: docs/design.md, "Where each concept lives"."""

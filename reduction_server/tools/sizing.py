@@ -1,7 +1,7 @@
 """How many reducer hosts a job needs: `reduction-server size`.
 
 Each reducer receives its share of every worker's gradient and sends the sum back, so the
-reducer pool's total bandwidth must match the workers' (DESIGN.md section 1):
+reducer pool's total bandwidth must match the workers' (docs/design.md, "The algorithm"):
 R >= W x B_worker / B_reducer (Google's example: 8 workers at 100 Gbit/s and reducers at
 32 Gbit/s need 25). A reducer host's usable bandwidth is the smaller of its NIC and of what its
 cores can sum: `--measure` finds the CPU cost of a GiB on this host (reducer_load.py), hence what

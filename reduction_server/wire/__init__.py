@@ -1,3 +1,3 @@
-"""What workers and reducers both speak: the message format (protocol), the job token's proofs
-(auth), CurveZMQ keys (encryption), shared-memory slots (shared_memory) and socket send buffers
-(send_buffers). Imports only the top-level modules and config."""
+"""What workers and reducers both speak: messages, the job token's proofs, encryption,
+shared-memory slots and socket send buffers. Imports only the top level and config; its modules:
+docs/design.md, "Where each concept lives"."""

@@ -10,9 +10,8 @@
                                hvd.callbacks.LearningRateWarmupCallback(0.01 * hvd.size(), warmup_epochs=3)])
 
 Everything in reduction_server.client.horovod.tensorflow is here too, except that allreduce and
-reducescatter take Keras's signatures (ops.py); ``callbacks``
-holds the Keras callbacks (callbacks.py), ``elastic`` the elastic states and callbacks
-(elastic.py).
+reducescatter take Keras's signatures; ``hvd.callbacks`` holds the Keras callbacks, ``hvd.elastic``
+the elastic states and callbacks. Its modules: docs/design.md, "Where each concept lives".
 """
 from . import callbacks
 from ..tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API

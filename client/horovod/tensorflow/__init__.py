@@ -16,10 +16,7 @@ is also tf.errors.FailedPreconditionError as Horovod's ops raise (inside tf.func
 tf.errors.UnknownError carrying its message); a bad argument ArgumentError, which is both
 ValueError and tf.errors.InvalidArgumentError.
 
-Modules, as Horovod's own: mpi_ops (the ops and their gradients), reductions (allreduce and
-reducescatter, with compression and IndexedSlices), functions (variables and objects),
-gradients (DistributedGradientTape, DistributedOptimizer); arrays holds what the ops run on
-NumPy arrays.
+Its modules, named as Horovod's own: docs/design.md, "Where each concept lives".
 """
 from __future__ import annotations
 

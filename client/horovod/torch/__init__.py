@@ -8,9 +8,7 @@
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Modules, as Horovod's own: mpi_ops (the collectives, with handles), autograd (the
-differentiable forms), sparse (sparse all-reduce), functions (parameters and optimizer state
-from the root), optimizer (DistributedOptimizer), sync_batch_norm (SyncBatchNorm).
+Its modules, named as Horovod's own: docs/design.md, "Where each concept lives".
 """
 from ..basics import (add_process_set, allgather_object, broadcast_object, cross_rank, cross_size, init,
                       is_initialized, local_rank, local_size, rank, remove_process_set, shutdown, size,
