@@ -134,8 +134,8 @@ def test_the_map_check_reports_a_module_with_no_row_and_a_row_with_no_module():
     section = map_section(DESIGN.read_text()).replace(
         "| `reduction_server/reducer/clock.py` |",
         "| `reduction_server/reducer/gone.py` | a room that is not there |\n| `reduction_server/reducer/clock.py` |")
-    files = tree_files() | {"reduction_server/reducer/options.py"}
-    assert map_problems(section, files) == {"no row in the map": ["reduction_server/reducer/options.py"],
+    files = tree_files() | {"reduction_server/reducer/made_up_room.py"}
+    assert map_problems(section, files) == {"no row in the map": ["reduction_server/reducer/made_up_room.py"],
                                             "a row but not in the tree": ["reduction_server/reducer/gone.py"]}
 
 

@@ -1,27 +1,28 @@
 """`reduction-server serve`: one reducer process, from its configuration to its exit.
 
-Its place (address, port, index, world size, token) comes from the arguments, else from the
-cluster spec or the RS_* variables (discovery.py); it binds, says so on stdout (and to a
-launcher's --ready-fd), logs its configuration, serves until SIGTERM or SIGINT, and logs a
-summary when it stops.
+Its settings are resolved once (options.py: the arguments, else the place discovered from the
+cluster spec or RS_* variables, else the environment, else the defaults); it binds, says so on
+stdout (and to a launcher's --ready-fd), logs its configuration, serves until SIGTERM or SIGINT,
+and logs a summary when it stops. With shards it supervises them instead (shards.py).
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import zmq
 
-from ..wire import encryption, protocol, shared_memory
-from . import heap
 from ..config import settings
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
-from .core import Reducer
+from ..wire import encryption, protocol
 from ..wire.send_buffers import AcceptedBuffers
-from .shards import Supervisor, count as shard_count
+from . import heap
+from .core import Reducer
+from .options import ReducerConfig
+from .shards import Supervisor
 
 log = get_logger("reducer")
 
@@ -48,6 +49,15 @@ def _stopping() -> List[bool]:
     return stopping
 
 
+def _check_ready_fd(ready_fd: Optional[int]) -> None:
+    """A ConfigError unless `ready_fd` (when given) is open: said before anything else is read."""
+    if ready_fd is not None:
+        try:
+            os.fstat(ready_fd)
+        except OSError as exc:
+            raise ConfigError(f"--ready-fd {ready_fd} is not an open file descriptor: {exc.strerror}") from None
+
+
 def _say_ready(ready_fd: Optional[int], port: int, metrics_port: Optional[int] = None) -> None:
     if ready_fd is not None:
         try:
@@ -67,118 +77,118 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     supervises that many reducer processes on ports port .. port+shards-1 (shards.py); `shard`
     makes it one of them. Once it listens, the bound port and a newline are written to
     `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
-    from ..config.discovery import discover_reducer
-
-    if ready_fd is not None:
-        try:
-            os.fstat(ready_fd)
-        except OSError as exc:
-            raise ConfigError(f"--ready-fd {ready_fd} is not an open file descriptor: {exc.strerror}") from None
-    place = discover_reducer() if None in (host, port, index) else None
-    host = host or (place.host if place else "0.0.0.0")
-    port = port if port is not None else (place.port if place else 0)
-    index = index if index is not None else (place.index if place else 0)
-    if workers is None:
-        workers = place.world_size if place else None
-        if workers is None:
-            workers = settings.read("RS_WORLD_SIZE")
-    token = settings.read("RS_JOB_TOKEN")
-    if deterministic is None:
-        deterministic = settings.read("RS_DETERMINISTIC")
-    encrypt = settings.read("RS_ENCRYPT")
-    if encrypt:
-        encryption.check(token)
-    if metrics_port is None:
-        metrics_port = settings.read("RS_METRICS_PORT")
-    elif not 0 <= metrics_port <= 65535:
-        raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
-    count = shard_count(settings.read("RS_SHARDS") if shards is None else shards,
-                        "RS_SHARDS" if shards is None else "--shards")
-    if shard is not None and not 0 <= shard < count:
-        raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")
+    _check_ready_fd(ready_fd)
     # Every setting is read (and checked) here, before any shard starts: a bad one is one message.
-    max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
-    heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
-    liveness = settings.read("RS_LIVENESS_TIMEOUT")
-    sndbuf = settings.socket_send_buffer()  # a size is set below; `auto` per connection (send_buffers.py)
-    limits = dict(max_accumulator_bytes=settings.read("RS_MAX_ACCUMULATOR_BYTES") // count,  # the shards share it
-                  max_peer_bytes=settings.read("RS_MAX_PEER_BYTES"), max_rounds=settings.read("RS_MAX_ROUNDS"),
-                  round_timeout=settings.read("RS_TIMEOUT"))
-    if count > 1 and limits["max_accumulator_bytes"] < max_chunk <= limits["max_accumulator_bytes"] * count:
-        raise ConfigError(f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
-                          f"{limits['max_accumulator_bytes']} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
-                          f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
-    shared = shared_memory.enabled()
-    if shard is None and count > 1:
-        return _supervise(Supervisor(host=host, port=port, index=index, shards=count, workers=workers,
-                                     deterministic=deterministic, metrics_port=metrics_port),
-                          token=token, encrypt=encrypt, ready_fd=ready_fd)
-    shard = shard or 0
+    config = ReducerConfig.resolve(host=host, port=port, workers=workers, index=index, deterministic=deterministic,
+                                   metrics_port=metrics_port, shards=shards, shard=shard)
+    if config.supervises:
+        return _supervise(config, ready_fd)
     heap_kept = heap.keep_freed_memory()  # before libzmq's I/O thread starts
+    reducer = _run(config, ready_fd, heap_kept)
+    _summarise(config, reducer)
+    return 0
 
+
+def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Reducer:
+    """Bind, say so, and serve until SIGTERM or SIGINT; the reducer, stopped, for its summary."""
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
     with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
-        socket.setsockopt(zmq.LINGER, 0)
-        # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
-        socket.setsockopt(zmq.MAXMSGSIZE, max_chunk + protocol.HEADER_SIZE)
-        if sndbuf > 0:  # before bind: libzmq copies a socket's options into its listener and each connection
-            socket.setsockopt(zmq.SNDBUF, sndbuf)
-        protocol.set_heartbeats(socket, heartbeat, liveness)
-        if encrypt:
-            encryption.secure_reducer(socket, token)
-        bound = _bind(socket, host, port)
-        send_buffers = AcceptedBuffers(bound) if sndbuf == settings.SNDBUF_AUTO else None
+        bound = _listen(socket, config)
+        send_buffers = AcceptedBuffers(bound) if config.sndbuf == settings.SNDBUF_AUTO else None
         reducer = Reducer(
-            socket, index=index, address=f"{host}:{bound}", world_size=workers, job_token=token,
-            max_chunk_bytes=max_chunk, **limits,
-            heartbeat_interval=heartbeat,
-            liveness_timeout=liveness,
-            deterministic=deterministic,
-            encrypt=encrypt,
-            shared=shared, shard=shard, shards=count, send_buffers=send_buffers,
+            socket, index=config.index, address=f"{config.host}:{bound}", world_size=config.workers,
+            job_token=config.token, max_chunk_bytes=config.max_chunk_bytes,
+            max_accumulator_bytes=config.max_accumulator_bytes, max_peer_bytes=config.max_peer_bytes,
+            max_rounds=config.max_rounds, round_timeout=config.round_timeout,
+            heartbeat_interval=config.heartbeat_interval, liveness_timeout=config.liveness_timeout,
+            deterministic=config.deterministic, encrypt=config.encrypt, shared=config.shared,
+            shard=config.shard_number, shards=config.shards, send_buffers=send_buffers,
         )
         try:
-            metrics_at = None
-            if metrics_port:
-                from .metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
-
-                reducer.metrics = ReducerMetrics(reducer)
-                # A shard's page is for its supervisor only (shard_metrics.py), at a port it is told of.
-                metrics_host = "127.0.0.1" if count > 1 else host
-                metrics_at = (metrics_host, reducer.metrics.serve(metrics_host, 0 if count > 1 else metrics_port))
+            metrics_at = _serve_metrics(config, reducer)
             stopping = _stopping()
-            print(f"{reducer.name.split(' (')[0]} listening on tcp://{host}:{bound} workers={workers or 'from HELLO'} "
-                  f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
-                  f"deterministic={'on' if deterministic else 'off'}", flush=True)
-            event(log, NOTICE, "started", reducer=index, **({"shard": shard} if count > 1 else {}),
-                  address=f"{host}:{bound}", workers=workers or "from_hello",
-                  auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
-                  max_chunk_bytes=max_chunk, max_accumulator_bytes=reducer.pool.max_bytes,
-                  max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
-                  heap="kept" if heap_kept else "default",
-                  timeout_s=reducer.round_timeout, heartbeat_interval_s=heartbeat, liveness_timeout_s=liveness,
-                  sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(sndbuf, sndbuf), metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
-                  pid=os.getpid())
-            _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and count > 1 else None)
+            _announce(config, reducer, bound, metrics_at, heap_kept)
+            _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and config.shards > 1 else None)
             reducer.run(lambda: bool(stopping))
         finally:
             if reducer.metrics is not None:
                 reducer.metrics.stop()
             if reducer.results is not None:
                 reducer.results.close()
+    return reducer
+
+
+def _listen(socket: zmq.Socket, config: ReducerConfig) -> int:
+    """Set the ROUTER socket's options, all before it binds, then bind it; the bound port."""
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
+    socket.setsockopt(zmq.LINGER, 0)
+    # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
+    socket.setsockopt(zmq.MAXMSGSIZE, config.max_chunk_bytes + protocol.HEADER_SIZE)
+    if config.sndbuf > 0:  # before bind: libzmq copies a socket's options into its listener and each connection
+        socket.setsockopt(zmq.SNDBUF, config.sndbuf)
+    protocol.set_heartbeats(socket, config.heartbeat_interval, config.liveness_timeout)
+    if config.encrypt:
+        encryption.secure_reducer(socket, config.token)
+    return _bind(socket, config.host, config.port)
+
+
+def _serve_metrics(config: ReducerConfig, reducer: Reducer) -> Optional[Tuple[str, int]]:
+    """Serve the reducer's metrics page when asked to; where it is, or None."""
+    if not config.metrics_port:
+        return None
+    from .metrics import ReducerMetrics  # prometheus_client takes ~0.1 s to import: only when used
+
+    reducer.metrics = ReducerMetrics(reducer)
+    # A shard's page is for its supervisor only (shard_metrics.py), at a port it is told of.
+    sharded = config.shards > 1
+    metrics_host = "127.0.0.1" if sharded else config.host
+    return metrics_host, reducer.metrics.serve(metrics_host, 0 if sharded else config.metrics_port)
+
+
+def _which_shard(config: ReducerConfig) -> Dict[str, int]:
+    """The `shard` field of a shard's log lines; none for a reducer that is not sharded."""
+    return {"shard": config.shard_number} if config.shards > 1 else {}
+
+
+def _announce(config: ReducerConfig, reducer: Reducer, bound: int, metrics_at: Optional[Tuple[str, int]],
+              heap_kept: bool) -> None:
+    """The `listening` line on stdout and the `started` event with every setting in force."""
+    address = f"{config.host}:{bound}"
+    token, encrypt, deterministic = config.token, config.encrypt, config.deterministic
+    print(f"{reducer.name.split(' (')[0]} listening on tcp://{address} workers={config.workers or 'from HELLO'} "
+          f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
+          f"deterministic={'on' if deterministic else 'off'}", flush=True)
+    event(log, NOTICE, "started", reducer=config.index, **_which_shard(config),
+          address=address, workers=config.workers or "from_hello",
+          auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
+          max_chunk_bytes=config.max_chunk_bytes, max_accumulator_bytes=reducer.pool.max_bytes,
+          max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
+          heap="kept" if heap_kept else "default",
+          timeout_s=reducer.round_timeout, heartbeat_interval_s=config.heartbeat_interval,
+          liveness_timeout_s=config.liveness_timeout,
+          sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(config.sndbuf, config.sndbuf),
+          metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
+          pid=os.getpid())
+
+
+def _summarise(config: ReducerConfig, reducer: Reducer) -> None:
+    """The `stopped` event: what the reducer did, and what it still held when it stopped."""
     rounds = reducer.rounds
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
-    event(log, NOTICE, "stopped", reducer=index, **({"shard": shard} if count > 1 else {}), completed=rounds.completed, failed=rounds.failed,
-          failed_by_code=failed or "none", bytes_in=reducer.bytes_in, bytes_out=rounds.bytes_out,
-          bytes_shared_memory=reducer.bytes_shared, shared_results=rounds.delivery.results_shared,
-          peers_admitted=reducer.admission.admissions, uptime_s=f"{time.monotonic() - reducer.started:.1f}",
-          open_rounds=len(rounds.rounds), accumulator_bytes_in_use=reducer.pool.in_use_bytes)
-    return 0
+    event(log, NOTICE, "stopped", reducer=config.index, **_which_shard(config), completed=rounds.completed,
+          failed=rounds.failed, failed_by_code=failed or "none", bytes_in=reducer.bytes_in,
+          bytes_out=rounds.bytes_out, bytes_shared_memory=reducer.bytes_shared,
+          shared_results=rounds.delivery.results_shared, peers_admitted=reducer.admission.admissions,
+          uptime_s=f"{time.monotonic() - reducer.started:.1f}", open_rounds=len(rounds.rounds),
+          accumulator_bytes_in_use=reducer.pool.in_use_bytes)
 
 
-def _supervise(supervisor: Supervisor, *, token: str, encrypt: bool, ready_fd: Optional[int]) -> int:
+def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
     """Run the shards of one reducer until SIGTERM or SIGINT (shards.py)."""
+    supervisor = Supervisor(host=config.host, port=config.port, index=config.index, shards=config.shards,
+                            workers=config.workers, deterministic=config.deterministic,
+                            metrics_port=config.metrics_port)
+    token, encrypt = config.token, config.encrypt
     stopping = _stopping()
     index, count = supervisor.index, supervisor.count
     metrics = None

@@ -1,0 +1,131 @@
+"""A reducer's settings, resolved once: `ReducerConfig.resolve` turns `serve`'s arguments, the
+discovered place and the RS_* variables into one frozen ReducerConfig that the rest of
+`serve` (process.py) only reads.
+
+Each setting comes from, first match wins: its argument, the place discovered from the cluster
+spec or RS_REDUCER_INDEX (config/discovery.py, for the host, port, index and world size only), the
+environment (config/settings.py), its default. Every setting is read and checked here, in one
+place, so that a bad one is one ConfigError before anything binds and before any shard starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+from ..config import settings
+from ..errors import ConfigError
+from ..wire import encryption, shared_memory
+from .shards import count as shard_count
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """Everything one `serve` runs with; made by `resolve`, never changed afterwards."""
+
+    host: str  # the address to bind
+    port: int  # 0: any free port (with shards: any free run of them)
+    index: int  # this reducer's position among the job's reducers
+    workers: Optional[int]  # worker ranks; None: each job's HELLO says
+    token: str  # RS_JOB_TOKEN, "" for none
+    deterministic: bool
+    encrypt: bool
+    metrics_port: int  # 0: no metrics
+    shards: int  # shard processes of this reducer, 1..settings.MAX_SHARDS
+    shard: Optional[int]  # which of them this process is; None: the supervisor, or the only one
+    max_chunk_bytes: int
+    heartbeat_interval: float
+    liveness_timeout: float
+    sndbuf: int  # settings.SNDBUF_AUTO, 0 (the kernel's) or bytes
+    max_accumulator_bytes: int  # this process's share of RS_MAX_ACCUMULATOR_BYTES
+    max_peer_bytes: int
+    max_rounds: int
+    round_timeout: float
+    shared: bool  # shared memory with the workers on this host (RS_SHM, where supported)
+
+    @property
+    def supervises(self) -> bool:
+        """Whether this process runs no reducer itself but `shards` shard processes (shards.py)."""
+        return self.shard is None and self.shards > 1
+
+    @property
+    def shard_number(self) -> int:
+        """The shard this process serves as a reducer: 0 when it is the only one."""
+        return self.shard or 0
+
+    @classmethod
+    def resolve(cls, *, host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
+                index: Optional[int] = None, deterministic: Optional[bool] = None,
+                metrics_port: Optional[int] = None, shards: Union[str, int, None] = None,
+                shard: Optional[int] = None) -> "ReducerConfig":
+        """The settings `serve` runs with: each argument that is not None wins over the discovered
+        place and the environment (deterministic: RS_DETERMINISTIC; metrics_port: RS_METRICS_PORT;
+        shards: RS_SHARDS). A ConfigError names the first setting that is wrong."""
+        # The order of the reads below is the order in which errors are reported: keep it.
+        host, port, index, workers = _place(host, port, index, workers)
+        token = settings.read("RS_JOB_TOKEN")
+        if deterministic is None:
+            deterministic = settings.read("RS_DETERMINISTIC")
+        encrypt = settings.read("RS_ENCRYPT")
+        if encrypt:
+            encryption.check(token)
+        metrics_port = _metrics_port(metrics_port)
+        count = _shards(shards, shard)
+        max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
+        heartbeat = settings.read("RS_HEARTBEAT_INTERVAL")
+        liveness = settings.read("RS_LIVENESS_TIMEOUT")
+        sndbuf = settings.socket_send_buffer()  # `auto` is set per connection (send_buffers.py)
+        budget = settings.read("RS_MAX_ACCUMULATOR_BYTES") // count  # the shards share it
+        max_peer, max_rounds = settings.read("RS_MAX_PEER_BYTES"), settings.read("RS_MAX_ROUNDS")
+        round_timeout = settings.read("RS_TIMEOUT")
+        _check_budget(budget, max_chunk, count)
+        return cls(host=host, port=port, index=index, workers=workers, token=token, deterministic=deterministic,
+                   encrypt=encrypt, metrics_port=metrics_port, shards=count, shard=shard, max_chunk_bytes=max_chunk,
+                   heartbeat_interval=heartbeat, liveness_timeout=liveness, sndbuf=sndbuf,
+                   max_accumulator_bytes=budget, max_peer_bytes=max_peer, max_rounds=max_rounds,
+                   round_timeout=round_timeout, shared=shared_memory.enabled())
+
+
+def _place(host: Optional[str], port: Optional[int], index: Optional[int],
+           workers: Optional[int]) -> Tuple[str, int, int, Optional[int]]:
+    """Host, port, index and world size: each argument, else the discovered place's, else the
+    default (the world size: RS_WORLD_SIZE, else None)."""
+    from ..config.discovery import discover_reducer
+
+    # Only when one is missing: a shard, which its supervisor starts with all three, takes them
+    # as they are and does not discover (nor check) its place again.
+    place = discover_reducer() if None in (host, port, index) else None
+    host = host or (place.host if place else "0.0.0.0")
+    port = port if port is not None else (place.port if place else 0)
+    index = index if index is not None else (place.index if place else 0)
+    if workers is None:
+        workers = place.world_size if place else None
+        if workers is None:
+            workers = settings.read("RS_WORLD_SIZE")
+    return host, port, index, workers
+
+
+def _metrics_port(metrics_port: Optional[int]) -> int:
+    """The argument, checked (RS_METRICS_PORT's range is checked by settings.read), else RS_METRICS_PORT."""
+    if metrics_port is None:
+        return settings.read("RS_METRICS_PORT")
+    if not 0 <= metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {metrics_port} is outside 0-65535")
+    return metrics_port
+
+
+def _shards(shards: Union[str, int, None], shard: Optional[int]) -> int:
+    """How many shards (the argument, else RS_SHARDS), with `shard` checked to be one of them."""
+    count = shard_count(settings.read("RS_SHARDS") if shards is None else shards,
+                        "RS_SHARDS" if shards is None else "--shards")
+    if shard is not None and not 0 <= shard < count:
+        raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")
+    return count
+
+
+def _check_budget(budget: int, max_chunk: int, count: int) -> None:
+    """A ConfigError when sharding alone leaves each shard less accumulator memory than one chunk
+    (one process with too small a budget is left to refuse each chunk, naming the setting)."""
+    if count > 1 and budget < max_chunk <= budget * count:
+        raise ConfigError(f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
+                          f"{budget} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
+                          f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
