@@ -3,29 +3,27 @@ collective, a worker that closes its communicator mid-job, a reducer killed mid-
 restarted at the same address, a straggler slower than RS_TIMEOUT.
 
 Reducers are real processes (tests/helpers/cluster.py); workers are real processes running
-tests/scripts/failure_worker.py. Timeouts are small (RS_LIVENESS_TIMEOUT, RS_TIMEOUT) so that
-every test is bounded in time; the latencies measured here are recorded in docs/reliability.md.
+tests/scripts/failure_worker.py (tests/helpers/workers.py: killed as each test's `with` ends).
+Timeouts are small (RS_LIVENESS_TIMEOUT, RS_TIMEOUT) so that every test is bounded in time; the
+latencies measured here are recorded in docs/reliability.md.
 """
 from __future__ import annotations
 
 import json
 import re
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import pytest
 
 from reduction_server.config import settings
 
-from helpers.cluster import SCRIPTS, TOKEN, Reducers, child_env, reducers, run_workers
+from helpers.cluster import reducers, run_workers
 from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK
 from helpers.probes import rss
+from helpers.workers import Workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,89 +33,6 @@ def names_reducer(text: str, i: int, address: str) -> bool:
     host, port = address.rsplit(":", 1)
     return f"reducer {i} ({address})" in text or any(
         f"reducer {i} shard {s} ({host}:{int(port) + s})" in text for s in range(settings.MAX_SHARDS))
-
-
-class Workers:
-    """W worker processes running failure_worker.py; their stdout lines are read as JSON."""
-
-    def __init__(self, world: int, group: Reducers, spec: dict, extra_env: Optional[Dict[str, str]] = None) -> None:
-        self.procs: List[subprocess.Popen] = []
-        self.errs = []
-        self.lines: Dict[int, List[dict]] = {r: [] for r in range(world)}
-        self.changed = threading.Condition()
-        self.readers = []
-        for rank in range(world):
-            env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(world),
-                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST, **(extra_env or {})})
-            err = tempfile.TemporaryFile(mode="w+")
-            self.errs.append(err)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "failure_worker.py"), json.dumps(spec)], env=env,
-                stdout=subprocess.PIPE, stderr=err, text=True))
-            reader = threading.Thread(target=self._read, args=(rank,), daemon=True)
-            reader.start()
-            self.readers.append(reader)
-
-    def _read(self, rank: int) -> None:
-        for line in self.procs[rank].stdout:
-            if line.strip():
-                with self.changed:
-                    self.lines[rank].append(json.loads(line))
-                    self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def wait_for(self, key: str, ranks, timeout: float = 60) -> None:
-        """Until every rank in `ranks` printed a line with `key`."""
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                pending = [r for r in ranks if not any(key in line for line in self.lines[r])]
-                if not pending:
-                    return
-                for r in pending:
-                    assert self.procs[r].poll() is None or self.readers[r].is_alive(), \
-                        f"rank {r} exited ({self.procs[r].poll()}) before saying {key!r}: {self.stderr(r)}"
-                assert time.monotonic() < deadline, f"ranks {pending} did not say {key!r}"
-                self.changed.wait(0.2)
-
-    def wait_until_still(self, ranks, quiet: float, timeout: float) -> None:
-        """Until no rank in `ranks` has printed a line for `quiet` seconds (they all wait)."""
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                seen = [len(self.lines[r]) for r in ranks]
-                still_since = time.monotonic()
-                while time.monotonic() - still_since < quiet:
-                    self.changed.wait(quiet)
-                    if [len(self.lines[r]) for r in ranks] != seen:
-                        break
-                else:
-                    return
-                assert time.monotonic() < deadline, f"ranks {list(ranks)} kept making progress"
-
-    def stderr(self, rank: int) -> str:
-        self.errs[rank].seek(0)
-        return self.errs[rank].read()[-3000:]
-
-    def finish(self, ranks, timeout: float = 60) -> Dict[int, dict]:
-        """Each rank's last JSON line; it must exit 0."""
-        results = {}
-        deadline = time.monotonic() + timeout
-        for r in ranks:
-            code = self.procs[r].wait(timeout=max(1.0, deadline - time.monotonic()))
-            self.readers[r].join(5)
-            assert code == 0, f"rank {r} exited {code}:\n{self.stderr(r)}\n{self.lines[r]}"
-            results[r] = self.lines[r][-1]
-        return results
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for err in self.errs:
-            err.close()
 
 
 def last_field(log: str, event: str, field: str) -> Optional[int]:
@@ -136,16 +51,13 @@ FRESH_JOB = json.dumps({"sequential": [
 def test_killed_worker_fails_the_survivors_naming_it_and_the_reducers_serve_a_fresh_job():
     env = {**FAST, "RS_TIMEOUT": "30"}  # far longer than detection: the loss, not a timeout, ends it
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "loop", "count": 4 << 20, "ready_after": 3}, env)
-        try:
+        with Workers(3, group, {"mode": "loop", "count": 4 << 20, "ready_after": 3}, env) as workers:
             workers.wait_for("ready", range(3))
             before = [rss(p.pid) for p in group.procs]
             time.sleep(0.3)  # a 16 MiB all-reduce is always in progress: this is mid-collective
             killed_at = time.time()
             workers.procs[2].kill()
             results = workers.finish([0, 1])
-        finally:
-            workers.kill_all()
         for r in (0, 1):
             res = results[r]
             latency = res["error_at"] - killed_at
@@ -182,11 +94,8 @@ def test_killed_worker_fails_the_survivors_naming_it_and_the_reducers_serve_a_fr
 def test_a_rank_that_closes_mid_job_fails_the_others_naming_it():
     env = {**FAST, "RS_TIMEOUT": "30"}
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "close", "closer": 1, "before": 5}, env)
-        try:
+        with Workers(3, group, {"mode": "close", "closer": 1, "before": 5}, env) as workers:
             results = workers.finish(range(3))
-        finally:
-            workers.kill_all()
         closed_at = results[1]["closed_at"]
         for r in (0, 2):
             res = results[r]
@@ -207,9 +116,8 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
     env = {**FAST, "RS_TIMEOUT": "30", "RS_FAILOVER": "0"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5,
-                                     "progress": True}, env)
-        try:
+        with Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5,
+                                "progress": True}, env) as workers:
             workers.wait_for("ready", range(3))
             group.signal(1, signal.SIGSTOP)
             workers.wait_until_still(range(3), quiet=1.0, timeout=QUIET / 2)
@@ -220,8 +128,6 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
             group.restart(1)
             go.touch()
             results = workers.finish(range(3))
-        finally:
-            workers.kill_all()
         for r in range(3):
             res = results[r]
             latency = res["error_at"] - killed_at
@@ -244,8 +150,7 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
     env = {**FAST, "RS_LIVENESS_TIMEOUT": str(liveness), "RS_TIMEOUT": "30", "RS_FAILOVER": "0"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "between", "count": 1 << 20, "go": str(go)}, env)
-        try:
+        with Workers(3, group, {"mode": "between", "count": 1 << 20, "go": str(go)}, env) as workers:
             workers.wait_for("ready", range(3))
             group.signal(1, signal.SIGKILL)
             time.sleep(0.5)  # every worker has seen its connection close before it starts the collective
@@ -255,8 +160,6 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
                 group.restart(1)
             results = workers.finish(range(3))
             logs = [workers.stderr(r) for r in range(3)]
-        finally:
-            workers.kill_all()
         for r in range(3):
             res = results[r]
             print(f"rank {r}: took {res['took']:.3f} s: {res['error']}")
@@ -281,15 +184,14 @@ def test_a_reducer_that_is_silent_is_declared_lost_after_the_liveness_timeout():
     """SIGSTOP: the connection stays open, only the heartbeats stop."""
     env = {**SILENT, "RS_TIMEOUT": "30"}
     with reducers(1, extra_env=env) as group:
-        workers = Workers(2, group, {"mode": "loop", "count": 1 << 18, "ready_after": 3}, env)
-        try:
-            workers.wait_for("ready", range(2))
-            stopped_at = time.time()
-            group.signal(0, signal.SIGSTOP)
-            results = workers.finish([0, 1])
-        finally:
-            group.signal(0, signal.SIGCONT)
-            workers.kill_all()
+        with Workers(2, group, {"mode": "loop", "count": 1 << 18, "ready_after": 3}, env) as workers:
+            try:
+                workers.wait_for("ready", range(2))
+                stopped_at = time.time()
+                group.signal(0, signal.SIGSTOP)
+                results = workers.finish([0, 1])
+            finally:
+                group.signal(0, signal.SIGCONT)
         for r in range(2):
             res = results[r]
             latency = res["error_at"] - stopped_at
@@ -304,11 +206,9 @@ def test_a_straggler_fails_the_collective_with_the_same_message_on_every_rank():
     timeout = 2.0
     env = {**FAST, "RS_TIMEOUT": str(timeout)}
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "straggler", "slow": 2, "delay": timeout + 2.5, "count": 100_000}, env)
-        try:
+        spec = {"mode": "straggler", "slow": 2, "delay": timeout + 2.5, "count": 100_000}
+        with Workers(3, group, spec, env) as workers:
             results = workers.finish(range(3))
-        finally:
-            workers.kill_all()
         texts = set()
         for r in range(3):
             res = results[r]
@@ -330,14 +230,11 @@ def test_a_silent_worker_is_declared_lost_after_the_liveness_timeout():
     """SIGSTOP: its connection stays open, only its heartbeats stop."""
     env = {**SILENT, "RS_TIMEOUT": "30"}
     with reducers(2, extra_env=env) as group:
-        workers = Workers(3, group, {"mode": "loop", "count": 1 << 18, "ready_after": 3}, env)
-        try:
+        with Workers(3, group, {"mode": "loop", "count": 1 << 18, "ready_after": 3}, env) as workers:
             workers.wait_for("ready", range(3))
             stopped_at = time.time()
             workers.procs[2].send_signal(signal.SIGSTOP)
             results = workers.finish([0, 1])
-        finally:
-            workers.kill_all()
         for r in (0, 1):
             res = results[r]
             latency = res["error_at"] - stopped_at

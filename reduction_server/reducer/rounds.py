@@ -181,7 +181,7 @@ class Rounds:
             return None, problem
         rnd = self.rounds.get(h.key)
         if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=time.monotonic(),
+            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=self.clock.now,
                                              moved=h.type in MOVED_TYPES)
         return rnd, problem
 
