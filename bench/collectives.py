@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from .emulated_network import EmulatedNetwork, cleanup_on_sigterm
 from .netem import medians, plan_runs, run_gloo, run_reduction_server
+from reduction_server.children import AWAY_FROM_SOURCE
 
 COLUMNS = ["peer", "collective", "W", "R", "mbit", "mib", "ms", "ms_range", "algbw_GBps", "vs_gloo"]
 _JOB = "reduction_server.bench.collectives_job"
@@ -53,7 +54,7 @@ def _loopback(backend: str, world: int, reducers: int, args: List[str]) -> List[
     RANK, WORLD_SIZE and MASTER_* for Gloo's ranks); rank 0's result lines."""
     command = [sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers", str(reducers), "--",
                sys.executable, "-m", _JOB, backend, *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd="/",
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=AWAY_FROM_SOURCE,
                           env={**os.environ, "RS_SHM": "0"})  # through sockets, as between hosts
     lines = [line[line.index("{"):] for line in proc.stdout.splitlines() if _MARKER in line]
     if proc.returncode != 0 or not lines:

@@ -28,6 +28,7 @@ from typing import Dict, List
 
 import numpy as np
 import zmq
+from reduction_server.children import AWAY_FROM_SOURCE
 
 _GIB = 1 << 30
 _WARMUP = 8  # messages (per peer) before the clock starts: connection, buffers
@@ -114,12 +115,12 @@ def _measure(listeners: List[List[str]], senders: List[List[str]], timeout: floa
     commas, as its first argument); the listeners' JSON results and the senders' outputs. Every
     process is gone when it returns or raises (after `timeout` seconds in all at the most)."""
     deadline = time.monotonic() + timeout
-    started = [subprocess.Popen([*_JOB, *args], stdout=subprocess.PIPE, text=True, cwd="/") for args in listeners]
+    started = [subprocess.Popen([*_JOB, *args], stdout=subprocess.PIPE, text=True, cwd=AWAY_FROM_SOURCE) for args in listeners]
     procs: List[subprocess.Popen] = []
     try:
         ports = ",".join(str(json.loads(proc.stdout.readline())["port"]) for proc in started)
         procs = [subprocess.Popen([*_JOB, args[0], ports, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, cwd="/") for args in senders]
+                                  text=True, cwd=AWAY_FROM_SOURCE) for args in senders]
         outputs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
         for proc, (_, err) in zip(procs, outputs):
             if proc.returncode != 0:

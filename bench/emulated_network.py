@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from typing import Dict, Iterator, List, Sequence
+from reduction_server.children import AWAY_FROM_SOURCE
 
 #: the bridge's netfilter hooks (net.bridge.bridge-nf-call-*), off in the switch namespace
 BRIDGE_NETFILTER = ("iptables", "ip6tables", "arptables")
@@ -151,7 +152,7 @@ class EmulatedNetwork:
 
     def spawn(self, i: int, argv: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
         """Start argv on host i; its output is read by the caller; it dies with the network."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=env, cwd="/",
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=env, cwd=AWAY_FROM_SOURCE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         self._procs.append(proc)

@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 from tqdm import tqdm
 
 from .netem import medians
+from reduction_server.children import AWAY_FROM_SOURCE
 
 COLUMNS = ["peer", "W", "R", "mib", "ms", "ms_range", "algbw_GBps", "busbw_GBps(ring)", "vs_gloo", "vs_gloo_range"]
 _JOB = [sys.executable, "-m", "reduction_server.bench.allreduce_job"]
@@ -52,7 +53,7 @@ def _measure(peer: str, world: int, reducers: int, sizes_mib: Sequence[float], i
     sizes = ",".join(f"{s:g}" for s in sizes_mib)
     extra = TRANSPORTS.get(peer, (peer, {}))[1]
     proc = subprocess.run(_command(peer, world, reducers, sizes, iters), capture_output=True, text=True,
-                          timeout=900, cwd="/", env={**os.environ, **extra})
+                          timeout=900, cwd=AWAY_FROM_SOURCE, env={**os.environ, **extra})
     points = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '{"bytes"' in line]
     if proc.returncode != 0 or len(points) != len(sizes_mib):
         raise RuntimeError(f"{peer} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

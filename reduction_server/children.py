@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import IO, Callable, Optional, Sequence
 
 POLL_S = 0.05  # how often the launcher looks for exited children
+# Where the package's own children (reducers, shards, benchmark jobs) start: `python -m` puts its
+# working directory first on sys.path, and from a source checkout's root that is the uncompiled
+# tree (no _native), not the installed package. The root directory cannot hold a checkout's root.
+AWAY_FROM_SOURCE = "/"
 _MAX_LINE = 64 * 1024  # longer lines are printed in pieces rather than buffered without bound
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import List
 
 import numpy as np
@@ -30,6 +31,7 @@ from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from helpers.jobs import until
 from helpers.metrics import scrape, value
 from helpers.ports import free_port_range
+from helpers.source_tree import ROOT
 from helpers.training import FAST, Run
 
 from reduction_server.client.engine.endpoints import Endpoint, check_shard_counts, expand
@@ -381,6 +383,22 @@ def test_serve_runs_one_shard_per_core_by_default():
         line = proc.stdout.readline()
         cores = shard_count.usable_cores()
         assert (f"shards={cores} " in line) if cores > 1 else ("shards=" not in line), line
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_serve_from_a_source_checkouts_root_starts_its_shards_from_the_installed_package():
+    """From the clone's root, where the README has users run commands, `python -m` in a shard
+    would import the uncompiled tree (no _native) instead of the installed package."""
+    env = child_env({"RS_JOB_TOKEN": TOKEN})
+    command = [str(Path(sys.executable).parent / "reduction-server"), "serve", "--host", "127.0.0.1", "--port", "0",
+               "--shards", "2"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "shards=2 " in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        assert [shard.status() != psutil.STATUS_ZOMBIE for shard in _shards(proc)] == [True, True]
     finally:
         proc.terminate()
         proc.wait(15)

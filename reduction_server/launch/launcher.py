@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from ..children import POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit, signal_name, stop_all, wait_briefly
+from ..children import AWAY_FROM_SOURCE, POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit, signal_name, stop_all, wait_briefly
 from .elastic import Elastic
 from .local_layout import Layout, check_arguments, job_environment, plan_layout, worker_environment
 
@@ -113,7 +113,7 @@ class _Job:
                 # source checkout that is the uncompiled tree, not the installed package.
                 try:
                     failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent,
-                                          cwd="/", pass_fds=(ready_w,))
+                                          cwd=AWAY_FROM_SOURCE, pass_fds=(ready_w,))
                 finally:
                     os.close(ready_w)
                 if failure is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
 from ..config import settings
-from ..children import die_with_parent_hook
+from ..children import AWAY_FROM_SOURCE, die_with_parent_hook
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 
@@ -175,7 +175,8 @@ class Supervisor:
         ready_r, ready_w = os.pipe()
         try:
             shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, env=self.env, preexec_fn=self.hook)
+                                          stdout=subprocess.DEVNULL, env=self.env, preexec_fn=self.hook,
+                                          cwd=AWAY_FROM_SOURCE)
         except OSError as exc:  # fork or exec failed (no memory, too many processes)
             os.close(ready_r)
             shard.proc = None

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from ..children import die_with_parent_hook
+from ..children import AWAY_FROM_SOURCE, die_with_parent_hook
 
 GIB = 1 << 30
 GBIT_PER_GIB = GIB * 8 / 1e9
@@ -123,7 +123,7 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
     # From the root directory: `-m` puts the working directory first on sys.path (a checkout's tree).
     reducer = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
                                 "0", "--index", "0", "--workers", str(world), "--shards", str(shards)],
-                               stdout=subprocess.PIPE, text=True, env=env, cwd="/", preexec_fn=hook)
+                               stdout=subprocess.PIPE, text=True, env=env, cwd=AWAY_FROM_SOURCE, preexec_fn=hook)
     workers: List[subprocess.Popen] = []
     # A process that stops answering is killed after `timeout`: the reads below then end.
     watchdog = threading.Timer(timeout, lambda: [p.kill() for p in [reducer, *workers] if p.poll() is None])
@@ -135,7 +135,7 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
         address = f"{match.group(1)}:{match.group(2)}"
         for rank in range(world):
             workers.append(subprocess.Popen(
-                [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)], cwd="/",
+                [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)], cwd=AWAY_FROM_SOURCE,
                 env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
                 stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                 preexec_fn=hook))
