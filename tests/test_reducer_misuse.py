@@ -237,3 +237,77 @@ def test_ranks_past_the_boundary_that_lost_the_reducer_again_agree_on_a_new_one(
     assert joins(reducer) == {}
     progress(reducer, b"r1", 1, first + 4)
     assert joins(reducer) == {b"r0": first + 10 + REJOIN_LEAD, b"r1": first + 10 + REJOIN_LEAD}
+
+
+def _logged_lines(caplog, run) -> List[str]:
+    logger = logging.getLogger("reduction_server")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="reduction_server"):
+            run()
+    finally:
+        logger.removeHandler(caplog.handler)
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("refused", ["world out of range", "another world", "an older generation", "rejoin"])
+def test_refused_hellos_strike_and_log_a_bounded_number_of_lines(caplog, refused: str):
+    """Each refusal of a HELLO was logged at WARNING and answered without a strike: 1,000 refused
+    HELLOs on one connection were 1,000 log lines. Now a connection is ignored after MAX_STRIKES,
+    and 1,000 connections refused once each leave one line and one summary per interval."""
+    reducer = new_reducer(world=2)
+    admit(reducer, b"r0", 0)
+    reducer.members.job = (JOB, 1)  # serving generation 1: generation 0 is older
+    answers(reducer)
+
+    def refuse(identity: bytes) -> None:
+        world, facts, generation = 2, {}, 1
+        if refused == "world out of range":
+            world = 0
+        elif refused == "another world":
+            world = 3
+        elif refused == "an older generation":
+            generation = 0
+        else:
+            facts = {"rejoin": True}
+        payload = hello_payload(**facts)
+        header = protocol.text_header(MsgType.HELLO, payload, rank=0, world=world,
+                                      job=JOB + 1 if refused == "rejoin" else JOB, generation=generation)
+        send(reducer, identity, header, payload)
+
+    def one_connection() -> None:
+        for _ in range(1000):
+            refuse(b"rogue")
+        reducer.clock.now += 11
+        reducer.outbox.throttle.flush()
+
+    lines = _logged_lines(caplog, one_connection)
+    kinds = [h.type for _, h, _ in answers(reducer)]
+    assert kinds == [MsgType.REJECT] * MAX_STRIKES  # then silence
+    assert reducer.admission.ignored(b"rogue")
+    assert sum(line.startswith("rejected ") for line in lines) == 1 and sum("peer_dropped" in line for line in lines) == 1
+    assert f"suppressed what=rejected lines={MAX_STRIKES - 1} interval_s=10.0" in lines and len(lines) == 3, lines
+    caplog.clear()
+
+    def many_connections() -> None:
+        for i in range(1000):
+            refuse(b"rogue-%d" % i)
+        reducer.clock.now += 11  # the next tick after the interval writes the count
+        reducer.outbox.throttle.flush()
+
+    lines = _logged_lines(caplog, many_connections)
+    assert len(answers(reducer)) == 1000  # each is still told why
+    assert [line for line in lines if "rejected" in line or "suppressed" in line] == [
+        lines[0], "suppressed what=rejected lines=999 interval_s=10.0"], lines
+    assert len(lines) == 2, lines
+
+
+def test_nothing_a_stranger_is_told_names_the_job_served():
+    reducer = new_reducer(world=2)
+    admit(reducer, b"r0", 0)
+    answers(reducer)
+    payload = hello_payload(rejoin=True)
+    send(reducer, b"stranger", protocol.text_header(MsgType.HELLO, payload, rank=1, world=2, job=JOB + 1), payload)
+    send(reducer, b"stranger2", protocol.text_header(MsgType.PING, b""))
+    told = [payload for _, _, payload in answers(reducer)]
+    assert len(told) == 2 and not [text for text in told if f"{JOB:#x}".encode() in text], told

@@ -44,8 +44,6 @@ MAX_PENDING_HELLOS = 65536
 #: same one (Peer.process): a stranger's HELLO may carry 64 KiB, and none of it is kept but these
 _KEPT_FACTS = ("host", "pid")
 _MAX_FACT_CHARS = 256
-#: seconds between two log lines of failed authentications (each is counted, and REJECTed)
-_AUTH_LOG_S = 10.0
 
 
 def _facts(info: object) -> dict:
@@ -82,7 +80,6 @@ class Admission:
         self.pending: "OrderedDict[bytes, None]" = OrderedDict()  # HELLOs awaiting AUTH, the oldest first
         self.admissions = 0
         self.auth_failures = 0
-        self._next_auth_log = 0.0
 
     def ignored(self, identity: bytes) -> bool:
         """Whether `identity` sent too many malformed frames to be heard any more."""
@@ -98,14 +95,15 @@ class Admission:
             # A worker greets each connection once: another rank (or job) on an admitted
             # connection would leave the rank it holds neither served nor lost.
             return self._refuse(identity, f"a second HELLO (rank {h.rank}) on a connection admitted already")
+        # Refusals below strike as a malformed frame does: a peer cannot try (and be logged) for ever.
         if not 0 < h.world <= protocol.MAX_WORLD_SIZE or h.rank >= h.world:
-            return self.outbox.reject(identity, f"rank {h.rank} / world size {h.world} is out of range")
+            return self._refuse(identity, f"rank {h.rank} / world size {h.world} is out of range")
         if self.members.fixed_world is not None and h.world != self.members.fixed_world:
-            return self.outbox.reject(identity, (
+            return self._refuse(identity, (
                 f"{self.name} serves {self.members.fixed_world} workers (--workers / RS_WORLD_SIZE) "
                 f"but rank {h.rank} says the world size is {h.world}"))
         if job is not None and h.job == job[0] and h.generation < job[1]:
-            return self.outbox.reject(identity, (
+            return self._refuse(identity, (
                 f"rank {h.rank} belongs to generation {h.generation} of job {h.job:#x}, "
                 f"but {self.name} already serves generation {job[1]}"))
         try:
@@ -113,10 +111,11 @@ class Admission:
         except ValueError as exc:
             return self._refuse(identity, f"HELLO payload is not valid JSON: {exc}")
         if isinstance(info, dict) and info.get("rejoin") and job is not None and (h.job, h.generation) != job:
-            # A worker reconnecting after losing this reducer never replaces the job it serves now.
-            return self.outbox.reject(identity, (
+            # A worker reconnecting after losing this reducer never replaces the job it serves now;
+            # which job that is, is not told to a peer that has proved nothing.
+            return self._refuse(identity, (
                 f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
-                f"{self.name} serves job {job[0]:#x} generation {job[1]} now"))
+                f"{self.name} serves another job or generation now"))
         try:
             theirs = bytes.fromhex(info["nonce"]) if isinstance(info, dict) else b""
         except (KeyError, TypeError, ValueError):
@@ -148,10 +147,9 @@ class Admission:
                                                      generation=peer.generation, rank=peer.rank, world=peer.world):
             del members.peers[identity]
             self.auth_failures += 1
-            if self.clock.now >= self._next_auth_log:  # a stranger may try again and again: logged at a bounded rate
-                self._next_auth_log = self.clock.now + _AUTH_LOG_S
-                event(log, logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank, job=hex(peer.job),
-                      reason="proof does not match RS_JOB_TOKEN", failures=self.auth_failures)
+            self.outbox.throttle.event(logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank,
+                                       job=hex(peer.job), reason="proof does not match RS_JOB_TOKEN",
+                                       failures=self.auth_failures)
             return self._refuse(identity, f"rank {peer.rank}: authentication failed: wrong or missing job token "
                                           "(RS_JOB_TOKEN)", logged=False)
         try:
@@ -215,16 +213,13 @@ class Admission:
         if peer is not None and peer.admitted:
             peer.heartbeats = True
         elif peer is None:  # a worker this reducer dropped (its job was replaced, or it was lost)
-            job = self.members.job
-            self.outbox.error(identity, ErrorCode.NOT_ADMITTED, (
-                f"{self.name}: this worker is not admitted (any more)"
-                + (f"; this reducer serves job {job[0]:#x} generation {job[1]} now" if job else "")))
+            self.outbox.error(identity, ErrorCode.NOT_ADMITTED, f"{self.name}: this worker is not admitted (any more)")
 
     def malformed(self, identity: bytes, reason: str) -> None:
         """A frame that could not be used: answered, counted, and the peer dropped at MAX_STRIKES."""
         strikes = self._strike(identity)
-        event(log, logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
-              reason=reason, strikes=strikes)
+        self.outbox.throttle.event(logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
+                                   reason=reason, strikes=strikes)
         self.outbox.error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
 
     def _refuse(self, identity: bytes, reason: str, logged: bool = True) -> None:
@@ -239,8 +234,8 @@ class Admission:
         strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
         self.strikes[identity] = (strikes, self.clock.now)
         if strikes >= MAX_STRIKES:
-            event(log, logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
-                  reason=f"{MAX_STRIKES} malformed messages or failed handshakes")
+            self.outbox.throttle.event(logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
+                                       reason=f"{MAX_STRIKES} malformed messages or failed handshakes")
             peer = self.members.holder(identity)
             if peer is not None:
                 # its later messages are ignored: the other ranks must not wait for its contributions

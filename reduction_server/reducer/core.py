@@ -15,7 +15,7 @@ import zmq
 from ..wire import protocol
 from .accumulator import AccumulatorPool
 from ..errors import ProtocolError
-from ..log import get_logger
+from ..log import Throttle, get_logger
 from ..wire.protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
 from ..wire.send_buffers import AcceptedBuffers
 from ..config.settings import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT
@@ -75,7 +75,7 @@ class Reducer:
         self.clock = Clock()
         self.clock.now = self.started = time.monotonic()
         self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
-        self.outbox = Outbox(socket, index, self.name, on_gone=self._gone)
+        self.outbox = Outbox(socket, index, self.name, on_gone=self._gone, throttle=Throttle(log, lambda: self.clock.now))
         self.members = Membership(self.outbox, self.clock, index, world_size, liveness_timeout,
                                   loss_memory=round_timeout, on_lost=self._rank_lost)
         # ranks on this host read results written once for all of them from these (shared memory)
@@ -86,7 +86,8 @@ class Reducer:
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
                                    encrypt=encrypt, shared=shared, results=self.results, shard=shard, shards=shards,
                                    read_events=self._read_events)
-        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt, send_buffers=send_buffers)
+        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt, send_buffers=send_buffers,
+                                   throttle=self.outbox.throttle)
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.bytes_in = 0
         self.bytes_shared_in = 0  # of bytes_in, those that came through shared memory
@@ -163,6 +164,7 @@ class Reducer:
                     self.rounds.check_skipped()
                     self.rounds.expire(now)
                     self.admission.forget_strangers(now)
+                    self.outbox.throttle.flush()
                     if send_buffers is not None:
                         send_buffers.measure()
                     next_tick = now + tick

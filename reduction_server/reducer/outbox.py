@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional
 import zmq
 
 from ..wire import protocol
-from ..log import event, get_logger
+from ..log import Throttle, get_logger
 from ..wire.protocol import ErrorCode, Header, MsgType
 
 log = get_logger("reducer")
@@ -39,7 +39,8 @@ def clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 class Outbox:
     """The reducer's sending side of its ROUTER socket."""
 
-    def __init__(self, socket: zmq.Socket, index: int, name: str, on_gone: Callable[[bytes], None]) -> None:
+    def __init__(self, socket: zmq.Socket, index: int, name: str, on_gone: Callable[[bytes], None],
+                 throttle: Optional[Throttle] = None) -> None:
         # A real socket's frames go through pyzmq's backend method: the Python wrapper above it
         # adds only draft-API options, at ~0.5 us a frame.
         self._send_part = (MethodType(zmq.backend.Socket.send, socket) if isinstance(socket, zmq.backend.Socket)
@@ -48,6 +49,8 @@ class Outbox:
         self.name = name
         self.on_gone = on_gone  # told of each identity whose connection a send found closed
         self.unsent: Dict[bytes, int] = {}  # messages that could not be sent, per peer
+        # every line a peer can cause before it proved the token goes through it (log.Throttle)
+        self.throttle = throttle if throttle is not None else Throttle(log)
 
     def send(self, identity: bytes, frames: list) -> bool:
         """Queue one message for a peer; whether it was queued."""
@@ -72,8 +75,8 @@ class Outbox:
                 reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else str(exc)
                 # A peer that is gone is no news: its loss, if it matters, is logged as rank_lost.
                 level = logging.DEBUG if exc.errno == zmq.EHOSTUNREACH else logging.WARNING
-                event(log, level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason,
-                      unsent=unsent)
+                self.throttle.event(level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason,
+                                    unsent=unsent)
             return False
 
     def error(self, identity: bytes, code: ErrorCode, text: str, about: Optional[Header] = None) -> None:
@@ -82,9 +85,9 @@ class Outbox:
         self.send(identity, [protocol.error_header(code, payload, about), payload])
 
     def reject(self, identity: bytes, reason: str, logged: bool = True) -> None:
-        """A REJECT of a handshake, logged unless the caller logs it (at a bounded rate)."""
+        """A REJECT of a handshake, logged (throttled) unless the caller logs it."""
         reason = clip(reason)  # the log line and the reply both stay short
         if logged:
-            event(log, logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
+            self.throttle.event(logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
         text = f"{self.name}: {reason}".encode()
         self.send(identity, [protocol.text_header(MsgType.REJECT, text), text])

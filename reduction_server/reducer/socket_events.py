@@ -4,33 +4,30 @@
   monitor names its descriptor.
 - A closed connection may be a killed worker's. The reducer then probes its heartbeat peers
   (ROUTER_NOTIFY would say whose, but it needs libzmq's draft API).
-- A failed security handshake is logged, at most every 10 s for each reason: that peer was never
-  admitted.
+- A failed security handshake is logged through the reducer's Throttle, once an interval for each
+  reason: that peer was never admitted.
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Optional
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..wire import encryption
-from ..log import event, get_logger
+from ..log import Throttle, get_logger
 from ..wire.send_buffers import AcceptedBuffers
 from .clock import Clock
 
 log = get_logger("reducer")
-
-#: seconds between two log lines for the same handshake failure (a worker retries every 100 ms)
-_HANDSHAKE_LOG_S = 10.0
 
 
 class SocketEvents:
     """The monitor of one reducer's socket, read from open() until close()."""
 
     def __init__(self, socket: zmq.Socket, clock: Clock, *, index: int, encrypt: bool,
-                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
+                 send_buffers: Optional[AcceptedBuffers] = None, throttle: Optional[Throttle] = None) -> None:
         self.socket = socket
         self.clock = clock
         self.index = index
@@ -38,7 +35,7 @@ class SocketEvents:
         self.send_buffers = send_buffers
         self.monitor: Optional[zmq.Socket] = None
         self.handshake_failures = 0  # connections whose security handshake failed
-        self.next_handshake_log: Dict[str, float] = {}  # reason -> when it may be logged again
+        self.throttle = throttle if throttle is not None else Throttle(log, lambda: clock.now)
 
     def open(self) -> zmq.Socket:
         """Start monitoring the socket; the monitor's own socket, to poll."""
@@ -70,8 +67,6 @@ class SocketEvents:
             # as a closed connection and is logged below the warning level.
             closed += -1 if certain else 1
             self.handshake_failures += 1
-            if self.clock.now >= self.next_handshake_log.get(reason, 0.0):
-                self.next_handshake_log[reason] = self.clock.now + _HANDSHAKE_LOG_S
-                event(log, logging.WARNING if certain else logging.INFO, "handshake_failed", reducer=self.index,
-                      reason=reason, certain=certain, failures=self.handshake_failures)
+            self.throttle.event(logging.WARNING if certain else logging.INFO, "handshake_failed", cause=reason,
+                                reducer=self.index, reason=reason, certain=certain, failures=self.handshake_failures)
         return closed > 0

@@ -21,6 +21,7 @@ from reduction_server.client.engine.collective import SENT, Collective
 from reduction_server.client.engine.failover import Failover
 from reduction_server.client.engine.identity import Identity
 from reduction_server.client.engine.ledger import Ledger
+from reduction_server.log import Throttle, get_logger
 from reduction_server.reducer.accumulator import AccumulatorPool
 from reduction_server.reducer.admission import Admission
 from reduction_server.reducer.clock import Clock
@@ -87,7 +88,9 @@ class RecordingOutbox(Outbox):
     ones (their texts, their headers), send() records. A send to an identity in `gone` fails as one
     to a closed connection does, and tells on_gone."""
 
-    def __init__(self, index: int = 0, name: str = NAME) -> None:  # no socket: nothing of Outbox's own
+    def __init__(self, index: int = 0, name: str = NAME, clock: Optional[Clock] = None) -> None:
+        # no socket: nothing of Outbox's own
+        self.throttle = Throttle(get_logger("reducer"), (lambda: clock.now) if clock is not None else time.monotonic)
         self.index = index
         self.name = name
         self.on_gone = lambda identity: None
@@ -186,7 +189,7 @@ def reducer_rooms(world: Optional[int] = None, *, token: str = TOKEN, round_time
                   now: Optional[float] = None) -> ReducerRooms:
     """A reducer's rooms for a job of `world` ranks (None: learnt from the first admitted)."""
     clock = FakeClock(now)
-    outbox = RecordingOutbox()
+    outbox = RecordingOutbox(clock=clock)
     pool = AccumulatorPool(max_accumulator_bytes, max_accumulator_bytes)
     rooms: dict = {}
     members = Membership(outbox, clock, 0, world, liveness_timeout, loss_memory=round_timeout,
