@@ -67,6 +67,10 @@ setup(
                  "expecttest"],  # torch's own distributed test suite (test_torch_suite.py) imports it
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },
-    entry_points={"console_scripts": ["reduction-server=reduction_server.cli:main"]},
+    # torch calls each `torch.backends` entry point at the end of `import torch`: this one registers the
+    # "reduction_server" backend lazily, from a top-level module that imports only the standard library
+    py_modules=["reduction_server_torch_autoload"],
+    entry_points={"console_scripts": ["reduction-server=reduction_server.cli:main"],
+                  "torch.backends": ["reduction_server = reduction_server_torch_autoload:register"]},
     zip_safe=False,
 )

@@ -79,7 +79,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 # The command line stands above every layer: `reduction-server bench` runs the benchmarks.
-ENTRY_POINTS = ("reduction_server.cli", "reduction_server.__main__")
+ENTRY_POINTS = ("reduction_server.cli", "reduction_server.__main__",
+                "reduction_server_torch_autoload")  # torch's entry point, beside the package
 
 
 def test_the_core_never_imports_the_client_or_the_benchmarks():

@@ -1,5 +1,4 @@
 """The torch.distributed process group over the reducers, and the backend creator torch calls."""
-import os
 import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -309,9 +308,10 @@ def _forget(pg: ReductionServerProcessGroup) -> None:
 
 
 def _communicator_for(rank: int, world_size: int) -> Communicator:
-    """A Communicator at torch's rank and world size, reducers and job identity from discovery."""
-    env = dict(os.environ, RS_RANK=str(rank), RS_WORLD_SIZE=str(world_size))
-    place = discover_worker(env)
+    """A Communicator at torch's rank and world size, reducers and job identity from discovery.
+    Whatever launcher started the process, torch's rank and world size stand: its placement on
+    the host is not needed here, and may be unknown (Lightning's launcher sets LOCAL_RANK alone)."""
+    place = discover_worker(rank=rank, world_size=world_size)
     return Communicator(place.reducers, rank, world_size, job_token=place.job_token, job_id=place.job_id,
                         generation=place.generation)
 

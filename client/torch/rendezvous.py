@@ -101,7 +101,9 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
 
 
 def register() -> None:
-    """Register the backend with torch, and the env:// handler that needs no MASTER_ADDR (idempotent)."""
+    """Register the backend with torch, and the env:// handler that needs no MASTER_ADDR (idempotent).
+    Where `import torch` registered the backend already (the installed package's `torch.backends`
+    entry point, reduction_server_torch_autoload.py), its creator stays: it calls create_backend."""
     global _env_handler
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])

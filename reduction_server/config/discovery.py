@@ -7,11 +7,22 @@ index and the port it listens on. Sources, first match wins:
 2. CLUSTER_SPEC: Vertex AI's pools workerpool0..workerpool3, or AI Platform's custom-container
    form with master/worker/ps/evaluator;
 3. TF_CONFIG: chief (or master), worker, ps, evaluator;
-4. the launcher's variables: RANK/WORLD_SIZE (torchrun, PyTorchJob), HOROVOD_RANK/HOROVOD_SIZE,
-   OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE.
+4. the launcher's variables: RANK/WORLD_SIZE (torchrun, DeepSpeed's launcher, Ray Train, PyTorchJob),
+   HOROVOD_RANK/HOROVOD_SIZE, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE (Open MPI),
+   PMI_RANK/PMI_SIZE (MPICH, Intel MPI), SLURM_PROCID/SLURM_NTASKS (srun, in a job step only).
 
-The cluster specs are parsed in cluster_spec.py. Anything missing, malformed or contradictory is a ConfigError naming the variable: a wrong guess
-here would hang or silently corrupt a whole job.
+The place on the host (local rank, processes on this host) comes from the first of LOCAL_RANK
+(LOCAL_WORLD_SIZE, or DeepSpeed's LOCAL_SIZE), OMPI_COMM_WORLD_LOCAL_*, HOROVOD_LOCAL_*,
+MPI_LOCALRANKID/MPI_LOCALNRANKS and SLURM_LOCALID (this node's entry of SLURM_TASKS_PER_NODE, or
+SLURM_NTASKS_PER_NODE) that is set, else RS_PROCS_PER_HOST; what none of them says is unknown
+(None). Only a cluster spec needs it, to number each host's processes; elsewhere (torch hands the
+backend its rank, a launcher names it) a missing local size is no error: Lightning's launcher, for
+one, sets LOCAL_RANK alone. Shared memory needs none of it: each reducer's address and handshake
+say whether it shares this host (client/engine/slots.py).
+
+The cluster specs are parsed in cluster_spec.py. Anything malformed or contradictory, and anything
+missing that is needed, is a ConfigError naming the variable: a wrong guess here would hang or
+silently corrupt a whole job.
 """
 from __future__ import annotations
 
@@ -30,13 +41,24 @@ from ..errors import ConfigError
 __all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
            "job_id_from", "parse_address"]
 
+# (local rank, its sizes: the first set counts), highest priority first. A launcher's local size
+# is read only beside its own local rank: under `sbatch`, Lightning's LOCAL_RANK must not meet
+# Slurm's counts of another launch.
+_LOCAL_VARIABLES = (("LOCAL_RANK", ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+                    ("HOROVOD_LOCAL_RANK", ("HOROVOD_LOCAL_SIZE",)),
+                    ("MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
+                    ("SLURM_LOCALID", ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")))
 # (rank, size) pairs, highest priority first.
-_LOCAL_VARIABLES = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-                    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"))
 _LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"),
                        ("HOROVOD_RANK", "HOROVOD_SIZE"),
-                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                       ("PMI_RANK", "PMI_SIZE"),
+                       ("SLURM_PROCID", "SLURM_NTASKS"))
+#: srun sets it in every task of a job step; an sbatch script's own process has SLURM_PROCID=0 and
+#: the whole job's SLURM_NTASKS too, and is no rank of anything: SLURM_* count only in a step
+_SLURM_STEP = "SLURM_STEP_ID"
+_TASKS_PER_NODE = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 _JOB_ID_NUMBER = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]+")
 
@@ -48,12 +70,12 @@ class WorkerPlace:
     rank: int
     world_size: int
     reducers: tuple[str, ...]  # "host:port" ("[v6]:port"), in reducer-index order
-    local_rank: int  # which of this host's processes this is: picks the device
-    local_world_size: int
+    local_rank: Optional[int]  # which of this host's processes this is: picks the device; None: unknown
+    local_world_size: Optional[int]  # processes on this host; None: unknown (nothing here needs it)
     job_token: str  # RS_JOB_TOKEN, or "" for no authentication
     job_id: int  # unsigned 64-bit, the same in every process of the job
     generation: int  # RS_GENERATION: bumped when a job restarts, so stale peers are refused
-    source: str  # the variable that decided rank and world size
+    source: str  # the variable that decided rank and world size ("argument": the caller gave them)
 
 
 @dataclass(frozen=True)
@@ -71,15 +93,24 @@ class ReducerPlace:
     source: str  # the variable that decided the index
 
 
-def discover_worker(environ: Optional[Mapping[str, str]] = None) -> WorkerPlace:
-    """This worker's rank, world size and reducers, from `environ` (default os.environ)."""
+def discover_worker(environ: Optional[Mapping[str, str]] = None, *, rank: Optional[int] = None,
+                    world_size: Optional[int] = None) -> WorkerPlace:
+    """This worker's rank, world size and reducers, from `environ` (default os.environ).
+    `rank` and `world_size`: what a framework knows already (torch hands them to the backend);
+    they win over every variable, as RS_RANK/RS_WORLD_SIZE do, and source is then "argument"."""
     env = _Environment(environ)
     if env.text("RS_REDUCER_INDEX") is not None:
         raise ConfigError("RS_REDUCER_INDEX is set: this process is a reducer, not a worker")
-    if env.text("RS_RANK") is None and env.spec is not None:
+    given = rank is not None or world_size is not None
+    if given and (rank is None or world_size is None or not 0 <= rank < world_size):
+        raise ConfigError(f"rank={rank}, world_size={world_size}: give both, with 0 <= rank < world_size")
+    if not given and env.text("RS_RANK") is None and env.spec is not None:
         _worker_task(env.spec)  # first: a reducer would otherwise hear about LOCAL_RANK
-    local_rank, local_world_size = _local_placement(env)
-    rank, world_size, source = _worker_rank(env, local_rank, local_world_size)
+    local = _local_placement(env)
+    if given:
+        source, (local_rank, local_world_size) = "argument", (local.rank, local.size)
+    else:
+        rank, world_size, source, (local_rank, local_world_size) = _worker_rank(env, local)
     _, reducers = _reducer_addresses(env)
     token, job_id, generation = _identity(env)
     # A worker group that torchrun's agent (or `run --max-restarts`) started again is a new
@@ -175,30 +206,86 @@ def _rank_pair(env: _Environment, rank_name: str, size_name: str) -> Optional[tu
     return rank, size
 
 
-def _local_placement(env: _Environment) -> tuple[int, int]:
-    """(local rank, processes on this host), from the launcher or RS_PROCS_PER_HOST."""
+@dataclass(frozen=True)
+class _Local:
+    """This process's place on its host as the environment says it; None where it does not."""
+
+    rank: Optional[int]
+    size: Optional[int]
+    rank_name: str  # the variables that said so (or would have), for messages
+    size_name: str
+
+    def for_cluster_spec(self) -> tuple[int, int]:
+        """(local rank, processes on this host) to number each host's processes under a cluster
+        spec, where they are needed: one process per host unless something says more."""
+        if self.rank is None:
+            if self.size is None or self.size == 1:
+                return 0, 1
+            if self.size_name == "RS_PROCS_PER_HOST":
+                names = ", ".join(rank for rank, _ in _LOCAL_VARIABLES)
+                raise ConfigError(f"RS_PROCS_PER_HOST={self.size} puts several processes on this host, but none "
+                                  f"of {names} says which one this is")
+            raise ConfigError(f"{self.size_name} is set but {self.rank_name} is not set; set both")
+        if self.size is None:
+            raise ConfigError(f"{self.rank_name} is set but {self.size_name} is not set; set {self.size_name} "
+                              f"or RS_PROCS_PER_HOST to the number of processes on this host")
+        return self.rank, self.size
+
+
+def _local_placement(env: _Environment) -> _Local:
+    """This process's local rank and the processes on its host, from the launcher's variables or
+    RS_PROCS_PER_HOST; either may be unknown (None). Malformed or contradictory values are errors."""
     per_host = env.integer("RS_PROCS_PER_HOST")
-    for rank_name, size_name in _LOCAL_VARIABLES:
+    in_step = env.text(_SLURM_STEP) is not None
+    for rank_name, size_names in _LOCAL_VARIABLES:
+        if rank_name.startswith("SLURM_") and not in_step:
+            continue
         rank = env.integer(rank_name)
-        size = env.integer(size_name)
+        size, size_name = _local_size(env, size_names)
         if rank is None and size is None:
             continue
-        if rank is None:
-            raise ConfigError(f"{size_name} is set but {rank_name} is not set; set both")
-        if size is None:
-            if per_host is None:
-                raise ConfigError(f"{rank_name} is set but {size_name} is not set; set {size_name} "
-                                  f"or RS_PROCS_PER_HOST to the number of processes on this host")
+        if per_host is not None and size is None:
             size, size_name = per_host, "RS_PROCS_PER_HOST"
         elif per_host is not None and per_host != size:
             raise ConfigError(f"RS_PROCS_PER_HOST={per_host} contradicts {size_name}={size}")
-        if rank >= size:
+        if rank is not None and size is not None and rank >= size:
             raise ConfigError(f"{rank_name}={rank} must be less than {size_name}={size}")
-        return rank, size
-    if per_host is None or per_host == 1:
-        return 0, 1
-    raise ConfigError(f"RS_PROCS_PER_HOST={per_host} puts several processes on this host, but none of "
-                      f"LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or HOROVOD_LOCAL_RANK says which one this is")
+        return _Local(rank, size, rank_name, size_name or size_names[0])
+    return _Local(None, per_host, _LOCAL_VARIABLES[0][0], "RS_PROCS_PER_HOST")
+
+
+def _local_size(env: _Environment, names: tuple[str, ...]) -> tuple[Optional[int], Optional[str]]:
+    """The first of `names` that gives this host's process count, and its name; (None, None)."""
+    for name in names:
+        size = _slurm_tasks_here(env) if name == "SLURM_TASKS_PER_NODE" else env.integer(name)
+        if size is not None:
+            return size, name
+    return None, None
+
+
+def _slurm_tasks_here(env: _Environment) -> Optional[int]:
+    """This node's entry of SLURM_TASKS_PER_NODE ("2(x3),1": three nodes of 2 tasks, one of 1),
+    the node picked by SLURM_NODEID; None if unset, or if the entries differ and no SLURM_NODEID says."""
+    text = env.text("SLURM_TASKS_PER_NODE")
+    if text is None:
+        return None
+    runs = []  # (tasks, nodes)
+    for part in text.split(","):
+        match = _TASKS_PER_NODE.fullmatch(part.strip())
+        if match is None or int(match.group(1)) < 1 or int(match.group(2) or 1) < 1:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={text!r} is not a list of task counts per node such as 2(x3),1")
+        runs.append((int(match.group(1)), int(match.group(2) or 1)))
+    if len({tasks for tasks, _ in runs}) == 1:
+        return runs[0][0]
+    node = env.integer("SLURM_NODEID")
+    if node is None:
+        return None
+    for tasks, nodes in runs:
+        if node < nodes:
+            return tasks
+        node -= nodes
+    raise ConfigError(f"SLURM_NODEID={env.integer('SLURM_NODEID')} is out of range: SLURM_TASKS_PER_NODE={text} "
+                      f"lists {sum(nodes for _, nodes in runs)} node(s)")
 
 
 def _worker_task(spec: Cluster) -> Task:
@@ -213,23 +300,29 @@ def _worker_task(spec: Cluster) -> Task:
     return task
 
 
-def _worker_rank(env: _Environment, local_rank: int, local_world_size: int) -> tuple[int, int, str]:
-    """(rank, world size, deciding variable), first match wins."""
+def _worker_rank(env: _Environment, local: _Local) -> tuple[int, int, str, tuple[Optional[int], Optional[int]]]:
+    """(rank, world size, deciding variable, (local rank, local size)), first match wins."""
     explicit = _rank_pair(env, "RS_RANK", "RS_WORLD_SIZE")
     if explicit is not None:
-        return explicit[0], explicit[1], "RS_RANK"
+        return explicit[0], explicit[1], "RS_RANK", (local.rank, local.size)
     spec = env.spec
     if spec is not None:
         task = _worker_task(spec)
         # Specs list hosts; each process on a host is its own rank, numbered host by host.
-        return (task.position * local_world_size + local_rank, spec.hosts * local_world_size, spec.variable)
+        local_rank, local_size = local.for_cluster_spec()
+        return (task.position * local_size + local_rank, spec.hosts * local_size, spec.variable,
+                (local_rank, local_size))
+    in_step = env.text(_SLURM_STEP) is not None
     for rank_name, size_name in _LAUNCHER_VARIABLES:
+        if rank_name.startswith("SLURM_") and not in_step:
+            continue
         pair = _rank_pair(env, rank_name, size_name)
         if pair is not None:
-            return pair[0], pair[1], rank_name
+            return pair[0], pair[1], rank_name, (local.rank, local.size)
     raise ConfigError("no rank for this worker: set RS_RANK and RS_WORLD_SIZE, or run it where CLUSTER_SPEC, "
-                      "TF_CONFIG, RANK/WORLD_SIZE, HOROVOD_RANK/HOROVOD_SIZE or "
-                      "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE is set")
+                      "TF_CONFIG, RANK/WORLD_SIZE, HOROVOD_RANK/HOROVOD_SIZE, "
+                      "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, PMI_RANK/PMI_SIZE or (in an srun step) "
+                      "SLURM_PROCID/SLURM_NTASKS is set")
 
 
 def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], ...]]:

@@ -141,6 +141,23 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("OMPI_COMM_WORLD_LOCAL_SIZE", (WORKERS,), "-", "mpirun's LOCAL_WORLD_SIZE", int, least=1),
     Variable("HOROVOD_LOCAL_RANK", (WORKERS,), "-", "horovodrun's LOCAL_RANK", int, least=0),
     Variable("HOROVOD_LOCAL_SIZE", (WORKERS,), "-", "horovodrun's LOCAL_WORLD_SIZE", int, least=1),
+    Variable("LOCAL_SIZE", (WORKERS,), "-", "DeepSpeed's launcher's LOCAL_WORLD_SIZE (after `LOCAL_WORLD_SIZE`)", int,
+             least=1),
+    Variable("PMI_RANK", (WORKERS,), "-", "MPICH's and Intel MPI's rank (mpiexec)", int, least=0),
+    Variable("PMI_SIZE", (WORKERS,), "-", "MPICH's and Intel MPI's world size", int, least=1),
+    Variable("MPI_LOCALRANKID", (WORKERS,), "-", "MPICH's and Intel MPI's LOCAL_RANK", int, least=0),
+    Variable("MPI_LOCALNRANKS", (WORKERS,), "-", "MPICH's and Intel MPI's LOCAL_WORLD_SIZE", int, least=1),
+    Variable("SLURM_STEP_ID", (WORKERS,), "-", "set by srun in each task of a job step: the `SLURM_*` below count "
+             "only there (an sbatch script has SLURM_PROCID=0 and the whole job's SLURM_NTASKS too)"),
+    Variable("SLURM_PROCID", (WORKERS,), "-", "srun's rank", int, least=0),
+    Variable("SLURM_NTASKS", (WORKERS,), "-", "srun's world size", int, least=1),
+    Variable("SLURM_LOCALID", (WORKERS,), "-", "srun's LOCAL_RANK", int, least=0),
+    Variable("SLURM_NODEID", (WORKERS,), "-", "srun's index of this node: picks its entry of `SLURM_TASKS_PER_NODE`",
+             int, least=0),
+    Variable("SLURM_TASKS_PER_NODE", (WORKERS,), "-", "srun's tasks on each node, `2(x3),1`: this node's entry is "
+             "its LOCAL_WORLD_SIZE"),
+    Variable("SLURM_NTASKS_PER_NODE", (WORKERS,), "-", "`--ntasks-per-node`: LOCAL_WORLD_SIZE where "
+             "`SLURM_TASKS_PER_NODE` does not say", int, least=1),
     Variable("CLUSTER_SPEC", _BOTH, "-", "Vertex AI's job layout (JSON): pools, and this process's task"),
     Variable("TF_CONFIG", _BOTH, "-", "TensorFlow's job layout (JSON): chief, worker, ps, and this task"),
     # how a collective moves
@@ -179,6 +196,9 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("RS_ENCRYPT", _BOTH, "0", "1: every connection encrypted with CurveZMQ, keys derived from `RS_JOB_TOKEN`",
              bool, False),
     # the client's adapters
+    Variable("RS_TORCH_AUTOLOAD", (WORKERS,), "1", "`import torch` registers the `reduction_server` backend (a "
+             "`torch.backends` entry point; nothing more until a process asks for it); 0 turns it off, as "
+             "`TORCH_DEVICE_BACKEND_AUTOLOAD=0` does for every such entry point", bool, True),
     Variable("RS_FUSION_THRESHOLD", (WORKERS,), f"{_bytes(DEFAULT_FUSION_THRESHOLD)} (or `HOROVOD_FUSION_THRESHOLD`)",
              "bytes per fused bucket; 0 turns fusion off", int, DEFAULT_FUSION_THRESHOLD, 0),
     Variable("HOROVOD_FUSION_THRESHOLD", (WORKERS,), _bytes(DEFAULT_FUSION_THRESHOLD),

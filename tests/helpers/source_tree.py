@@ -8,11 +8,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where each installed package's sources live in the repository (as setup.py maps them).
 SOURCE_ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
                 "reduction_server.bench": "bench"}
+# Modules installed beside the package (setup.py's py_modules), by name, and their files.
+TOP_MODULES = {"reduction_server_torch_autoload": "reduction_server_torch_autoload.py"}
 
 
 def source_modules() -> Dict[str, Path]:
     """Every module of the source tree, by its installed name, and its file."""
-    modules = {}
+    modules = {name: ROOT / path for name, path in TOP_MODULES.items()}
     for package, directory in SOURCE_ROOTS.items():
         base = ROOT / directory
         for path in sorted(base.rglob("*.py")):
