@@ -8,43 +8,22 @@ into the output buffer.
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 from concurrent.futures import Future
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from reduction_server.config.discovery import discover_worker, job_id_from, parse_address
-from reduction_server.errors import ConfigError
+from reduction_server.config.discovery import discover_worker
 from reduction_server.wire.protocol import ReduceOp
-from reduction_server.wire.shared_memory import enabled as shared_memory_enabled
-from reduction_server.config import settings
-from reduction_server.config.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan, plan_chunks
 from .engine import Collective, Engine
+from .engine.options import EngineOptions
 from .timeline import Trace
 
 OpLike = Union[str, int, ReduceOp]
-
-
-def _integer(value: Any) -> Any:
-    """value as an int if it is an integer of any kind (operator.index), else unchanged."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
-def _bounded(value: Optional[int], name: str, variable: str, most: int) -> int:
-    """value, or the environment's `variable` (settings.tuning), or its default; an integer in 1..most."""
-    if value is None:
-        return tuning(variable)
-    if not 1 <= value <= most:
-        raise ConfigError(f"{name} must be in 1..{most}, got {value}")
-    return value
 
 
 class Handle:
@@ -115,56 +94,22 @@ class Communicator:
                  io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
                  shared_memory: Optional[bool] = None, send_buffer: Union[int, str, None] = None,
                  failover: Optional[bool] = None, spares: Optional[int] = None) -> None:
-        if isinstance(reducers, str):
-            reducers = [a for a in reducers.split(",") if a.strip()]
-        if not reducers:
-            raise ConfigError("no reducers given (reducers=[...] or RS_REDUCERS)")
-        seen = {}
-        for position, address in enumerate(reducers):
-            host, port = parse_address(address, "reducers")
-            if (host.lower(), port) in seen:  # two indices for one reducer: two shares of each buffer
-                raise ConfigError(f"reducers lists {address.strip()} twice (positions "
-                                  f"{seen[host.lower(), port]} and {position})")
-            seen[host.lower(), port] = position
-        world_size, rank = _integer(world_size), _integer(rank)  # numpy and torch integers too
-        if not (isinstance(world_size, int) and world_size >= 1):
-            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-        if not (isinstance(rank, int) and 0 <= rank < world_size):
-            raise ConfigError(f"rank {rank!r} is out of range for world size {world_size}")
-        self.rank = rank
-        self.world_size = world_size
-        self.reducers = tuple(a.strip() for a in reducers)
-        job_token = settings.read("RS_JOB_TOKEN") if job_token is None else job_token
-        self.job_id = job_id_from(job_token) if job_id is None else job_id
-        self.generation = generation
-        failover = settings.read("RS_FAILOVER") if failover is None else failover
-        spares = settings.read("RS_SPARE_REDUCERS") if spares is None else spares
-        if not (isinstance(spares, int) and 0 <= spares < len(self.reducers)):
-            raise ConfigError(f"RS_SPARE_REDUCERS={spares!r}: spares must leave at least one of the "
-                              f"{len(self.reducers)} reducers in use")
-        if spares and not failover:
-            raise ConfigError(f"RS_SPARE_REDUCERS={spares} needs RS_FAILOVER=1: spares take a lost reducer's chunks")
-        self.chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
-        self.pipeline_depth = _bounded(pipeline_depth, "pipeline_depth", "RS_PIPELINE_DEPTH", MAX_PIPELINE_DEPTH)
+        options = EngineOptions.resolve(
+            reducers, rank, world_size, job_token=job_token, job_id=job_id, generation=generation,
+            chunk_bytes=chunk_bytes, window=window, pipeline_depth=pipeline_depth, timeout=timeout,
+            connect_timeout=connect_timeout, io_threads=io_threads, encrypt=encrypt, shared_memory=shared_memory,
+            send_buffer=send_buffer, failover=failover, spares=spares)
+        # Every setting resolved and checked at once (engine/options.py); a Group copies these parts.
+        self.rank, self.world_size, self.reducers = options.rank, options.world_size, options.reducers
+        self.job_id, self.generation = options.job_id, options.generation
+        self.chunk_bytes, self.pipeline_depth = options.chunk_bytes, options.pipeline_depth
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()  # seq order == submission order
-        self._engine = Engine(
-            self.reducers, rank, world_size, job_token=job_token, job_id=self.job_id, generation=generation,
-            window=_bounded(window, "window", "RS_WINDOW", MAX_WINDOW),
-            timeout=timeout or settings.read("RS_TIMEOUT"),
-            connect_timeout=connect_timeout or settings.read("RS_CONNECT_TIMEOUT"),
-            io_threads=io_threads or settings.read("RS_IO_THREADS"),
-            encrypt=settings.read("RS_ENCRYPT") if encrypt is None else encrypt,
-            # Reducers on this host take chunks through shared memory (RS_SHM, on by default).
-            shared=shared_memory_enabled() if shared_memory is None else shared_memory,
-            slot_bytes=self.chunk_bytes,
-            sndbuf=socket_send_buffer(send_buffer),
-            failover=failover, spares=spares,
-        )
+        self._engine = Engine(options)
         self._engine.start()
         #: the reducers that size the chunk plan (RS_PIPELINE_DEPTH chunks each at least), and
         #: their shards, over which the chunks are spread (the spares' follow them): endpoints.py
-        self.active_reducers = len(self.reducers) - spares
+        self.active_reducers = options.active_reducers
         self.active_endpoints = self._engine.active
         self._closed = False
 

@@ -25,6 +25,7 @@ from reduction_server import CollectiveError
 from reduction_server.client.chunking import plan_chunks
 from reduction_server.wire import protocol, shared_memory
 from reduction_server.client.engine import Engine
+from reduction_server.client.engine.options import EngineOptions
 from reduction_server.wire.protocol import ErrorCode, Header, MsgType
 from reduction_server.wire.shared_memory import Segment, Unavailable
 
@@ -162,8 +163,8 @@ def test_a_process_in_another_network_namespace_declines(segment):
 def test_an_answer_about_no_chunk_frees_no_slot():
     """An ERROR about a frame rather than a key has job, generation, seq and chunk all 0: it must
     not free the slot of job 0's first chunk, which a reducer may still write its result into."""
-    engine = Engine(("127.0.0.1:1",), 0, 1, job_token="", job_id=0, generation=0, window=2, timeout=1,
-                    connect_timeout=1, io_threads=1, shared=True)
+    engine = Engine(EngineOptions.resolve(("127.0.0.1:1",), 0, 1, job_token="", job_id=0, window=2, timeout=1,
+                                          connect_timeout=1, io_threads=1, shared_memory=True))
     try:
         slots = engine.slots
         slots.free[0], slots.slot_of[0] = [1], {(0, 0, 0): 0}  # slot 0 holds (group 0, seq 0, chunk 0)

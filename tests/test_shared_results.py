@@ -154,7 +154,7 @@ def test_a_result_kept_from_a_lost_reducer_is_copied_out_of_its_slot_and_release
     recv = memoryview(bytearray(BIG))
     coll = Collective(seq=0, dtype=DType.FLOAT32, op=ReduceOp.SUM, root=0, send=None, recv=recv, total=n,
                       chunks=[Chunk(0, n, 0)], result=None)
-    kept = KeptResults(window=2, num_reducers=2)
+    kept = KeptResults(window=2, num_endpoints=2)
     kept.keep(coll, 0, 0, worker.read_result(0, aux, recv, keep=True), depth=2)
     assert results.held() == 1
     (item,) = kept.take(0)

@@ -27,16 +27,18 @@ class Collective:
     send: Optional[memoryview]  # None: this rank contributes no payload (broadcast, not root)
     recv: memoryview
     total: int
-    chunks: List[Chunk]  # the plan (chunking.py): each chunk's bounds and reducer (a substitute once moved)
+    # The plan (chunking.py): each chunk's bounds and endpoint, in the field Chunk calls `reducer` (a
+    # substitute once moved).
+    chunks: List[Chunk]
     result: Any
     future: Future = field(default_factory=Future)
     next: int = 0  # next chunk to send
     answered: int = 0
     state: bytearray = field(default=None)  # per chunk: UNSENT, SENT, ANSWERED
-    moved: bytearray = field(default=None)  # per chunk: 1 once moved off a lost reducer (failover.py)
+    moved: bytearray = field(default=None)  # per chunk: 1 once moved off a lost endpoint (failover.py)
     errors: List[Tuple[int, str]] = field(default_factory=list)  # (chunk, what went wrong)
     last_progress: float = 0.0
-    blocked_since: Optional[float] = None  # waiting for a lost reducer to come back
+    blocked_since: Optional[float] = None  # waiting for a lost endpoint to come back
     trace: Optional[Trace] = None  # its timeline record, when RS_TIMELINE is set
     traced: bool = True  # False: kept off the timeline (Horovod's negotiation, every cycle)
     group: int = 0  # the group of ranks it runs in (0: all of them); seq counts within it
@@ -51,8 +53,8 @@ class Collective:
             self.deadline = time.monotonic() + self.time_limit
 
     @cached_property
-    def reducers(self) -> FrozenSet[int]:
-        """The reducers its chunks go to (asked only while a reducer is down)."""
+    def endpoints(self) -> FrozenSet[int]:
+        """The endpoints its chunks go to (asked only while an endpoint is down)."""
         return frozenset(chunk.reducer for chunk in self.chunks)
 
     @property
@@ -72,16 +74,16 @@ class Collective:
                                        "count": self.total, "bytes": self.total * self.dtype.itemsize,
                                        "chunks": len(self.chunks)}
 
-    def move(self, k: int, reducer: int, moved: bool) -> None:
-        """Chunk k goes to `reducer` from now on (failover.py); `moved`: not its own reducer."""
-        self.chunks[k] = self.chunks[k]._replace(reducer=reducer)
+    def move(self, k: int, endpoint: int, moved: bool) -> None:
+        """Chunk k goes to `endpoint` from now on (failover.py); `moved`: not its own endpoint."""
+        self.chunks[k] = self.chunks[k]._replace(reducer=endpoint)
         self.moved[k] = moved
-        self.__dict__.pop("reducers", None)  # the cached set of reducers changed
+        self.__dict__.pop("endpoints", None)  # the cached set of endpoints changed
 
-    def pending_on(self, r: int) -> bool:
-        """Whether a chunk of this collective on reducer r is not answered yet (sent or not)."""
-        return r in self.reducers and any(s != ANSWERED and c.reducer == r for c, s in zip(self.chunks, self.state))
+    def pending_on(self, e: int) -> bool:
+        """Whether a chunk of this collective on endpoint e is not answered yet (sent or not)."""
+        return e in self.endpoints and any(s != ANSWERED and c.reducer == e for c, s in zip(self.chunks, self.state))
 
-    def sent_to(self, r: int) -> bool:
-        """Whether a chunk of this collective was sent to reducer r and is not answered yet."""
-        return r in self.reducers and any(s == SENT and c.reducer == r for c, s in zip(self.chunks, self.state))
+    def sent_to(self, e: int) -> bool:
+        """Whether a chunk of this collective was sent to endpoint e and is not answered yet."""
+        return e in self.endpoints and any(s == SENT and c.reducer == e for c, s in zip(self.chunks, self.state))

@@ -1,6 +1,7 @@
-"""A worker's connections to its reducers: open, watched, lost, and opened again.
+"""A worker's connections to its endpoints (every shard of every reducer, endpoints.py): open,
+watched, lost, and opened again.
 
-Each reducer gets one DEALER socket, and each socket one TCP connection: libzmq's own reconnect
+Each endpoint gets one DEALER socket, and each socket one TCP connection: libzmq's own reconnect
 is off, since it would carry what is queued, or sent next, to whatever listens at the address by
 then, before that has proved the job token. When a connection closes the engine opens a new
 socket (after RECONNECT_S when the last attempt failed) and handshakes again.
@@ -8,7 +9,7 @@ socket (after RECONNECT_S when the last attempt failed) and handshakes again.
 Liveness: libzmq's ZMTP heartbeats (every RS_HEARTBEAT_INTERVAL, in its I/O thread, so a busy
 Python thread cannot starve them) close a connection silent for RS_LIVENESS_TIMEOUT, and a
 process that exits closes its own; a socket monitor reports either at once. The engine also
-sends each reducer a PING every interval: it tells the reducer that this worker can be probed.
+sends each endpoint a PING every interval: it tells the reducer that this worker can be probed.
 """
 from __future__ import annotations
 
@@ -22,274 +23,270 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import zmq
 
 from reduction_server import __version__
-
-from reduction_server.wire import auth, encryption, protocol
+from reduction_server.config.settings import SNDBUF_AUTO
 from reduction_server.log import event, get_logger
+from reduction_server.wire import auth, encryption, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
-from reduction_server.config.settings import SNDBUF_AUTO
 
 from .endpoints import Endpoint, make_room
 from .failover import Failover
 from .identity import Identity
 from .ledger import Ledger
+from .options import EngineOptions
 from .slots import Slots
 from .watch import CONNECTING, REFUSED, Watch
 
 log = get_logger("client")
 
-#: seconds before the engine opens a new connection to a reducer whose last one failed (libzmq's
+#: seconds before the engine opens a new connection to an endpoint whose last one failed (libzmq's
 #: own reconnect interval, which it does not use)
 RECONNECT_S = 0.1
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | encryption.HANDSHAKE_FAILED
 
 
 class Connections:
-    """The sockets to every reducer, which of them are down, and when to try each again."""
+    """The sockets to every endpoint, which of them are down, and when to try each again.
+    Endpoints go by their index in `endpoints` (e); `name(e)` says which reducer's shard it is."""
 
-    def __init__(self, me: Identity, ends: Sequence[Endpoint], ledger: Ledger, slots: Slots, failover: Failover, *,
-                 job_token: str, encrypt: bool, heartbeat: float, liveness: float, sndbuf: int,
-                 io_threads: int) -> None:
+    def __init__(self, me: Identity, ends: Sequence[Endpoint], ledger: Ledger, slots: Slots, failover: Failover,
+                 options: EngineOptions) -> None:
         self.me = me
-        self.endpoints = ends  # every shard of every reducer (endpoints.py); "reducer r" below is endpoint r
-        self.addresses = [e.address for e in ends]
+        self.endpoints = ends
+        self.addresses = [end.address for end in ends]
         self.ledger = ledger
         self.slots = slots
         self.failover = failover
-        self.job_token = job_token
-        self.encrypt = encrypt  # CurveZMQ, keys from the job token (encryption.py)
-        self.heartbeat = heartbeat
-        self.liveness = liveness
-        # SO_SNDBUF of each reducer connection (RS_SNDBUF): a size, 0 (the kernel's autotuning) or
-        # SNDBUF_AUTO (reduction_server/wire/send_buffers.py sizes each connection's from what it measures)
-        self.sndbuf = sndbuf
-        self.send_buffers = EndpointBuffers(self.addresses) if sndbuf == SNDBUF_AUTO else None
-        self.io_threads = io_threads
+        self.options = options  # the job token, encrypt (CurveZMQ), send_buffer (SO_SNDBUF), io_threads
+        self.heartbeat, self.liveness = options.heartbeat_interval, options.liveness_timeout
+        # SNDBUF_AUTO: reduction_server/wire/send_buffers.py sizes each connection's from what it measures
+        self.send_buffers = EndpointBuffers(self.addresses) if options.send_buffer == SNDBUF_AUTO else None
         self.sockets: List[zmq.Socket] = []
         self.monitors: List[zmq.Socket] = []
         self.poller = zmq.Poller()
-        self.index: Dict[Any, Tuple[str, int]] = {}  # socket or monitor -> ("data" | "monitor", reducer)
-        #: reducers not usable now: index -> (why, whether a new connection is being tried)
+        self.index: Dict[Any, Tuple[str, int]] = {}  # socket or monitor -> ("data" | "monitor", endpoint)
+        #: endpoints not usable now: index -> (why, whether a new connection is being tried)
         self.down: Dict[int, Tuple[str, bool]] = {}
-        self.reopen_at: Dict[int, float] = {}  # reducer -> when to open a new connection to it
-        # Per reducer: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
+        self.reopen_at: Dict[int, float] = {}  # endpoint -> when to open a new connection to it
+        # Per endpoint: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
-        self.watch = Watch(len(ends), encrypt)
+        self.watch = Watch(len(ends), options.encrypt)
         self.progress = self.watch.progress
         self.context: Optional[zmq.Context] = None
-        self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every reducer that admits us
+        self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every endpoint that admits us
 
     def announce(self, group: int, ranks: Sequence[int]) -> None:
-        """Tell every reducer the ranks of `group` (before any of its chunks: one socket keeps
-        the order), and every reducer that admits this worker again later."""
+        """Tell every endpoint the ranks of `group` (before any of its chunks: one socket keeps
+        the order), and every endpoint that admits this worker again later."""
         self.groups[group] = protocol.group_payload(ranks)
-        for r in range(len(self.sockets)):
-            if r not in self.down:
-                self._tell_groups(r, [group])
+        for e in range(len(self.sockets)):
+            if e not in self.down:
+                self._tell_groups(e, [group])
 
-    def _tell_groups(self, r: int, groups: Sequence[int]) -> None:
+    def _tell_groups(self, e: int, groups: Sequence[int]) -> None:
         for group in groups:  # far below libzmq's queue; a gone connection is noticed by the next chunk
-            self.send_text(r, MsgType.GROUP, self.groups[group], group)
+            self.send_text(e, MsgType.GROUP, self.groups[group], group)
 
-    def name(self, r: int) -> str:
-        """Reducer r as messages name it: "reducer r (host:port)"."""
-        return self.ledger.names[r]
+    def name(self, e: int) -> str:
+        """Endpoint e as messages name it: "reducer 1 (host:port)", or "reducer 1 shard 2 (host:port+2)"."""
+        return self.ledger.names[e]
 
     def open_all(self) -> None:
-        """A socket to every reducer, each greeted with a HELLO (queued until it connects)."""
-        self.context = zmq.Context(self.io_threads)
+        """A socket to every endpoint, each greeted with a HELLO (queued until it connects)."""
+        self.context = zmq.Context(self.options.io_threads)
         make_room(self.context, len(self.addresses), self.me.rank)
-        for r in range(len(self.addresses)):
-            sock, monitor = self._open(r)
+        for e in range(len(self.addresses)):
+            sock, monitor = self._open(e)
             self.sockets.append(sock)
             self.monitors.append(monitor)
-            self._watch(r)
-            self.hello(r)
+            self._watch(e)
+            self.hello(e)
 
-    def _open(self, r: int) -> Tuple[zmq.Socket, zmq.Socket]:
+    def _open(self, e: int) -> Tuple[zmq.Socket, zmq.Socket]:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per socket (above)
-        sndbuf = self.sndbuf if self.send_buffers is None else self.send_buffers.initial(r)
+        sndbuf = self.options.send_buffer if self.send_buffers is None else self.send_buffers.initial(e)
         if sndbuf > 0:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
             sock.setsockopt(zmq.SNDBUF, sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
-        if self.encrypt:
-            encryption.secure_worker(sock, self.job_token)
+        if self.options.encrypt:  # keys from the job token (encryption.py)
+            encryption.secure_worker(sock, self.options.job_token)
         # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
         # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
         monitor = sock.get_monitor_socket(_MONITORED)
-        sock.connect(f"tcp://{self.addresses[r]}")
+        sock.connect(f"tcp://{self.addresses[e]}")
         return sock, monitor
 
-    def _watch(self, r: int) -> None:
-        self.poller.register(self.sockets[r], zmq.POLLIN)
-        self.poller.register(self.monitors[r], zmq.POLLIN)
-        self.index[self.sockets[r]] = ("data", r)
-        self.index[self.monitors[r]] = ("monitor", r)
+    def _watch(self, e: int) -> None:
+        self.poller.register(self.sockets[e], zmq.POLLIN)
+        self.poller.register(self.monitors[e], zmq.POLLIN)
+        self.index[self.sockets[e]] = ("data", e)
+        self.index[self.monitors[e]] = ("monitor", e)
 
-    def hello(self, r: int, rejoin: bool = False) -> None:
-        """Start reducer r's handshake: who this worker is, and a nonce to prove the token over."""
-        self.nonces[r] = auth.new_nonce()
-        if self.progress[r] != REFUSED:  # refused stays refused until a connection is made
-            self.progress[r] = CONNECTING
-        # "heartbeats": this engine PINGs its reducers once it runs, so a reducer may probe it from
+    def hello(self, e: int, rejoin: bool = False) -> None:
+        """Start endpoint e's handshake: who this worker is, and a nonce to prove the token over."""
+        self.nonces[e] = auth.new_nonce()
+        if self.progress[e] != REFUSED:  # refused stays refused until a connection is made
+            self.progress[e] = CONNECTING
+        # "heartbeats": this engine PINGs its endpoints once it runs, so a reducer may probe it from
         # its admission on (a worker killed before its first PING is seen lost at once).
         facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__,
-                                 "nonce": self.nonces[r].hex(), "heartbeats": True}
+                                 "nonce": self.nonces[e].hex(), "heartbeats": True}
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
-        self.slots.drop(r)  # a new connection gets a new segment: nothing old can reach it
-        self.send_text(r, MsgType.HELLO, json.dumps(facts).encode())
+        self.slots.drop(e)  # a new connection gets a new segment: nothing old can reach it
+        self.send_text(e, MsgType.HELLO, json.dumps(facts).encode())
 
-    def send_text(self, r: int, mtype: MsgType, payload: bytes, group: int = 0) -> None:
-        """Queue a small message (HELLO, AUTH, GROUP, PROGRESS) to reducer r without blocking; if
+    def send_text(self, e: int, mtype: MsgType, payload: bytes, group: int = 0) -> None:
+        """Queue a small message (HELLO, AUTH, GROUP, PROGRESS) to endpoint e without blocking; if
         its connection already failed, it is dropped (the monitor reports the failure, and a new
         connection's handshake says it all again)."""
         try:
-            self.sockets[r].send_multipart([self.me.header(mtype, payload, group), payload], zmq.NOBLOCK)
+            self.sockets[e].send_multipart([self.me.header(mtype, payload, group), payload], zmq.NOBLOCK)
         except zmq.Again:
             # The connection already failed (its security handshake was refused, or it dropped):
-            # the monitor reports that, and a new connection is opened, or the reducer given up.
+            # the monitor reports that, and a new connection is opened, or the endpoint given up.
             log.debug("rank %d: %s not queued: its connection already failed", self.me.rank, mtype.name)
 
-    def reopen(self, r: int, rejoin: bool) -> None:
-        """A fresh connection to reducer r's address and a new handshake: a restarted reducer
+    def reopen(self, e: int, rejoin: bool) -> None:
+        """A fresh connection to endpoint e's address and a new handshake: a restarted reducer
         (it keeps no state between collectives) is used again once it admits this worker."""
-        for old in (self.sockets[r], self.monitors[r]):
+        for old in (self.sockets[e], self.monitors[e]):
             self.poller.unregister(old)
             self.index.pop(old, None)
-        self.sockets[r].disable_monitor()
-        self.monitors[r].close(linger=0)
-        self.sockets[r].close(linger=0)  # nothing queued for the old connection may reach the new one
-        self.sockets[r], self.monitors[r] = self._open(r)
-        self._watch(r)
-        self.hello(r, rejoin)
+        self.sockets[e].disable_monitor()
+        self.monitors[e].close(linger=0)
+        self.sockets[e].close(linger=0)  # nothing queued for the old connection may reach the new one
+        self.sockets[e], self.monitors[e] = self._open(e)
+        self._watch(e)
+        self.hello(e, rejoin)
 
     def reopen_due(self, now: float, rejoin: bool) -> None:
-        """Open a new connection to every reducer whose reopen_at time has come by `now`;
+        """Open a new connection to every endpoint whose reopen_at time has come by `now`;
         `rejoin` marks their HELLOs as a rejoin."""
-        for r, at in list(self.reopen_at.items()):
+        for e, at in list(self.reopen_at.items()):
             if now >= at:
-                del self.reopen_at[r]
-                self.reopen(r, rejoin)
+                del self.reopen_at[e]
+                self.reopen(e, rejoin)
 
-    def monitor_events(self, r: int) -> Tuple[bool, Optional[str]]:
-        """Drain reducer r's monitor (watch.py): whether its connection closed, and why to give
+    def monitor_events(self, e: int) -> Tuple[bool, Optional[str]]:
+        """Drain endpoint e's monitor (watch.py): whether its connection closed, and why to give
         up on it if its security handshake failed for good."""
-        return self.watch.drain(r, self.monitors[r])
+        return self.watch.drain(e, self.monitors[e])
 
-    def on_monitor(self, r: int) -> None:
-        """Reducer r's monitor spoke (after the first handshake): a lost or refused connection."""
-        closed, refused = self.monitor_events(r)
+    def on_monitor(self, e: int) -> None:
+        """Endpoint e's monitor spoke (after the first handshake): a lost or refused connection."""
+        closed, refused = self.monitor_events(e)
         if not closed and not refused:
             return  # a connection made: nothing lost
-        down = self.down.get(r)
+        down = self.down.get(e)
         if down is not None and down[1] and refused:
-            self.refuse(r, f"{self.name(r)} came back but refused this worker: {refused}")
+            self.refuse(e, f"{self.name(e)} came back but refused this worker: {refused}")
         elif down is None:
-            self.lose(r, "its connection closed (the process exited, stopped answering heartbeats for "
+            self.lose(e, "its connection closed (the process exited, stopped answering heartbeats for "
                          f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
                       reconnect=True)
         elif down[1]:  # not back yet, or gone again in the middle of the new handshake
-            self.retry_later(r)
+            self.retry_later(e)
 
-    def retry_later(self, r: int) -> None:
-        """Open a new connection to reducer r after RECONNECT_S."""
-        self.reopen_at[r] = time.monotonic() + RECONNECT_S
+    def retry_later(self, e: int) -> None:
+        """Open a new connection to endpoint e after RECONNECT_S."""
+        self.reopen_at[e] = time.monotonic() + RECONNECT_S
 
-    def lose(self, r: int, reason: str, *, reconnect: bool) -> None:
-        """Reducer r is gone. With failover and another reducer in use, its chunks move there
+    def lose(self, e: int, reason: str, *, reconnect: bool) -> None:
+        """Endpoint e is gone. With failover and another endpoint in use, its chunks move there
         (failover.py) until it comes back and every rank agrees from when to use it again;
         otherwise every pending collective that needs it fails now, naming it (and every
-        reducer lost before it). Either way, a new connection is tried when `reconnect`."""
-        text = f"{self.name(r)} was lost: {reason}"
+        endpoint lost before it). Either way, a new connection is tried when `reconnect`."""
+        text = f"{self.name(e)} was lost: {reason}"
         failover = self.failover
-        self.down[r] = (text, reconnect)
-        if failover.enabled and (failover.survivors(without=r) or failover.recruitable(self.down)):
-            self.event("reducer_lost", r, reason=reason, failover=True, left=len(failover.survivors(without=r)))
-            for coll in failover.move_off(r, text, self.ledger):
+        self.down[e] = (text, reconnect)
+        if failover.enabled and (failover.survivors(without=e) or failover.recruitable(self.down)):
+            self.event("reducer_lost", e, reason=reason, failover=True, left=len(failover.survivors(without=e)))
+            for coll in failover.move_off(e, text, self.ledger):
                 self.ledger.give_up(coll, f"no reducer is left for one of its chunks: {failover.reason()}")
             for spare, progress in failover.recruit(self._progress(), self.down).items():
                 self.report(spare, progress)
         else:
-            self.event("reducer_lost", r, reason=reason, reconnecting=reconnect)
+            self.event("reducer_lost", e, reason=reason, reconnecting=reconnect)
             if failover.lost:
                 text = f"every reducer was lost: {failover.reason()}; {text}"
-                for other in [r, *failover.lost]:  # what a collective waiting for any of them hears
+                for other in [e, *failover.lost]:  # what a collective waiting for any of them hears
                     if other in self.down:
                         self.down[other] = (text, self.down[other][1])
                 failover.reset()
-            self.ledger.fail_pending_on(r, text)
+            self.ledger.fail_pending_on(e, text)
         if reconnect:
-            self.reopen(r, rejoin=True)
+            self.reopen(e, rejoin=True)
 
-    def refuse(self, r: int, reason: str) -> None:
-        """Reducer r came back but cannot be used again: collectives that need it fail with reason."""
-        self.down[r] = (reason, False)
-        self.reopen_at.pop(r, None)
-        self.event("reducer_refused", r, reason=reason)
+    def refuse(self, e: int, reason: str) -> None:
+        """Endpoint e came back but cannot be used again: collectives that need it fail with reason."""
+        self.down[e] = (reason, False)
+        self.reopen_at.pop(e, None)
+        self.event("reducer_refused", e, reason=reason)
 
-    def admitted(self, r: int, welcome: dict) -> None:
-        """Reducer r's WELCOME: its handshake holds, and its shared-memory answer is known."""
-        self.watch.failures[r] = (0, 0.0)
-        self.slots.welcomed(r, welcome)
-        self._tell_groups(r, list(self.groups))
+    def admitted(self, e: int, welcome: dict) -> None:
+        """Endpoint e's WELCOME: its handshake holds, and its shared-memory answer is known."""
+        self.watch.failures[e] = (0, 0.0)
+        self.slots.welcomed(e, welcome)
+        self._tell_groups(e, list(self.groups))
 
-    def readmitted(self, r: int, welcome: dict, max_chunk_bytes: int) -> None:
-        """Reducer r admitted this worker again after it was lost."""
+    def readmitted(self, e: int, welcome: dict, max_chunk_bytes: int) -> None:
+        """Endpoint e admitted this worker again after it was lost."""
         limit = int(welcome.get("max_chunk_bytes", max_chunk_bytes))
         if limit < max_chunk_bytes:  # the ranks' chunk plans would no longer agree
-            return self.refuse(r, f"{self.name(r)} came back with a smaller chunk limit ({limit} < "
+            return self.refuse(e, f"{self.name(e)} came back with a smaller chunk limit ({limit} < "
                                   f"{max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job")
-        del self.down[r]
-        self.admitted(r, welcome)
-        self.event("reducer_readmitted", r)
+        del self.down[e]
+        self.admitted(e, welcome)
+        self.event("reducer_readmitted", e)
         try:
-            self.sockets[r].send(self.me.header(MsgType.PING), zmq.NOBLOCK)
+            self.sockets[e].send(self.me.header(MsgType.PING), zmq.NOBLOCK)
         except zmq.Again:
             pass
-        progress = self.failover.readmitted(r, self._progress())
+        progress = self.failover.readmitted(e, self._progress())
         if progress:
-            self.report(r, progress)
+            self.report(e, progress)
 
     def _progress(self) -> Dict[int, int]:
         """Where this rank is: each group's seq of the next collective it will start."""
         return {group: self.ledger.next_seq.get(group, 0) for group in [0, *self.groups]}
 
-    def report(self, r: int, progress: Dict[int, int]) -> None:
-        """Tell lost reducer r, back now, where this rank is in these groups (PROGRESS)."""
-        self.send_text(r, MsgType.PROGRESS, protocol.seq_pairs_payload(progress.items()))
+    def report(self, e: int, progress: Dict[int, int]) -> None:
+        """Tell lost endpoint e, back now, where this rank is in these groups (PROGRESS)."""
+        self.send_text(e, MsgType.PROGRESS, protocol.seq_pairs_payload(progress.items()))
 
     def heartbeat_all(self) -> None:
-        """Send a PING to every reducer not down, without blocking; a full queue or a gone connection skips it."""
+        """Send a PING to every endpoint not down, without blocking; a full queue or a gone connection skips it."""
         ping = self.me.header(MsgType.PING)
-        for r, sock in enumerate(self.sockets):
-            if r in self.down:
+        for e, sock in enumerate(self.sockets):
+            if e in self.down:
                 continue
             try:
                 sock.send(ping, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # its queue is full of chunks, or its connection is gone (its monitor says so)
 
-    def event(self, name: str, r: int, **fields: Any) -> None:
-        """A WARNING log line about reducer r, naming this rank and the reducer."""
-        event(log, logging.WARNING, name, rank=self.me.rank, reducer=r, address=self.addresses[r], **fields)
+    def event(self, name: str, e: int, **fields: Any) -> None:
+        """A WARNING log line about endpoint e, naming this rank, the endpoint and its address."""
+        # The field keeps its name, `reducer`, which log readers match on; with shards it is the endpoint's index.
+        event(log, logging.WARNING, name, rank=self.me.rank, reducer=e, address=self.addresses[e], **fields)
 
     def close(self, bye: bool) -> None:
-        """Say BYE to every reducer still up (when `bye`), close every socket and the context."""
+        """Say BYE to every endpoint still up (when `bye`), close every socket and the context."""
         self.slots.close()
         for sock, monitor in zip(self.sockets, self.monitors):
             sock.disable_monitor()
             monitor.close(linger=0)
-        for r, sock in enumerate(self.sockets):
-            if bye and r not in self.down:
+        for e, sock in enumerate(self.sockets):
+            if bye and e not in self.down:
                 try:
                     sock.send(self.me.header(MsgType.BYE), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # nobody to say goodbye to
-            # A failed handshake, or a reducer that is gone, has nothing worth lingering for.
-            sock.close(linger=None if bye and r not in self.down else 0)
+            # A failed handshake, or an endpoint that is gone, has nothing worth lingering for.
+            sock.close(linger=None if bye and e not in self.down else 0)
         if self.context is not None:
             self.context.term()

@@ -3,8 +3,8 @@
 A reducer started with `serve --shards N` runs N processes on ports port .. port+N-1 and says N in
 its WELCOME (reduction_server/reducer/shards.py). The engine first handshakes with each reducer's
 listed address; when one has more than one shard it connects to every shard, and the chunk plan
-spreads over all of them: to the engine, the plan and failover, each shard is a reducer of its
-own, and a lost shard fails over like a lost reducer.
+spreads over all of them: to the engine, the plan and failover, each shard is an endpoint of its
+own (the engine's rooms index them as `e`), and a lost shard fails over like a lost reducer.
 
 Order: the plan's reducers shard by shard (shard 0 of each, then shard 1 of each, ...), so that
 consecutive chunks go to different hosts first; then the spares' shards in the same order, so
@@ -81,8 +81,8 @@ def make_room(context: zmq.Context, count: int, rank: int) -> None:
 def check_shard_counts(ends: Sequence[Endpoint], said: Sequence[int], first_said: Sequence[int], rank: int) -> None:
     """CollectiveError unless every shard's WELCOME (`said`, by endpoint) names the shard count
     its reducer's shard 0 named first (`first_said`, by reducer)."""
-    for e, count in zip(ends, said):
-        if count != first_said[e.reducer]:
-            raise CollectiveError(f"rank {rank}: {e.name()} says its reducer runs {count} shards, but its shard 0 "
-                                  f"said {first_said[e.reducer]}: another program listens on one of the shards' "
+    for end, count in zip(ends, said):
+        if count != first_said[end.reducer]:
+            raise CollectiveError(f"rank {rank}: {end.name()} says its reducer runs {count} shards, but its shard 0 "
+                                  f"said {first_said[end.reducer]}: another program listens on one of the shards' "
                                   "ports, or the reducer restarted with other --shards meanwhile")

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import zmq
 
-from reduction_server.wire import encryption, shared_memory
-from reduction_server.wire.send_buffers import MEASURE_S
-from reduction_server.log import get_logger
 from reduction_server.config import settings
+from reduction_server.log import get_logger
+from reduction_server.wire import shared_memory
+from reduction_server.wire.send_buffers import MEASURE_S
 
 from .. import timeline
-from .collective import Collective
 from . import endpoints
+from .collective import Collective
 from .connections import Connections
 from .failover import Failover
 from .handshake import Handshake
 from .identity import Identity
 from .inbox import Inbox
 from .ledger import Ledger
+from .options import EngineOptions
 from .pump import Pump
 from .results import Results
 from .slots import Slots
@@ -38,51 +39,38 @@ log = get_logger("client")
 class Engine:
     """A worker's progress engine: start() it, submit() collectives, close() it."""
 
-    def __init__(self, reducers: Tuple[str, ...], rank: int, world_size: int, *, job_token: str,
-                 job_id: int, generation: int, window: int, timeout: float,
-                 connect_timeout: float, io_threads: int, heartbeat_interval: Optional[float] = None,
-                 liveness_timeout: Optional[float] = None, encrypt: bool = False,
-                 shared: bool = False, slot_bytes: int = shared_memory.MAX_OFFERED_SLOT_BYTES,
-                 sndbuf: int = 0, failover: bool = True, spares: int = 0) -> None:
-        if encrypt:
-            encryption.check(job_token)
-        self.rank = rank
-        me = Identity(rank, world_size, job_id, generation)
-        self.timeout = timeout
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.rank = options.rank
+        self._me = Identity(options.rank, options.world_size, options.job_id, options.generation)
+        self.timeout = options.timeout
         # The reducer fails a round after RS_TIMEOUT with the same message on every rank; this
         # side's own limit is a backstop a little longer, for a reducer that cannot answer.
-        self.backstop = settings.client_backstop(timeout)
-        heartbeat = heartbeat_interval or settings.read("RS_HEARTBEAT_INTERVAL")
-        liveness = liveness_timeout or settings.read("RS_LIVENESS_TIMEOUT")
-        self.timeline = timeline.acquire(rank)  # None unless RS_TIMELINE is set
-        self._me, self._reducers, self._window, self._spares = me, reducers, window, spares
-        self._options = dict(enabled=failover, shared=shared, slot_bytes=slot_bytes, job_token=job_token,
-                             encrypt=encrypt, heartbeat=heartbeat, liveness=liveness, sndbuf=sndbuf,
-                             io_threads=io_threads, connect_timeout=connect_timeout)
-        self.inbox = Inbox(rank)
-        self._build(endpoints.listed(reducers), spares)
+        self.backstop = settings.client_backstop(options.timeout)
+        self.timeline = timeline.acquire(options.rank)  # None unless RS_TIMELINE is set
+        self.inbox = Inbox(options.rank)
+        self._build(endpoints.listed(options.reducers), options.spares, options.connect_timeout)
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"rs-engine-rank{options.rank}", daemon=True)
 
-    def _build(self, ends: List[endpoints.Endpoint], spares: int) -> None:
-        """The parts that know the endpoints: one per shard of every reducer (endpoints.py)."""
-        me, window, o = self._me, self._window, self._options
+    def _build(self, ends: List[endpoints.Endpoint], spares: int, connect_timeout: float) -> None:
+        """The parts that know the endpoints: one per shard of every reducer (endpoints.py), the
+        last `spares` of them the spare reducers'; the handshake waits `connect_timeout` seconds."""
+        me, o = self._me, self.options
         self.endpoints = ends
-        addresses = [e.address for e in ends]
-        self.ledger = Ledger(me, [e.name() for e in ends])
-        # A segment is offered only to a reducer on this host: only it can map one.
-        self.slots = Slots(me, [o["shared"] and shared_memory.is_local(a) for a in addresses], window, o["slot_bytes"])
-        self.failover = Failover(me, len(ends), window, o["enabled"], spares)
+        self.ledger = Ledger(me, [end.name() for end in ends])
+        # A segment is offered only to an endpoint on this host: only its process can map one.
+        local = [o.shared_memory and shared_memory.is_local(end.address) for end in ends]
+        self.slots = Slots(me, local, o.window, o.chunk_bytes)
+        self.failover = Failover(me, len(ends), o.window, o.failover, spares)
         if self.failover.enabled:
             self.ledger.on_result = self.failover.keep
             self.ledger.on_end = self.failover.results.settle
-        self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, job_token=o["job_token"],
-                                       encrypt=o["encrypt"], heartbeat=o["heartbeat"], liveness=o["liveness"],
-                                       sndbuf=o["sndbuf"], io_threads=o["io_threads"])
+        self.connections = Connections(me, ends, self.ledger, self.slots, self.failover, o)
         self.connections.poller.register(self.inbox.wake_fd, zmq.POLLIN)
-        self.handshake = Handshake(me, self.connections, self.slots, o["job_token"], o["connect_timeout"])
-        self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, window)
+        self.handshake = Handshake(me, self.connections, self.slots, o.job_token, connect_timeout)
+        self.pump = Pump(me, self.ledger, self.connections, self.slots, self.failover, o.window)
         self.results = Results(self.ledger, self.connections, self.handshake, self.slots, self.failover)
 
     @property
@@ -151,7 +139,7 @@ class Engine:
     # -- engine thread -------------------------------------------------------------------
     def _connect(self) -> None:
         """Handshake with every reducer; when some run shards, with every shard of every reducer."""
-        deadline = time.monotonic() + self._options["connect_timeout"]
+        deadline = time.monotonic() + self.options.connect_timeout
         self.connections.open_all()
         self.handshake.wait_for_all()
         shards = self.handshake.shards
@@ -159,10 +147,9 @@ class Engine:
             return
         first = self.connections
         try:
-            self._options["connect_timeout"] = max(0.1, deadline - time.monotonic())  # one limit for both rounds
-            ends = endpoints.expand(self._reducers, shards, self._spares)
-            endpoints.make_room(first.context, len(ends[0]) + len(first.sockets), self._me.rank)  # both sets open
-            self._build(*ends)
+            ends, spares = endpoints.expand(self.options.reducers, shards, self.options.spares)
+            endpoints.make_room(first.context, len(ends) + len(first.sockets), self.rank)  # both sets open
+            self._build(ends, spares, max(0.1, deadline - time.monotonic()))  # one limit for both rounds
             self.connections.open_all()
             self.handshake.wait_for_all()
         finally:
@@ -171,7 +158,7 @@ class Engine:
             # first is still self.connections, which _main closes.)
             if self.connections is not first:
                 first.close(bye=False)
-        endpoints.check_shard_counts(self.endpoints, self.handshake.shards, shards, self._me.rank)
+        endpoints.check_shard_counts(self.endpoints, self.handshake.shards, shards, self.rank)
 
     def _main(self) -> None:
         try:
@@ -224,11 +211,11 @@ class Engine:
                 if item == inbox.wake_fd:
                     inbox.woken()
                     continue
-                kind, r = conn.index.get(item, ("", -1))
+                kind, e = conn.index.get(item, ("", -1))
                 if kind == "data":
-                    self.results.drain(r)
+                    self.results.drain(e)
                 elif kind == "monitor":
-                    conn.on_monitor(r)
+                    conn.on_monitor(e)
             now = time.monotonic()
             conn.reopen_due(now, rejoin=True)
             if now >= next_heartbeat:
@@ -241,7 +228,7 @@ class Engine:
                 ledger.expire(now, self.backstop, self.timeout)
 
     def _held(self, coll: Collective) -> bool:
-        """Whether coll waits to start for a lost reducer that came back (failover.py); one that
+        """Whether coll waits to start for a lost endpoint that came back (failover.py); one that
         waited past RS_TIMEOUT fails instead."""
         if not self.failover.rejoining:
             return False

@@ -4,8 +4,8 @@ HELLO carries a nonce; the reducer's CHALLENGE must prove the token over it, bou
 reducer's index (its position in RS_REDUCERS), the job and the generation (auth.py). A reducer
 that cannot is refused, naming it and RS_JOB_TOKEN, and is sent nothing more: no AUTH, no
 shared-memory offer, no data. Only then does the AUTH go out, with this worker's proof and, to a
-reducer on this host, the shared-memory offer. At start the engine waits for every reducer's
-WELCOME, saying every WAITING_REPORT_S what it still waits for.
+reducer on this host, the shared-memory offer. At start the engine waits for every endpoint's
+WELCOME (each shard of each reducer, endpoints.py), saying every WAITING_REPORT_S what it still waits for.
 """
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import json
 import time
 from typing import Any, Dict, Iterable, Optional
 
-from reduction_server.wire import auth, protocol
+from reduction_server.config.settings import MAX_SHARDS
 from reduction_server.errors import CollectiveError, ProtocolError
 from reduction_server.log import NOTICE, event, get_logger
+from reduction_server.wire import auth, protocol
 from reduction_server.wire.protocol import MsgType
-from reduction_server.config.settings import MAX_SHARDS
 
 from .connections import Connections
-from .watch import CHALLENGED, PROGRESS
 from .identity import Identity
 from .slots import Slots
+from .watch import CHALLENGED, PROGRESS
 
 log = get_logger("client")
 
@@ -31,7 +31,7 @@ WAITING_REPORT_S = 5.0
 
 
 class Handshake:
-    """Proofs both ways with every reducer, and the first wait for them all."""
+    """Proofs both ways with every endpoint, and the first wait for them all."""
 
     def __init__(self, me: Identity, connections: Connections, slots: Slots, job_token: str,
                  connect_timeout: float) -> None:
@@ -45,24 +45,24 @@ class Handshake:
         #: how many shards each endpoint's reducer runs, as its WELCOME said (endpoints.py)
         self.shards = [1] * len(connections.endpoints)
 
-    def answer_challenge(self, r: int, h: protocol.Header, payload: bytes) -> Optional[str]:
-        """Check reducer r's proof of the job token and, if it holds, send AUTH: this worker's
-        proof and, to a reducer on this host, the shared-memory offer. Returns why reducer r is
+    def answer_challenge(self, e: int, h: protocol.Header, payload: bytes) -> Optional[str]:
+        """Check endpoint e's proof of the job token and, if it holds, send AUTH: this worker's
+        proof and, to an endpoint on this host, the shared-memory offer. Returns why endpoint e is
         refused instead (then nothing at all is sent to it), or None."""
         conn = self.connections
         try:
             nonce, proof = auth.parse_challenge(payload)
         except ProtocolError as exc:
-            return f"{conn.name(r)} answered HELLO with a malformed CHALLENGE: {exc}"
-        end = conn.endpoints[r]
+            return f"{conn.name(e)} answered HELLO with a malformed CHALLENGE: {exc}"
+        end = conn.endpoints[e]
         if h.rank != end.reducer:
-            return (f"{conn.name(r)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {end.reducer}: "
+            return (f"{conn.name(e)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {end.reducer}: "
                     "each reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
         if h.chunk != end.shard:
-            return (f"{conn.name(r)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
+            return (f"{conn.name(e)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
                     f"{end.shard}: RS_REDUCERS must list each reducer's own port (its shard 0), and no other "
                     "reducer may listen on the ports after it (its shards')")
-        if not auth.verify_reducer(self.job_token, conn.nonces[r], proof, index=end.reducer, job=self.me.job,
+        if not auth.verify_reducer(self.job_token, conn.nonces[e], proof, index=end.reducer, job=self.me.job,
                                    generation=self.me.generation, shard=end.shard):
             if not self.job_token:
                 why = "it requires a job token and this worker has none: set RS_JOB_TOKEN to the job's token"
@@ -70,24 +70,24 @@ class Handshake:
                 why = "it has no job token (it was started without RS_JOB_TOKEN)"
             else:
                 why = "its RS_JOB_TOKEN is not this worker's (another job's reducer, or a mistyped token)"
-            return f"{conn.name(r)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
-        conn.progress[r] = CHALLENGED
+            return f"{conn.name(e)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
+        conn.progress[e] = CHALLENGED
         facts: Dict[str, Any] = {}
-        offer = self.slots.offer(r)
+        offer = self.slots.offer(e)
         if offer is not None:
             facts["shared_memory"] = offer
         proof = auth.worker_proof(self.job_token, nonce, job=self.me.job, generation=self.me.generation,
                                   rank=self.me.rank, world=self.me.world)
-        conn.send_text(r, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
+        conn.send_text(e, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
         return None
 
-    def unproved_welcome(self, r: int) -> str:
-        """Why reducer r is refused when it sent WELCOME before its CHALLENGE proved the job token."""
-        return (f"{self.connections.name(r)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
+    def unproved_welcome(self, e: int) -> str:
+        """Why endpoint e is refused when it sent WELCOME before its CHALLENGE proved the job token."""
+        return (f"{self.connections.name(e)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
                 "nothing was sent to it")
 
     def wait_for_all(self) -> None:
-        """Wait until every reducer has proved the token and admitted this worker; a reducer whose
+        """Wait until every endpoint has proved the token and admitted this worker; one whose
         connection fails is tried again on a new one. Raises CollectiveError naming what failed."""
         conn = self.connections
         waiting = set(range(len(conn.sockets)))
@@ -96,7 +96,7 @@ class Handshake:
         while waiting:
             now = time.monotonic()
             if now >= deadline:
-                sharded = any(conn.endpoints[r].shard for r in waiting)
+                sharded = any(conn.endpoints[e].shard for e in waiting)
                 raise CollectiveError(f"rank {self.me.rank}: no reducer admitted this worker within "
                                       f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}"
                                       + ("; a reducer's shards listen on the ports after its own, and each must "
@@ -108,21 +108,21 @@ class Handshake:
             conn.reopen_due(now, rejoin=False)
             until = min(deadline, report, *conn.reopen_at.values())
             for item, _ in conn.poller.poll(max(0.01, until - now) * 1000):
-                kind, r = conn.index.get(item, ("", -1))
+                kind, e = conn.index.get(item, ("", -1))
                 if kind == "monitor":
-                    closed, refused = conn.monitor_events(r)
+                    closed, refused = conn.monitor_events(e)
                     if refused:
-                        raise CollectiveError(f"rank {self.me.rank}: {conn.name(r)} refused this worker: {refused}")
+                        raise CollectiveError(f"rank {self.me.rank}: {conn.name(e)} refused this worker: {refused}")
                     if closed:  # not there yet, or gone meanwhile: a new connection, a new handshake
-                        waiting.add(r)
-                        conn.retry_later(r)
-                elif kind == "data" and self._welcomed(r):
-                    waiting.discard(r)
+                        waiting.add(e)
+                        conn.retry_later(e)
+                elif kind == "data" and self._welcomed(e):
+                    waiting.discard(e)
 
-    def _welcomed(self, r: int) -> bool:
-        """Handle one handshake message from reducer r; whether it was its WELCOME."""
-        frames = self.connections.sockets[r].recv_multipart()
-        name = self.connections.name(r)
+    def _welcomed(self, e: int) -> bool:
+        """Handle one handshake message from endpoint e; whether it was its WELCOME."""
+        frames = self.connections.sockets[e].recv_multipart()
+        name = self.connections.name(e)
         try:
             h = protocol.unpack(frames[0])
         except ProtocolError as exc:
@@ -130,32 +130,32 @@ class Handshake:
                                   f"{exc}") from None
         text = frames[1] if len(frames) > 1 else b""
         if h.type is MsgType.CHALLENGE:
-            refused = self.answer_challenge(r, h, text)
+            refused = self.answer_challenge(e, h, text)
             if refused:
                 raise CollectiveError(f"rank {self.me.rank}: {refused}")
-        elif h.type is MsgType.WELCOME and self.connections.progress[r] != CHALLENGED:
-            raise CollectiveError(f"rank {self.me.rank}: {self.unproved_welcome(r)}")
+        elif h.type is MsgType.WELCOME and self.connections.progress[e] != CHALLENGED:
+            raise CollectiveError(f"rank {self.me.rank}: {self.unproved_welcome(e)}")
         elif h.type is MsgType.WELCOME:
             welcome = json.loads(text)
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
-            self.shards[r] = self._shard_count(r, welcome)
-            self.connections.admitted(r, welcome)
+            self.shards[e] = self._shard_count(e, welcome)
+            self.connections.admitted(e, welcome)
             return True
         elif h.type in (MsgType.REJECT, MsgType.ERROR):
             raise CollectiveError(f"rank {self.me.rank}: {name} refused this worker: {text.decode(errors='replace')}")
         return False
 
-    def _shard_count(self, r: int, welcome: dict) -> int:
-        """How many shards endpoint r's WELCOME says its reducer runs; CollectiveError unless a
+    def _shard_count(self, e: int, welcome: dict) -> int:
+        """How many shards endpoint e's WELCOME says its reducer runs; CollectiveError unless a
         count whose ports all exist."""
         shards = welcome.get("shards", 1)
-        port = int(self.connections.addresses[r].rsplit(":", 1)[1]) - self.connections.endpoints[r].shard
+        port = int(self.connections.addresses[e].rsplit(":", 1)[1]) - self.connections.endpoints[e].shard
         if not (isinstance(shards, int) and 1 <= shards <= MAX_SHARDS and port + shards - 1 <= 65535):
-            raise CollectiveError(f"rank {self.me.rank}: {self.connections.name(r)} says it runs {shards!r} shards, "
+            raise CollectiveError(f"rank {self.me.rank}: {self.connections.name(e)} says it runs {shards!r} shards, "
                                   f"not a count of 1..{MAX_SHARDS} ports from {port}")
         return shards
 
     def _waiting(self, waiting: Iterable[int]) -> str:
-        """The reducers in `waiting` and how far each one's handshake got, in words."""
+        """The endpoints in `waiting` and how far each one's handshake got, in words."""
         conn = self.connections
-        return "; ".join(f"{conn.name(r)}: {PROGRESS[conn.progress[r]]}" for r in sorted(waiting))
+        return "; ".join(f"{conn.name(e)}: {PROGRESS[conn.progress[e]]}" for e in sorted(waiting))

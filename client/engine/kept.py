@@ -1,13 +1,14 @@
-"""The results a worker keeps for failover: each group's last results from each reducer, and
-those it brought to a substitute (failover.py says why a rank must keep them).
+"""The results a worker keeps for failover: each group's last results from each endpoint (a
+reducer's shard, endpoints.py), and those it brought to a substitute (failover.py says why a rank
+must keep them).
 
 A result that came back through shared memory stays in its slot (its own, or the reducer's
-result slot), lent out until it is kept no longer (slots.py); a large one that came as a frame is the message libzmq received (results.py).
-Any other is a view of the collective's own buffer while the collective is in flight, which
-nobody else writes then; only those still kept when the collective ends are copied out of it,
-before its caller gets the buffer back. A large collective's earlier chunks are no longer kept
-by then, so most of its result is never copied (bench/RESULTS.md, "Failover: what keeping
-results costs").
+result slot), lent out until it is kept no longer (slots.py); a large one that came as a frame is
+the message libzmq received (results.py). Any other is a view of the collective's own buffer while
+the collective is in flight, which nobody else writes then; only those still kept when the
+collective ends are copied out of it, before its caller gets the buffer back. A large collective's
+earlier chunks are no longer kept by then, so most of its result is never copied
+(bench/RESULTS.md, "Failover: what keeping results costs").
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class Kept:
     #: its shared-memory slot (`lease`) or received message; while its collective is in flight, a
     #: view of the result in the collective's buffer; None once kept no longer
     data: Union[bytearray, memoryview, None]
-    reducer: int = 0  # the reducer that answered it (or, once brought as a FINAL, the one it went to)
+    endpoint: int = 0  # the endpoint that answered it (or, once brought as a FINAL, the one it went to)
     lease: Optional[Lease] = None  # the slot it stays in, if any
 
     @property
@@ -52,7 +53,7 @@ class Kept:
         return self.count * ITEMSIZE[self.dtype]
 
     def final_header(self, me: Identity) -> bytes:
-        """The FINAL that brings this result to the chunk's new reducer."""
+        """The FINAL that brings this result to the chunk's new endpoint."""
         return protocol.data_header(MSG_FINAL, dtype=self.dtype, op=self.op, rank=me.rank, world=me.world,
                                     job=me.job, generation=me.generation, seq=self.seq, chunk=self.chunk,
                                     nchunks=self.nchunks, offset=self.offset, count=self.count, total=self.total,
@@ -63,25 +64,25 @@ class Kept:
 #: back in, lent out, or the memory of the message it came in
 Held = Union[Lease, memoryview, None]
 
-Key = Tuple[int, int]  # (group, reducer)
+Key = Tuple[int, int]  # (group, endpoint)
 
 
 class KeptResults:
-    """The results a rank keeps, by (group, reducer), and the spare buffers of those it no
+    """The results a rank keeps, by (group, endpoint), and the spare buffers of those it no
     longer keeps."""
 
-    def __init__(self, window: int, num_reducers: int) -> None:
+    def __init__(self, window: int, num_endpoints: int) -> None:
         self.window = window
-        self.num_reducers = num_reducers
-        self.kept: Dict[Key, Deque[Kept]] = {}  # (group, reducer) -> its last results here
-        # (group, reducer) -> results brought there as FINAL: kept for the generation, since a rank
+        self.num_endpoints = num_endpoints
+        self.kept: Dict[Key, Deque[Kept]] = {}  # (group, endpoint) -> its last results here
+        # (group, endpoint) -> results brought there as FINAL: kept for the generation, since a rank
         # that lacks one is not bounded by any window there (a substitute lost in turn needs them again)
         self.brought: Dict[Key, List[Kept]] = {}
         self.spare: List[bytearray] = []  # buffers of results no longer kept
 
-    def keep(self, coll: Collective, k: int, r: int, held: Held, depth: int) -> None:
-        """Chunk k of coll was answered by reducer r: keep its result where it is `held`, or as a
-        view of coll's buffer until coll ends; `depth` results of the group on r at most."""
+    def keep(self, coll: Collective, k: int, e: int, held: Held, depth: int) -> None:
+        """Chunk k of coll was answered by endpoint e: keep its result where it is `held`, or as a
+        view of coll's buffer until coll ends; `depth` results of the group on e at most."""
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
         lease = held if isinstance(held, Lease) else None
@@ -89,12 +90,12 @@ class KeptResults:
         if data is None:
             data = coll.recv[offset * size:(offset + count) * size]
         item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
-                    coll.total, data, r, lease)
+                    coll.total, data, e, lease)
         if held is None:
             coll.kept.append(item)
-        ring = self.kept.get((item.group, item.reducer))
+        ring = self.kept.get((item.group, item.endpoint))
         if ring is None:
-            ring = self.kept[item.group, item.reducer] = deque()
+            ring = self.kept[item.group, item.endpoint] = deque()
         ring.append(item)
         while len(ring) > depth:
             self._discard(ring.popleft())
@@ -107,12 +108,12 @@ class KeptResults:
                 self._copy(item)
         coll.kept.clear()
 
-    def take(self, r: int) -> List[Kept]:
-        """Reducer r is lost: every result kept from it or brought to it, to bring on, each in a
+    def take(self, e: int) -> List[Kept]:
+        """Endpoint e is lost: every result kept from it or brought to it, to bring on, each in a
         buffer of its own (a slot's view would keep its whole segment mapped for the generation)."""
         taken = []
         for store in (self.kept, self.brought):
-            for key in [key for key in store if key[1] == r]:
+            for key in [key for key in store if key[1] == e]:
                 taken.extend(store.pop(key))
         for item in taken:
             if item.lease is not None:
@@ -121,10 +122,10 @@ class KeptResults:
                 item.lease = None
         return taken
 
-    def brought_to(self, item: Kept, r: int) -> None:
-        """item went to reducer r as a FINAL: kept there from now on, since r may be lost in turn."""
-        item.reducer = r
-        self.brought.setdefault((item.group, r), []).append(item)
+    def brought_to(self, item: Kept, e: int) -> None:
+        """item went to endpoint e as a FINAL: kept there from now on, since e may be lost in turn."""
+        item.endpoint = e
+        self.brought.setdefault((item.group, e), []).append(item)
 
     def forget_group(self, group: int) -> None:
         """A closed group's results are kept no longer."""
@@ -136,7 +137,7 @@ class KeptResults:
         self._forget(lambda key: True)
 
     def _forget(self, which: Callable[[Key], bool]) -> None:
-        """Keep no longer the results of the (group, reducer) keys `which` picks."""
+        """Keep no longer the results of the (group, endpoint) keys `which` picks."""
         for store in (self.kept, self.brought):
             for key in [key for key in store if which(key)]:
                 for item in store.pop(key):
@@ -151,13 +152,13 @@ class KeptResults:
 
     def _discard(self, item: Kept) -> None:
         """item is kept no longer: its slot is free again, its own buffer spare (as many as a
-        collective's end may copy with one group in use, a window per reducer), a view let go."""
+        collective's end may copy with one group in use, a window per endpoint), a view let go."""
         if item.lease is not None:
             item.lease.end()
             item.lease = None
         elif isinstance(item.data, bytearray):
             self.spare.append(item.data)
-            del self.spare[:-self.window * self.num_reducers]
+            del self.spare[:-self.window * self.num_endpoints]
         item.data = None
 
     def _buffer(self, nbytes: int) -> bytearray:

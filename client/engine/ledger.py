@@ -1,5 +1,6 @@
 """The collectives in flight on a worker, and every way one ends: all its chunks answered, an
-error, a lost reducer, no progress for the backstop, or the engine stopping."""
+error, a lost endpoint (a reducer's shard, endpoints.py), no progress for the backstop, or the
+engine stopping."""
 from __future__ import annotations
 
 import time
@@ -14,15 +15,15 @@ from .identity import Identity
 
 
 class Ledger:
-    """Collectives started and not finished, and the chunks each reducer has not answered."""
+    """Collectives started and not finished, and the chunks each endpoint has not answered."""
 
     def __init__(self, me: Identity, names: Sequence[str]) -> None:
         self.me = me
-        self.names = names  # "reducer r (address)", by reducer
+        self.names = names  # by endpoint, as messages name it: "reducer 1 (host:port)" (Endpoint.name)
         self.active: Dict[Tuple[int, int], Collective] = {}  # by (group, seq)
         # Started, with chunks still to send, in order, by group (each group's own window, below).
         self.sending: Dict[int, Deque[Collective]] = {}
-        # Chunks sent and not answered, by group and reducer: each group has its own window, so
+        # Chunks sent and not answered, by group and endpoint: each group has its own window, so
         # that groups used in different orders by different ranks (send/recv pairs) never wait
         # on one another's window.
         self.inflight: Dict[int, List[int]] = {}
@@ -44,28 +45,28 @@ class Ledger:
             queue = self.sending[coll.group] = deque()
         queue.append(coll)
 
-    def pending_chunk(self, h: Header, r: int) -> Optional[Collective]:
-        """The collective whose chunk, sent to reducer r, h answers; None for a late answer (it
+    def pending_chunk(self, h: Header, e: int) -> Optional[Collective]:
+        """The collective whose chunk, sent to endpoint e, h answers; None for a late answer (it
         already failed, or the chunk has moved since) or the answer to a FINAL."""
         coll = self.active.get((h.group, h.seq))
         if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT \
-                or coll.chunks[h.chunk].reducer != r:
+                or coll.chunks[h.chunk].reducer != e:
             return None
         return coll
 
-    def chunk_done(self, coll: Collective, k: int, r: int, error: Optional[str], held: Any = None) -> None:
-        """Chunk k of coll was answered by reducer r (error: why it failed); `held`: where else its
+    def chunk_done(self, coll: Collective, k: int, e: int, error: Optional[str], held: Any = None) -> None:
+        """Chunk k of coll was answered by endpoint e (error: why it failed); `held`: where else its
         result is, handed to on_result (given only with no error, and only when on_result is set)."""
         coll.state[k] = ANSWERED
-        self.inflight[coll.group][r] -= 1
+        self.inflight[coll.group][e] -= 1
         coll.answered += 1
         coll.last_progress = time.monotonic()
         if coll.trace is not None:
             coll.trace.chunk_answered()
         if error is not None:
-            coll.errors.append((k, f"chunk {k} on {self.names[r]}: {error}"))
+            coll.errors.append((k, f"chunk {k} on {self.names[e]}: {error}"))
         elif self.on_result is not None:
-            self.on_result(coll, k, r, held)
+            self.on_result(coll, k, e, held)
         if coll.answered == len(coll.chunks):
             if not coll.errors:
                 self._end(coll)  # while it is still active: should this raise, the engine's end fails it
@@ -110,22 +111,22 @@ class Ledger:
         self.abandon(coll)
         self.fail(coll, reason)
 
-    def fail_sent_to(self, r: int, reason: str) -> None:
-        """Fail every collective with a chunk waiting on reducer r: its answers are unreadable."""
+    def fail_sent_to(self, e: int, reason: str) -> None:
+        """Fail every collective with a chunk waiting on endpoint e: its answers are unreadable."""
         for coll in list(self.active.values()):
-            if coll.sent_to(r):
+            if coll.sent_to(e):
                 self.give_up(coll, reason)
 
-    def fail_pending_on(self, r: int, reason: str) -> None:
-        """Fail every collective with a chunk on reducer r not answered yet (sent or not): r is gone."""
+    def fail_pending_on(self, e: int, reason: str) -> None:
+        """Fail every collective with a chunk on endpoint e not answered yet (sent or not): e is gone."""
         for coll in list(self.active.values()):
-            if coll.pending_on(r):
+            if coll.pending_on(e):
                 self.give_up(coll, reason)
         for counts in self.inflight.values():
-            counts[r] = 0
+            counts[e] = 0
 
     def window(self, group: int) -> List[int]:
-        """Group's chunks in flight, by reducer (made on its first collective)."""
+        """Group's chunks in flight, by endpoint (made on its first collective)."""
         counts = self.inflight.get(group)
         if counts is None:
             counts = self.inflight[group] = [0] * len(self.names)
@@ -133,7 +134,7 @@ class Ledger:
 
     def expire(self, now: float, backstop: float, timeout: float) -> None:
         """Fail collectives past their own time limit, and those with chunks out and no progress
-        for `backstop` seconds, naming the reducers that did not answer."""
+        for `backstop` seconds, naming the endpoints that did not answer."""
         for coll in list(self.active.values()):
             if now >= coll.deadline:
                 self.give_up(coll, (
@@ -146,7 +147,7 @@ class Ledger:
             waiting = sorted({c.reducer for c, s in zip(coll.chunks, coll.state) if s == SENT})
             self.give_up(coll, (
                 f"no answer for {backstop:g} s (RS_TIMEOUT={timeout:g} and a margin) from "
-                + ", ".join(self.names[r] for r in waiting)
+                + ", ".join(self.names[e] for e in waiting)
                 + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"))
 
     def fail_all(self, reason: str, queued: Sequence[Collective] = ()) -> None:

@@ -1,9 +1,9 @@
 """The chunk pump: each group's chunks go out in its order, never more than `window` of a group
-unanswered per reducer.
+unanswered per endpoint (a reducer's shard, endpoints.py).
 
 Every rank of a group sends the group's same sequence (collective by collective, chunk by chunk),
 so every key a rank waits for is one that all the group's ranks reach: the window cannot
-deadlock, and sending, summing and receiving overlap across reducers and across consecutive
+deadlock, and sending, summing and receiving overlap across endpoints and across consecutive
 collectives. Groups have windows of their own, so that ranks may use groups in different orders
 (a send/recv ring: each rank's receive waits for a send in another group). Each chunk is sent
 without a copy from the user's buffer, or through a shared-memory slot (slots.py).
@@ -32,7 +32,7 @@ _backend_send = zmq.backend.Socket.send
 
 
 class Pump:
-    """Sends the ledger's collectives' chunks as their reducers' windows allow."""
+    """Sends the ledger's collectives' chunks as their endpoints' windows allow."""
 
     def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, failover: Failover,
                  window: int) -> None:
@@ -44,8 +44,8 @@ class Pump:
         self.window = window
 
     def run(self) -> None:
-        """Send what a lost reducer left first, then chunks in each group's order until one's
-        reducer has a full window for that group: a group that waits holds back only its own
+        """Send what a lost endpoint left first, then chunks in each group's order until one's
+        endpoint has a full window for that group: a group that waits holds back only its own
         later collectives."""
         if self.failover.resend:
             self._resend()
@@ -60,49 +60,49 @@ class Pump:
             coll = queue[0]
             if self.connections.down and coll.next == 0 and not self._startable(coll):
                 if queue and queue[0] is coll:
-                    return  # it waits for a lost reducer to come back
+                    return  # it waits for a lost endpoint to come back
                 continue  # it failed and left the queue
             while coll.next < len(coll.chunks):
                 k = coll.next
-                r = coll.chunks[k].reducer
-                if inflight[r] >= self.window:
+                e = coll.chunks[k].reducer
+                if inflight[e] >= self.window:
                     return
-                if not self._send_chunk(coll, k, r, inflight):
-                    # Its socket has no connection left (and never makes another): the reducer is
+                if not self._send_chunk(coll, k, e, inflight):
+                    # Its socket has no connection left (and never makes another): the endpoint is
                     # gone, though its monitor has not said so yet. This fails coll, among others.
-                    return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
+                    return self.connections.lose(e, "its connection closed; reconnecting", reconnect=True)
                 coll.next += 1
             queue.popleft()
 
     def _resend(self) -> None:
-        """Chunks a lost reducer had not answered (MOVED) and results it had given this rank
-        (FINAL), each to its chunk's reducer now, outside the window: they are few (a window of
+        """Chunks a lost endpoint had not answered (MOVED) and results it had given this rank
+        (FINAL), each to its chunk's endpoint now, outside the window: they are few (a window of
         each group, and what earlier losses moved there), and the collectives in flight wait
         for them."""
         failover = self.failover
         while failover.resend:
             item = failover.resend.popleft()
             if isinstance(item, Kept):
-                r = failover.bring(item)
-                if r is None:
-                    continue  # every reducer is lost: nobody can ask for it
-                if self._send_final(item, r):
+                e = failover.bring(item)
+                if e is None:
+                    continue  # every endpoint is lost: nobody can ask for it
+                if self._send_final(item, e):
                     failover.finals += 1
                     continue
             else:
                 coll, k = item
                 if not failover.still_owed(coll, k):
                     continue
-                r = coll.chunks[k].reducer
-                if self._send_chunk(coll, k, r, self.ledger.window(coll.group)):
+                e = coll.chunks[k].reducer
+                if self._send_chunk(coll, k, e, self.ledger.window(coll.group)):
                     continue
                 failover.resend.appendleft(item)
             # Gone too: its chunks, this one among them, move on again.
-            return self.connections.lose(r, "its connection closed; reconnecting", reconnect=True)
+            return self.connections.lose(e, "its connection closed; reconnecting", reconnect=True)
 
-    def _send_final(self, item: Kept, r: int) -> bool:
-        """A kept result to reducer r as a FINAL; False if its connection is gone."""
-        sock = self.connections.sockets[r]
+    def _send_final(self, item: Kept, e: int) -> bool:
+        """A kept result to endpoint e as a FINAL; False if its connection is gone."""
+        sock = self.connections.sockets[e]
         try:
             _backend_send(sock, item.final_header(self.me), _NOBLOCK | _SNDMORE)
             # Copied: the kept buffer may hold another result before libzmq sends this one.
@@ -112,25 +112,25 @@ class Pump:
         return True
 
     def _startable(self, coll: Collective) -> bool:
-        """Whether coll can start now; False: it waits for a lost reducer (or has just failed)."""
+        """Whether coll can start now; False: it waits for a lost endpoint (or has just failed)."""
         down = self.connections.down
-        waiting = [r for r in coll.reducers if r in down]
+        waiting = [e for e in coll.endpoints if e in down]
         if not waiting:
             return True
         now = time.monotonic()
         if coll.blocked_since is None:
             coll.blocked_since = now
-        final = [r for r in waiting if not down[r][1]]
+        final = [e for e in waiting if not down[e][1]]
         if final or now - coll.blocked_since >= self.connections.liveness:
-            r = min(final or waiting)
-            reason = down[r][0]
+            e = min(final or waiting)
+            reason = down[e][0]
             if not final:
                 reason += f"; it did not come back within {self.connections.liveness:g} s (RS_LIVENESS_TIMEOUT)"
             self.ledger.give_up(coll, reason)
         return False
 
-    def _send_chunk(self, coll: Collective, k: int, r: int, inflight: List[int]) -> bool:
-        """Send chunk k of coll to reducer r; False if its connection is gone."""
+    def _send_chunk(self, coll: Collective, k: int, e: int, inflight: List[int]) -> bool:
+        """Send chunk k of coll to endpoint e; False if its connection is gone."""
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
         payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
@@ -138,7 +138,7 @@ class Pump:
         slot = None
         moved = coll.moved[k]
         if payload is not None and coll.op is not OP_BROADCAST and not moved:  # a moved chunk goes as a frame
-            slot = self.slots.take(r, nbytes)
+            slot = self.slots.take(e, nbytes)
         mtype = MSG_MOVED if moved else MSG_DATA if slot is None else MSG_DATA_SHM
         header = protocol.data_header(
             mtype, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
@@ -146,8 +146,8 @@ class Pump:
             nchunks=len(coll.chunks), offset=offset, count=count, total=coll.total, nbytes=nbytes,
             aux=coll.root if slot is None else slot, group=coll.group)
         if slot is not None:
-            self.slots.view(r, slot, nbytes)[:] = payload
-        sock = self.connections.sockets[r]
+            self.slots.view(e, slot, nbytes)[:] = payload
+        sock = self.connections.sockets[e]
         try:  # windows of chunks stay far below libzmq's queue: only a lost connection says Again
             if payload is None or slot is not None:
                 _backend_send(sock, header, _NOBLOCK)
@@ -157,11 +157,11 @@ class Pump:
         except zmq.Again:
             return False
         if slot is not None:
-            self.slots.put(r, slot, coll.group, coll.seq, k)
+            self.slots.put(e, slot, coll.group, coll.seq, k)
         if moved:
             self.failover.moved_chunks += 1
         coll.state[k] = SENT
-        inflight[r] += 1
+        inflight[e] += 1
         coll.last_progress = time.monotonic()  # its clock starts when it goes out, not in the queue
         if coll.trace is not None:
             coll.trace.chunk_sent()

@@ -1,11 +1,12 @@
-"""The result path: every message a reducer sends a worker, after the first handshake.
+"""The result path: every message an endpoint (a reducer's shard, endpoints.py) sends a worker,
+after the first handshake.
 
 A RESULT is received with recv_into straight into the output buffer (no copy, nothing
 allocated), or, when failover keeps it and it is large, as the message libzmq received, copied
 into the output and kept as it is; a RESULT_SHM is copied out of its shared-memory slot, and a
 RESULT_SHARED out of the reducer's result slot, which failover may keep as it is (slots.Lease)
 or else is released at once; an ERROR fails its chunk, and so its collective, with
-the reducer's words; a handshake message from a reducer that was lost readmits it (or refuses
+the reducer's words; a handshake message from an endpoint that was lost readmits it (or refuses
 it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
 """
@@ -17,10 +18,20 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from reduction_server.wire import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.wire.protocol import (BATCHED_RECV_BYTES, ITEMSIZE, MSG_ERROR, MSG_PING, MSG_RESULT,
-                                      MSG_RESULT_SHARED, MSG_RESULT_SHM, OP_BROADCAST, ErrorCode, MsgType)
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import (
+    BATCHED_RECV_BYTES,
+    ITEMSIZE,
+    MSG_ERROR,
+    MSG_PING,
+    MSG_RESULT,
+    MSG_RESULT_SHARED,
+    MSG_RESULT_SHM,
+    OP_BROADCAST,
+    ErrorCode,
+    MsgType,
+)
 
 from .collective import Collective
 from .connections import Connections
@@ -41,7 +52,7 @@ def _skip(sock: zmq.Socket, more: int) -> None:
 
 
 class Results:
-    """Reads what each reducer sends and settles the chunks it answers."""
+    """Reads what each endpoint sends and settles the chunks it answers."""
 
     def __init__(self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots,
                  failover: Failover) -> None:
@@ -51,10 +62,10 @@ class Results:
         self.handshake = handshake
         self.slots = slots
 
-    def drain(self, r: int) -> None:
-        """Handle every message reducer r's socket holds now."""
+    def drain(self, e: int) -> None:
+        """Handle every message endpoint e's socket holds now."""
         conn = self.connections
-        sock = conn.sockets[r]
+        sock = conn.sockets[e]
         while True:
             try:
                 raw = sock.recv(_NOBLOCK)
@@ -65,66 +76,66 @@ class Results:
                 h = protocol.unpack(raw)
             except ProtocolError as exc:
                 _skip(sock, more)
-                self.ledger.fail_sent_to(r, f"{conn.name(r)} sent a malformed frame: {exc}")
+                self.ledger.fail_sent_to(e, f"{conn.name(e)} sent a malformed frame: {exc}")
                 continue
-            if conn.sockets[r] is not sock:
+            if conn.sockets[e] is not sock:
                 return  # it was lost and replaced while this message was handled
             mtype = h.type
             if mtype is MSG_RESULT:
-                self.slots.release(r, h)
-                self._result(r, sock, h, more)
+                self.slots.release(e, h)
+                self._result(e, sock, h, more)
             elif mtype is MSG_RESULT_SHM:
                 _skip(sock, more)
-                self._shared_result(r, h, self.slots.release(r, h))
+                self._shared_result(e, h, self.slots.release(e, h))
             elif mtype is MSG_RESULT_SHARED:
                 _skip(sock, more)
-                self._result_slot(r, h, self.slots.release(r, h))
+                self._result_slot(e, h, self.slots.release(e, h))
             elif mtype is MSG_ERROR:
                 text = sock.recv().decode(errors="replace") if more else "(no message)"
                 _skip(sock, sock.getsockopt(_RCVMORE))
-                self.slots.release(r, h)
-                self._error(r, h, text)
+                self.slots.release(e, h)
+                self._error(e, h, text)
             elif mtype is MSG_PING:
                 _skip(sock, more)
             elif mtype is MsgType.JOIN:
                 text = sock.recv() if more else b""
                 _skip(sock, sock.getsockopt(_RCVMORE))
-                self._join(r, text)
-            elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and r in conn.down:
+                self._join(e, text)
+            elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and e in conn.down:
                 text = sock.recv() if more else b""
                 _skip(sock, sock.getsockopt(_RCVMORE))
-                self._rejoin(r, h, text)
+                self._rejoin(e, h, text)
             else:
-                conn.event("unexpected_message", r, type=mtype.name)
+                conn.event("unexpected_message", e, type=mtype.name)
                 _skip(sock, more)
 
-    def _join(self, r: int, payload: bytes) -> None:
-        """A lost reducer that came back names the seqs from which every rank uses it again."""
+    def _join(self, e: int, payload: bytes) -> None:
+        """A lost endpoint that came back names the seqs from which every rank uses it again."""
         try:
-            self.failover.joined(r, protocol.seq_pairs(payload))
+            self.failover.joined(e, protocol.seq_pairs(payload))
         except ProtocolError as exc:
-            self.connections.event("unexpected_message", r, type="JOIN", reason=str(exc))
+            self.connections.event("unexpected_message", e, type="JOIN", reason=str(exc))
 
-    def _rejoin(self, r: int, h: protocol.Header, text: bytes) -> None:
-        """The handshake of a reducer that was lost and answers a new connection."""
+    def _rejoin(self, e: int, h: protocol.Header, text: bytes) -> None:
+        """The handshake of an endpoint that was lost and answers a new connection."""
         conn = self.connections
         if h.type is MsgType.CHALLENGE:
-            refused = self.handshake.answer_challenge(r, h, text)
+            refused = self.handshake.answer_challenge(e, h, text)
             if refused:
-                conn.refuse(r, f"{refused} (when it came back)")
-        elif h.type is MsgType.WELCOME and conn.progress[r] != CHALLENGED:
-            conn.refuse(r, self.handshake.unproved_welcome(r))
+                conn.refuse(e, f"{refused} (when it came back)")
+        elif h.type is MsgType.WELCOME and conn.progress[e] != CHALLENGED:
+            conn.refuse(e, self.handshake.unproved_welcome(e))
         elif h.type is MsgType.WELCOME:
             try:
                 welcome = json.loads(text)
             except ValueError:
                 welcome = {}
-            conn.readmitted(r, welcome if isinstance(welcome, dict) else {}, self.handshake.max_chunk_bytes)
+            conn.readmitted(e, welcome if isinstance(welcome, dict) else {}, self.handshake.max_chunk_bytes)
         else:
-            conn.refuse(r, f"{conn.name(r)} came back but refused this worker: {text.decode(errors='replace')}")
+            conn.refuse(e, f"{conn.name(e)} came back but refused this worker: {text.decode(errors='replace')}")
 
-    def _result(self, r: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
-        coll = self.ledger.pending_chunk(h, r)
+    def _result(self, e: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
+        coll = self.ledger.pending_chunk(h, e)
         if coll is None:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
@@ -134,10 +145,10 @@ class Results:
             # This rank is the root: its own data does not come back; out of place, it is copied.
             if coll.send is not coll.recv:
                 coll.recv[offset * size:(offset + count) * size] = coll.send[offset * size:(offset + count) * size]
-            return self.ledger.chunk_done(coll, h.chunk, r, None)
+            return self.ledger.chunk_done(coll, h.chunk, e, None)
         if not more or self._misshapen(h, coll):
             _skip(sock, more)
-            return self.ledger.chunk_done(coll, h.chunk, r, self._shape_error(r, h, coll))
+            return self.ledger.chunk_done(coll, h.chunk, e, self._shape_error(e, h, coll))
         view = coll.recv[offset * size:(offset + count) * size]
         held = None
         if self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
@@ -151,9 +162,9 @@ class Results:
             received = sock.recv_into(view)
         error = None
         if received != len(view):
-            error = f"{self.connections.name(r)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
+            error = f"{self.connections.name(e)} returned {received} bytes for chunk {h.chunk}, expected {len(view)}"
         _skip(sock, sock.getsockopt(_RCVMORE))
-        self.ledger.chunk_done(coll, h.chunk, r, error, held)
+        self.ledger.chunk_done(coll, h.chunk, e, error, held)
 
     @staticmethod
     def _misshapen(h: protocol.Header, coll: Collective) -> bool:
@@ -161,61 +172,61 @@ class Results:
         chunk = coll.chunks[h.chunk]
         return (h.offset, h.count) != (chunk.offset, chunk.count) or h.dtype != coll.dtype
 
-    def _shape_error(self, r: int, h: protocol.Header, coll: Collective) -> str:
+    def _shape_error(self, e: int, h: protocol.Header, coll: Collective) -> str:
         offset, count, _ = coll.chunks[h.chunk]
-        return (f"{self.connections.name(r)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+        return (f"{self.connections.name(e)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
                 f"(dtype code {h.dtype}), expected {count} at {offset}")
 
-    def _shared_result(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
-        coll = self.ledger.pending_chunk(h, r)
+    def _shared_result(self, e: int, h: protocol.Header, slot: Optional[int]) -> None:
+        coll = self.ledger.pending_chunk(h, e)
         if coll is None:
             return  # late: its slot is free again all the same
         offset, count, _ = coll.chunks[h.chunk]
         size = coll.dtype.itemsize
         error, lease = None, None
         if slot is None or slot != h.aux:
-            error = (f"{self.connections.name(r)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
+            error = (f"{self.connections.name(e)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
                      "sent " + ("as a frame" if slot is None else f"in slot {slot}"))
         elif self._misshapen(h, coll):
-            error = self._shape_error(r, h, coll)
+            error = self._shape_error(e, h, coll)
         else:
-            self.slots.copy_out(r, slot, coll.recv[offset * size:(offset + count) * size])
+            self.slots.copy_out(e, slot, coll.recv[offset * size:(offset + count) * size])
             if self.failover.enabled:  # the result it keeps may stay where it is
-                lease = self.slots.lease(r, slot, count * size)
-        self.ledger.chunk_done(coll, h.chunk, r, error, lease)
+                lease = self.slots.lease(e, slot, count * size)
+        self.ledger.chunk_done(coll, h.chunk, e, error, lease)
 
-    def _result_slot(self, r: int, h: protocol.Header, slot: Optional[int]) -> None:
-        """A result in reducer r's result slot, for a chunk sent through this rank's `slot`."""
-        coll = self.ledger.pending_chunk(h, r)
+    def _result_slot(self, e: int, h: protocol.Header, slot: Optional[int]) -> None:
+        """A result in endpoint e's result slot, for a chunk sent through this rank's `slot`."""
+        coll = self.ledger.pending_chunk(h, e)
         if coll is None:
-            return self.slots.release_result(r, h.aux)  # late: read by nobody
+            return self.slots.release_result(e, h.aux)  # late: read by nobody
         offset, count, _ = coll.chunks[h.chunk]
         size = coll.dtype.itemsize
         error, lease = None, None
         if slot is None:
-            error = f"{self.connections.name(r)} answered chunk {h.chunk} in a result slot, but it was sent as a frame"
+            error = f"{self.connections.name(e)} answered chunk {h.chunk} in a result slot, but it was sent as a frame"
         elif self._misshapen(h, coll):
-            error = self._shape_error(r, h, coll)
+            error = self._shape_error(e, h, coll)
         if error is not None:
-            self.slots.release_result(r, h.aux)
-            return self.ledger.chunk_done(coll, h.chunk, r, error)
+            self.slots.release_result(e, h.aux)
+            return self.ledger.chunk_done(coll, h.chunk, e, error)
         try:
-            lease = self.slots.read_result(r, h.aux, coll.recv[offset * size:(offset + count) * size],
+            lease = self.slots.read_result(e, h.aux, coll.recv[offset * size:(offset + count) * size],
                                            keep=self.failover.enabled)
         except ValueError as exc:
-            error = f"{self.connections.name(r)} answered chunk {h.chunk} in a result slot this rank cannot read: {exc}"
-        self.ledger.chunk_done(coll, h.chunk, r, error, lease)
+            error = f"{self.connections.name(e)} answered chunk {h.chunk} in a result slot this rank cannot read: {exc}"
+        self.ledger.chunk_done(coll, h.chunk, e, error, lease)
 
-    def _error(self, r: int, h: protocol.Header, text: str) -> None:
+    def _error(self, e: int, h: protocol.Header, text: str) -> None:
         conn = self.connections
-        if h.aux == ErrorCode.NOT_ADMITTED and r not in conn.down:
+        if h.aux == ErrorCode.NOT_ADMITTED and e not in conn.down:
             # It no longer knows this worker (it serves another job now, or declared this worker
             # lost): nothing more can be sent to it. No new handshake: that could take the
             # reducer back from the job that replaced this one.
-            return conn.lose(r, f"it no longer admits this worker: {text}", reconnect=False)
-        coll = self.ledger.pending_chunk(h, r)
+            return conn.lose(e, f"it no longer admits this worker: {text}", reconnect=False)
+        coll = self.ledger.pending_chunk(h, e)
         if coll is None:
             # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
-            conn.event("reducer_error", r, key=h.describe(), reason=text)
+            conn.event("reducer_error", e, key=h.describe(), reason=text)
             return
-        self.ledger.chunk_done(coll, h.chunk, r, text)
+        self.ledger.chunk_done(coll, h.chunk, e, text)

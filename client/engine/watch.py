@@ -1,4 +1,4 @@
-"""What each reducer connection's socket monitor says: how far its handshake got (for the
+"""What each endpoint connection's socket monitor says: how far its handshake got (for the
 report of a worker still waiting), and its failed security handshakes in a row (when to give up:
 an encryption mismatch, or encrypted handshakes failing for GIVE_UP_AFTER_S)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from reduction_server.wire import encryption
 
-# How far a reducer's handshake got: no connection, no connection and refused, connected, proved.
+# How far an endpoint's handshake got: no connection, no connection and refused, connected, proved.
 CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3
 PROGRESS = {
     CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
@@ -23,32 +23,32 @@ PROGRESS = {
 
 
 class Watch:
-    """Per reducer: how far its handshake got, and its failed security handshakes in a row."""
+    """Per endpoint: how far its handshake got, and its failed security handshakes in a row."""
 
     def __init__(self, count: int, encrypt: bool) -> None:
         self.encrypt = encrypt
         self.progress: List[int] = [CONNECTING] * count
         self.failures: List[Tuple[int, float]] = [(0, 0.0)] * count  # (in a row, since when)
 
-    def drain(self, r: int, monitor: zmq.Socket) -> Tuple[bool, Optional[str]]:
-        """Read reducer r's monitor: whether its connection closed, and why to give up on it if
+    def drain(self, e: int, monitor: zmq.Socket) -> Tuple[bool, Optional[str]]:
+        """Read endpoint e's monitor: whether its connection closed, and why to give up on it if
         its security handshake failed for good."""
         closed, final = False, None
         while monitor.poll(0):
             message = parse_monitor_message(monitor.recv_multipart())
             kind = message["event"]
             if kind == zmq.EVENT_CONNECTED:
-                self.progress[r] = max(self.progress[r], CONNECTED)
+                self.progress[e] = max(self.progress[e], CONNECTED)
             elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
                 closed = True
-                if kind == zmq.EVENT_CLOSED and self.progress[r] < CONNECTED:  # the connect itself failed
-                    self.progress[r] = REFUSED
+                if kind == zmq.EVENT_CLOSED and self.progress[e] < CONNECTED:  # the connect itself failed
+                    self.progress[e] = REFUSED
             failure = encryption.handshake_failure(kind, message["value"], self.encrypt)
             if failure is not None:
-                count, since = self.failures[r]
+                count, since = self.failures[e]
                 now = time.monotonic()
                 count, since = count + 1, since if count else now
-                self.failures[r] = (count, since)
+                self.failures[e] = (count, since)
                 if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
                                   and now - since >= encryption.GIVE_UP_AFTER_S):
                     final = failure[0]
