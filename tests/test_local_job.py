@@ -21,6 +21,7 @@ def test_readme_local_job():
     for rank in range(4):
         assert f"[rank {rank}] rank {rank}: OK" in proc.stdout
     assert re.search(r"\[rank 0\] 4 workers, 2 reducers: 8 MiB float32 all-reduce in [\d.]+ ms", proc.stdout)
+    assert "[rank 0] PASSED: every result of every rank was right" in proc.stdout
     assert "[reducer 1] reducer 1 listening on tcp://127.0.0.1:" in proc.stdout
 
 
