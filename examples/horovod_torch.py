@@ -12,7 +12,12 @@ import argparse
 import os
 import time
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as missing:  # the framework is an extra of the package: say which
+    if missing.name != "torch":
+        raise
+    raise SystemExit(f'{__file__} needs torch: pip install "reduction-server[torch]"') from None
 
 import reduction_server.client.horovod.torch as hvd
 

@@ -19,6 +19,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner, before it loads
 
+try:
+    import tensorflow  # noqa: F401
+except ModuleNotFoundError as missing:  # the framework is an extra of the package: say which
+    if missing.name != "tensorflow":
+        raise
+    raise SystemExit(f'{__file__} needs tensorflow: pip install "reduction-server[tensorflow]"') from None
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 

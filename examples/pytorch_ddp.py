@@ -13,9 +13,14 @@ import argparse
 import os
 import time
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+except ModuleNotFoundError as missing:  # the framework is an extra of the package: say which
+    if missing.name != "torch":
+        raise
+    raise SystemExit(f'{__file__} needs torch: pip install "reduction-server[torch]"') from None
 
 import reduction_server.client.torch  # noqa: F401  (registers the "reduction_server" backend)
 

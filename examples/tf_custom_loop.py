@@ -19,9 +19,15 @@ from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner, before it loads
 
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as missing:  # the framework is an extra of the package: say which
+    if missing.name != "tensorflow":
+        raise
+    raise SystemExit(f'{__file__} needs tensorflow: pip install "reduction-server[tensorflow]"') from None
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import reduction_server.client.tensorflow as rstf  # noqa: E402
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import textwrap
+import traceback
 from typing import Callable, List, Optional, Sequence
 
 from ._version import __version__
@@ -18,7 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(host=args.host, port=args.port, workers=args.workers, index=args.index,
                  deterministic=args.deterministic, metrics_port=args.metrics_port, ready_fd=args.ready_fd,
-                 shards=args.shards, shard=args.shard)
+                 shards=args.shards, shard=args.shard, insecure_no_token=args.insecure_no_token)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -44,7 +46,11 @@ def _size(args: argparse.Namespace) -> int:
         raise ConfigError("--reducer-cores needs --measure (without a measurement the NIC alone sizes a reducer host)")
     measured, cores = None, None
     if args.measure:
+        from .reducer.options import ReducerConfig
         from .reducer.shards import usable_cores
+
+        # The reducer it starts reads the environment's settings: a bad one is said here, in one line.
+        ReducerConfig.resolve(host="127.0.0.1", port=0, index=0, workers=args.measure_workers, shards=1)
 
         measured = measure(args.measure_workers, args.measure_mib, args.measure_iters)
         cores = args.reducer_cores or usable_cores()
@@ -103,7 +109,34 @@ def _positive_list(kind: type) -> Callable[[str], tuple]:
     return parse
 
 
+#: the extra that installs a module an entry point may miss: `pip install "reduction-server[EXTRA]"`
+EXTRAS = {"tqdm": "bench", "matplotlib": "bench", "pytest_benchmark": "bench", "torch": "torch",
+          "tensorflow": "tensorflow", "horovod": "torch"}
+
+
+def missing_extra(exc: ImportError) -> Optional[str]:
+    """What to install for the module `exc` did not find, in one line; None for any other module."""
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = EXTRAS.get(name)
+    if extra is None:
+        return None
+    return f'needs {name}, which is not installed: pip install "reduction-server[{extra}]"'
+
+
 def _bench(args: argparse.Namespace) -> int:
+    try:
+        return _run_bench(args)
+    except ImportError as exc:  # an extra that is not installed: say which
+        missing = missing_extra(exc)
+        if missing is None:
+            raise
+        print(f"reduction-server bench {args.suite}: {missing}", file=sys.stderr)
+        if _debugging(args):
+            traceback.print_exc()
+        return 2
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench.suites import SWEEPS
@@ -127,9 +160,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEBUG_HELP = "on an error, print its traceback too (as RS_LOG_LEVEL=DEBUG does)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reduction-server", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="verb", required=True)
 
     serve = _subcommand(
@@ -155,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shards", default=None, metavar="N|auto",
                        help="reducer processes to run, on ports PORT .. PORT+N-1, each a share of every worker's "
                             "chunks; auto: one per core this process may use (default: RS_SHARDS, else auto)")
+    serve.add_argument("--insecure-no-token", action="store_true", default=None,
+                       help="start without RS_JOB_TOKEN on an address other than the loopback, where anyone who "
+                            "reaches the port may join the job (default: RS_ALLOW_NO_TOKEN, else refuse)")
     serve.add_argument("--shard", type=_at_least(0), default=None, help=argparse.SUPPRESS)  # set by the supervisor
     serve.add_argument("--ready-fd", type=_at_least(0), default=None, metavar="FD",
                        help="for launchers: once listening, write the bound port and a newline to this file "
@@ -261,16 +301,24 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--match", default=None, metavar="NAME=VALUE",
                        help="only processes whose environment has NAME=VALUE (one job of several on this host)")
     chaos.set_defaults(func=_chaos)
+    for command in (serve, run, size, bench, chaos):  # also after the verb; SUPPRESS: unset keeps the top level's
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
+
+
+def _debugging(args: argparse.Namespace) -> bool:
+    """Whether an error shows its traceback: --debug, or RS_LOG_LEVEL=DEBUG."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("RS_LOG_LEVEL", "").strip().upper() == "DEBUG"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:  # a bad value the user can fix: the message, not a traceback
+    except (ConfigError, ListenError) as exc:
+        # A bad value the user can fix (2), or a place something else holds (1): one line that
+        # says what to do; the traceback only when asked for.
+        if _debugging(args):
+            traceback.print_exc()
         print(f"reduction-server {args.verb}: {exc}", file=sys.stderr)
-        return 2
-    except ListenError as exc:  # the place is fine, something else holds it
-        print(f"reduction-server {args.verb}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1

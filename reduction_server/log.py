@@ -87,10 +87,11 @@ class Throttle:
         event(self.logger, level, name, **fields)
         return True
 
-    def flush(self) -> None:
-        """Write the summary of every interval that has passed, and forget those causes."""
+    def flush(self, everything: bool = False) -> None:
+        """Write the summary of every interval that has passed (every one, at a process's end), and
+        forget those causes."""
         now = self.clock()
-        for key in [k for k, state in self._causes.items() if now >= state[0]]:
+        for key in [k for k, state in self._causes.items() if everything or now >= state[0]]:
             self._summarise(key, self._causes.pop(key))
 
     def _summarise(self, key: str, state: List[Any]) -> None:

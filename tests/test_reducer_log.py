@@ -1,5 +1,6 @@
-"""A reducer's log: its configuration at start and a summary at stop, and nothing else for a clean
-job at the default level (RS_LOG_LEVEL unset); RS_LOG_LEVEL=INFO adds the per-peer events."""
+"""A reducer's log: a summary at stop and nothing else for a clean job at the default level
+(RS_LOG_LEVEL unset; its start is the one short `listening` line on stdout); RS_LOG_LEVEL=INFO adds
+its configuration at start and the per-peer events."""
 import json
 import platform
 import re
@@ -38,17 +39,10 @@ def clean_job(extra_env=None) -> Tuple[str, List[Dict[str, str]]]:
         return group.addresses[0], events(group.stop()[0])
 
 
-def test_default_level_logs_the_configuration_and_a_summary_only():
-    address, lines = clean_job()
-    assert [(e["level"], e["event"]) for e in lines] == [("NOTICE", "started"), ("NOTICE", "stopped")], lines
-    started, stopped = lines
-    assert started["address"] == address
-    assert (started["reducer"], started["workers"], started["auth"], started["metrics"]) == ("0", "2", "token", "off")
-    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
-        assert started["heap"] == "kept", started  # reduction_server/reducer/heap.py
-    for field in ("max_chunk_bytes", "max_accumulator_bytes", "timeout_s", "heartbeat_interval_s",
-                  "liveness_timeout_s", "deterministic", "pid"):
-        assert field in started, (field, started)
+def test_default_level_logs_a_summary_only():
+    _, lines = clean_job()
+    assert [(e["level"], e["event"]) for e in lines] == [("NOTICE", "stopped")], lines
+    [stopped] = lines
     # Two all-reduces and the worker script's closing barrier, one chunk each on the one reducer.
     payload = 1000 * 4 + 300 * 2 + 4
     assert (stopped["completed"], stopped["failed"], stopped["failed_by_code"]) == ("3", "0", "none"), stopped
@@ -56,8 +50,18 @@ def test_default_level_logs_the_configuration_and_a_summary_only():
     assert stopped["peers_admitted"] == str(WORLD) and float(stopped["uptime_s"]) > 0, stopped
 
 
-def test_info_level_adds_the_per_peer_events():
-    _, lines = clean_job({"RS_LOG_LEVEL": "INFO"})
+def test_info_level_adds_the_configuration_at_start_and_the_per_peer_events():
+    address, lines = clean_job({"RS_LOG_LEVEL": "INFO"})
+    started = lines[0]
+    assert (started["level"], started["event"]) == ("INFO", "started"), lines
+    assert started["address"] == address
+    assert (started["reducer"], started["workers"], started["auth"], started["metrics"]) == ("0", "2", "token", "off")
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert started["heap"] == "kept", started  # reduction_server/reducer/heap.py
+    for field in ("max_chunk_bytes", "max_accumulator_bytes", "timeout_s", "heartbeat_interval_s",
+                  "liveness_timeout_s", "deterministic", "pid"):
+        assert field in started, (field, started)
+    # and the per-peer events
     names = [e["event"] for e in lines]
     assert names[0] == "started" and names[-1] == "stopped", names
     assert sorted(int(e["rank"]) for e in lines if e["event"] == "admitted") == list(range(WORLD)), names

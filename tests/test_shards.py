@@ -192,7 +192,8 @@ def test_a_killed_shard_is_restarted_and_the_job_ends_bitwise_as_unsharded():
     exact = {"RS_DETERMINISTIC": "1", **FAST}
     with reducers(1, extra_env={**exact, "RS_SHARDS": "1"}) as plain:
         reference = Run(plain, exact=True).finish()
-    with reducers(2, extra_env={**exact, "RS_SHARDS": "2"}) as group:
+    # INFO: each shard's `started` line (its configuration, heap=kept) is logged at INFO
+    with reducers(2, extra_env={**exact, "RS_SHARDS": "2", "RS_LOG_LEVEL": "INFO"}) as group:
         job = Run(group, exact=True)
         for step, reducer, shard in ((20, 0, 1), (110, 1, 0)):
             job.wait_for_step(step)
@@ -308,11 +309,12 @@ def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
                                str(port), "--shards", "2"], env=child_env(), capture_output=True, text=True,
                               timeout=60)
     assert proc.returncode == 1
-    # Checked before any shard starts: one line, as an unsharded reducer says it, and no shard's log.
-    assert proc.stderr.splitlines() == [
-        f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port + 1}, shard 1's port (--port + 1): the "
-        "port is already in use (another reducer or program listens there); stop it, or choose another port "
-        "(--port; 0 picks a free one)"], proc.stderr
+    # Checked before any shard starts: one line, as an unsharded reducer says it, naming who holds
+    # the port (this test's process), and no shard's log.
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port + 1}, shard 1's port "
+                           f"(--port + 1): the port is already in use (by pid {os.getpid()} ("), line
+    assert line.endswith("); stop it, or choose another port (--port; 0 picks a free one)"), line
     assert proc.stdout == ""
     with socket.socket() as probe:  # nothing listens at shard 0's port
         probe.bind(("127.0.0.1", port))

@@ -433,7 +433,8 @@ def test_a_reducer_across_a_link_is_offered_no_segment():
             subprocess.run(["ip", *command], check=True, capture_output=True)
         reducer = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "reduction_server", "serve", "--host", f"{subnet}.2",
-             "--port", "5555", "--workers", "1"], cwd="/", env=cluster.child_env({"RS_LOG_LEVEL": "INFO"}),
+             "--port", "5555", "--workers", "1"], cwd="/",
+            env=cluster.child_env({"RS_LOG_LEVEL": "INFO", "RS_ALLOW_NO_TOKEN": "1"}),  # the worker has none either
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         said = [reducer.stdout.readline()]  # a sharded reducer's shards may log their start first
         while said[-1] and "listening on" not in said[-1]:

@@ -21,7 +21,8 @@ if [[ "${1:-spec}" == "flags" ]]; then
   # entry point too), so the trainer image's own ENTRYPOINT must start training
   # (torchrun --standalone --nproc_per_node=8 ...) and set RS_PROCS_PER_HOST=8, and the reducer
   # image needs RS_PROCS_PER_HOST=8 baked in (a one-line Dockerfile FROM it). No job token:
-  # use the spec file for that.
+  # use the spec file for that; without one a reducer refuses to start unless the image also
+  # bakes in RS_ALLOW_NO_TOKEN=1 (anyone who reaches its port may then join the job).
   exec gcloud ai custom-jobs create \
     --project="${PROJECT_ID}" \
     --region="${REGION}" \

@@ -195,6 +195,9 @@ VARIABLES: Tuple[Variable, ...] = (
     # security
     Variable("RS_ENCRYPT", _BOTH, "0", "1: every connection encrypted with CurveZMQ, keys derived from `RS_JOB_TOKEN`",
              bool, False),
+    Variable("RS_ALLOW_NO_TOKEN", (REDUCERS,), "0", "1: a reducer without `RS_JOB_TOKEN` starts on an address "
+             "other than the loopback, where anyone who reaches it may send it data (as `serve --insecure-no-token`); "
+             "0: it refuses to start", bool, False),
     # the client's adapters
     Variable("RS_TORCH_AUTOLOAD", (WORKERS,), "1", "`import torch` registers the `reduction_server` backend (a "
              "`torch.backends` entry point; nothing more until a process asks for it); 0 turns it off, as "

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from ..children import AWAY_FROM_SOURCE, POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit, signal_name, stop_all, wait_briefly
 from .elastic import Elastic
-from .local_layout import Layout, check_arguments, job_environment, plan_layout, worker_environment
+from .local_layout import Layout, busy_port, check_arguments, job_environment, plan_layout, worker_environment
 
 _PREFIX = "reduction-server run:"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping children
@@ -304,15 +304,24 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
     if problem is not None:
         return _usage_error(problem)
     try:
-        layout = plan_layout(host, reducers, port_base)
+        layout = plan_layout(host, reducers, port_base, metrics_port)
+        busy = busy_port(layout, metrics_port)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
+    if busy is not None:  # before any process starts: nothing to stop, and the owner named
+        _say(busy)
+        return 1
     job = _Job(layout, np, list(command), metrics_port, max_restarts, elastic)
+    started = time.monotonic()
     with _signals_recorded_by(job):
         try:
-            return job.run()
+            code = job.run()
         finally:
             job.stop()
+    if code == 0:  # a failure has said why already
+        restarts = f" after {job.restarts} restart(s)" if job.restarts else ""
+        _say(f"job done: every worker exited 0{restarts}, in {time.monotonic() - started:.1f} s")
+    return code
 
 
 def _join(readers: List[threading.Thread]) -> None:

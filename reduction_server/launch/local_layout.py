@@ -3,6 +3,7 @@ rendezvous port torch.distributed-style ranks meet on, and the environment of th
 each worker rank (`reduction-server run`, launcher.py)."""
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -12,6 +13,7 @@ from typing import Collection, Dict, List, Optional, Sequence
 from ..config import settings
 from ..config.cluster_spec import join_address
 from ..config.settings import ONE_HOST_PIPELINE_DEPTH
+from ..ports import port_holder
 
 FOREIGN_JOB_VARS = ("CLUSTER_SPEC", "TF_CONFIG")  # they describe some other job's layout
 
@@ -42,22 +44,57 @@ def check_arguments(np: int, reducers: int, command: Sequence[str], port_base: O
     if metrics_port and not (1 <= metrics_port and metrics_port + reducers - 1 <= 65535):
         return (f"--metrics-port {metrics_port} with {reducers} reducer(s) needs ports "
                 f"{metrics_port}-{metrics_port + reducers - 1}, outside 1-65535")
+    if port_base is not None and metrics_port and metrics_port < port_base + reducers \
+            and port_base < metrics_port + reducers:
+        return (f"--port-base {port_base} and --metrics-port {metrics_port} with {reducers} reducer(s) overlap: the "
+                f"reducers listen on {_span(port_base, reducers)} and serve metrics on "
+                f"{_span(metrics_port, reducers)}; choose ranges apart (e.g. --metrics-port {port_base + reducers})")
     if not command:
         return "no command given (usage: reduction-server run -np W --reducers R -- CMD ...)"
     return None
 
 
-def plan_layout(host: str, reducers: int, port_base: Optional[int]) -> Layout:
-    """Ports for the reducers on `host` (from `port_base` on, or free ones) and for the ranks'
-    rendezvous; OSError when `host` cannot be bound."""
+def _span(first: int, count: int) -> str:
+    return f"port {first}" if count == 1 else f"ports {first}-{first + count - 1}"
+
+
+def plan_layout(host: str, reducers: int, port_base: Optional[int], metrics_port: Optional[int] = None) -> Layout:
+    """Ports for the reducers on `host` (from `port_base` on, or free ones apart from the metrics
+    ports) and for the ranks' rendezvous; OSError when `host` cannot be bound."""
+    metrics = list(range(metrics_port, metrics_port + reducers)) if metrics_port else []
     if port_base is None:
-        *reducer_ports, master_port = _free_ports(host, reducers + 1, avoid=())
+        *reducer_ports, master_port = _free_ports(host, reducers + 1, avoid=metrics)
     else:
         reducer_ports = list(range(port_base, port_base + reducers))
-        (master_port,) = _free_ports(host, 1, avoid=reducer_ports)
+        (master_port,) = _free_ports(host, 1, avoid=reducer_ports + metrics)
     # A wildcard bind address is not something to connect to; the loopback reaches it.
     connect_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return Layout(host, connect_host, reducer_ports, master_port)
+
+
+def busy_port(layout: Layout, metrics_port: Optional[int] = None) -> Optional[str]:
+    """What is wrong, in one line, when a port the job's reducers will listen on (each one's port
+    and metrics port) cannot be bound on the bind host now: which port, whose, who holds it and
+    what to do; None when all are free. Checked before any process starts."""
+    wanted = [(port, f"reducer {i}'s port (--port-base)") for i, port in enumerate(layout.reducer_ports)]
+    if metrics_port:
+        wanted += [(metrics_port + i, f"reducer {i}'s metrics port (--metrics-port)")
+                   for i in range(len(layout.reducer_ports))]
+    family = socket.getaddrinfo(layout.bind_host, 0, type=socket.SOCK_STREAM)[0][0]
+    for port, whose in wanted:
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the reducers bind: TIME_WAIT is free
+            try:
+                probe.bind((layout.bind_host, port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return None  # not a matter of ports: the reducers say what it is
+                holder = port_holder(port)
+                return (f"cannot use {layout.bind_host}:{port}, {whose}: it is already in use "
+                        f"({f'by {holder}' if holder else 'another reducer or program listens there'}); stop it, "
+                        "or choose other ports (--port-base, --metrics-port; without --port-base the reducers "
+                        "take free ones)")
+    return None
 
 
 def _free_ports(host: str, count: int, avoid: Collection[int]) -> List[int]:

@@ -170,6 +170,7 @@ class Reducer:
                     next_tick = now + tick
         finally:
             self.events.close()
+            self.outbox.throttle.flush(everything=True)  # the counts left out, before the stop line
 
     def _read_events(self) -> None:
         """The socket monitor's news (socket_events.py); a closed connection that may be a

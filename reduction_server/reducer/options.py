@@ -9,6 +9,7 @@ place, so that a bad one is one ConfigError before anything binds and before any
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -56,13 +57,16 @@ class ReducerConfig:
     def resolve(cls, *, host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
                 index: Optional[int] = None, deterministic: Optional[bool] = None,
                 metrics_port: Optional[int] = None, shards: Union[str, int, None] = None,
-                shard: Optional[int] = None) -> "ReducerConfig":
+                shard: Optional[int] = None, insecure_no_token: Optional[bool] = None) -> "ReducerConfig":
         """The settings `serve` runs with: each argument that is not None wins over the discovered
         place and the environment (deterministic: RS_DETERMINISTIC; metrics_port: RS_METRICS_PORT;
-        shards: RS_SHARDS). A ConfigError names the first setting that is wrong."""
+        shards: RS_SHARDS; insecure_no_token: RS_ALLOW_NO_TOKEN). A ConfigError names the first
+        setting that is wrong."""
         # The order of the reads below is the order in which errors are reported: keep it.
         host, port, index, workers = _place(host, port, index, workers)
         token = settings.read("RS_JOB_TOKEN")
+        if shard is None:  # a shard's supervisor has checked it already, with the same environment
+            _check_token(host, token, insecure_no_token)
         if deterministic is None:
             deterministic = settings.read("RS_DETERMINISTIC")
         encrypt = settings.read("RS_ENCRYPT")
@@ -102,6 +106,32 @@ def _place(host: Optional[str], port: Optional[int], index: Optional[int],
         if workers is None:
             workers = settings.read("RS_WORLD_SIZE")
     return host, port, index, workers
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1, `localhost`): reachable from this
+    host only. A name, an interface or a wildcard address is not."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_token(host: str, token: str, insecure_no_token: Optional[bool]) -> None:
+    """A ConfigError, in one line, when a reducer would listen beyond the loopback without a job
+    token (anyone who reaches the port could send it data and read the sums) and was not told
+    explicitly that this is wanted (--insecure-no-token, RS_ALLOW_NO_TOKEN=1)."""
+    if token or is_loopback(host):
+        return
+    if insecure_no_token is None:
+        insecure_no_token = settings.read("RS_ALLOW_NO_TOKEN")
+    if not insecure_no_token:
+        raise ConfigError(f"refusing to listen on {host} without a job token: anyone who reaches the port could "
+                          "join the job, send it data and read its sums; set RS_JOB_TOKEN to a random secret "
+                          "shared with the workers (openssl rand -hex 16), or bind the loopback (--host 127.0.0.1), "
+                          "or accept the risk with --insecure-no-token (RS_ALLOW_NO_TOKEN=1)")
 
 
 def _metrics_port(metrics_port: Optional[int]) -> int:

@@ -2,11 +2,14 @@
 
 Its settings are resolved once (options.py: the arguments, else the place discovered from the
 cluster spec or RS_* variables, else the environment, else the defaults); it binds, says so on
-stdout (and to a launcher's --ready-fd), logs its configuration, serves until SIGTERM or SIGINT,
-and logs a summary when it stops. With shards it supervises them instead (shards.py).
+stdout in one short line (and to a launcher's --ready-fd), logs its configuration at INFO, serves
+until SIGTERM or SIGINT, and logs a summary when it stops (NOTICE, shown by default). With
+shards it supervises them instead (shards.py).
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import signal
 import time
@@ -22,7 +25,7 @@ from ..wire.send_buffers import AcceptedBuffers
 from . import heap
 from .core import Reducer
 from .options import ReducerConfig
-from .shards import Supervisor
+from .shards import Supervisor, port_in_use
 
 log = get_logger("reducer")
 
@@ -37,6 +40,8 @@ def _bind(socket: zmq.Socket, host: str, port: int) -> int:
             return socket.bind_to_random_port(address)
         socket.bind(f"{address}:{port}")
     except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE and port:
+            raise port_in_use(host, port) from None
         raise ListenError.binding(host, port, exc.errno, str(exc)) from None
     return port
 
@@ -70,17 +75,21 @@ def _say_ready(ready_fd: Optional[int], port: int, metrics_port: Optional[int] =
 def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
           index: Optional[int] = None, deterministic: Optional[bool] = None,
           metrics_port: Optional[int] = None, ready_fd: Optional[int] = None,
-          shards: Union[str, int, None] = None, shard: Optional[int] = None) -> int:
+          shards: Union[str, int, None] = None, shard: Optional[int] = None,
+          insecure_no_token: Optional[bool] = None) -> int:
     """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
     the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
     0 or unset: no metrics; shards=None: RS_SHARDS). With more than one shard this process
     supervises that many reducer processes on ports port .. port+shards-1 (shards.py); `shard`
     makes it one of them. Once it listens, the bound port and a newline are written to
-    `ready_fd`, which is then closed (a launcher waits for that before it starts workers)."""
+    `ready_fd`, which is then closed (a launcher waits for that before it starts workers).
+    Without RS_JOB_TOKEN it refuses to listen beyond the loopback unless `insecure_no_token`
+    (None: RS_ALLOW_NO_TOKEN) says so (options.py)."""
     _check_ready_fd(ready_fd)
     # Every setting is read (and checked) here, before any shard starts: a bad one is one message.
     config = ReducerConfig.resolve(host=host, port=port, workers=workers, index=index, deterministic=deterministic,
-                                   metrics_port=metrics_port, shards=shards, shard=shard)
+                                   metrics_port=metrics_port, shards=shards, shard=shard,
+                                   insecure_no_token=insecure_no_token)
     if config.supervises:
         return _supervise(config, ready_fd)
     heap_kept = heap.keep_freed_memory()  # before libzmq's I/O thread starts
@@ -152,13 +161,13 @@ def _which_shard(config: ReducerConfig) -> Dict[str, int]:
 
 def _announce(config: ReducerConfig, reducer: Reducer, bound: int, metrics_at: Optional[Tuple[str, int]],
               heap_kept: bool) -> None:
-    """The `listening` line on stdout and the `started` event with every setting in force."""
+    """The short `listening` line on stdout (what a user or a launcher reads), and the `started`
+    event with every setting in force at INFO."""
     address = f"{config.host}:{bound}"
     token, encrypt, deterministic = config.token, config.encrypt, config.deterministic
-    print(f"{reducer.name.split(' (')[0]} listening on tcp://{address} workers={config.workers or 'from HELLO'} "
-          f"auth={'token' if token else 'none'} encrypt={'curve' if encrypt else 'off'} "
-          f"deterministic={'on' if deterministic else 'off'}", flush=True)
-    event(log, NOTICE, "started", reducer=config.index, **_which_shard(config),
+    print(f"{reducer.name.split(' (')[0]} listening on tcp://{address}"
+          f"{_settings_in_short(config.workers, token, encrypt, deterministic)}", flush=True)
+    event(log, logging.INFO, "started", reducer=config.index, **_which_shard(config),
           address=address, workers=config.workers or "from_hello",
           auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
           max_chunk_bytes=config.max_chunk_bytes, max_accumulator_bytes=reducer.pool.max_bytes,
@@ -169,6 +178,13 @@ def _announce(config: ReducerConfig, reducer: Reducer, bound: int, metrics_at: O
           sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(config.sndbuf, config.sndbuf),
           metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
           pid=os.getpid())
+
+
+def _settings_in_short(workers: Optional[int], token: str, encrypt: bool, deterministic: bool) -> str:
+    """The start line's settings: the world size and the authentication always, the others only
+    when on (the `started` event at INFO has them all)."""
+    return (f" workers={workers or 'from HELLO'} auth={'token' if token else 'none'}"
+            + (" encrypt=curve" if encrypt else "") + (" deterministic=on" if deterministic else ""))
 
 
 def _summarise(config: ReducerConfig, reducer: Reducer) -> None:
@@ -200,11 +216,9 @@ def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
             metrics.serve(supervisor.host, supervisor.metrics_port)
         base = supervisor.start()
         address = f"{supervisor.host}:{base}"
-        print(f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1}) "
-              f"workers={supervisor.workers or 'from HELLO'} auth={'token' if token else 'none'} "
-              f"encrypt={'curve' if encrypt else 'off'} deterministic={'on' if supervisor.deterministic else 'off'}",
-              flush=True)
-        event(log, NOTICE, "started", reducer=index, address=address, shards=count,
+        print(f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1})"
+              f"{_settings_in_short(supervisor.workers, token, encrypt, supervisor.deterministic)}", flush=True)
+        event(log, logging.INFO, "started", reducer=index, address=address, shards=count,
               ports=f"{base}-{base + count - 1}", pid=os.getpid())
         _say_ready(ready_fd, base)
         supervisor.watch(lambda: bool(stopping))

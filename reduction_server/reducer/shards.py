@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple, Union
 
 from ..config import settings
 from ..children import AWAY_FROM_SOURCE, die_with_parent_hook
+from ..ports import port_holder
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 
@@ -105,6 +106,17 @@ def free_run(host: str, n: int) -> int:
     raise ListenError(f"cannot find {n} consecutive free ports on {host} for --shards {n}; give --port")
 
 
+def port_in_use(host: str, port: int, shard: int = 0) -> ListenError:
+    """The ListenError of a port another process listens on: where, who (port_holder) and what to do."""
+    where = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+    if shard:
+        where += f", shard {shard}'s port (--port + {shard})"
+    holder = port_holder(port)
+    return ListenError(f"cannot listen on {where}: the port is already in use "
+                       f"({f'by {holder}' if holder else 'another reducer or program listens there'}); "
+                       "stop it, or choose another port (--port; 0 picks a free one)")
+
+
 def check_free(host: str, base: int, n: int) -> None:
     """A ListenError in one reducer's words (process.py) naming the first of the ports base ..
     base+n-1 that cannot be bound on `host` now: said once, before any shard starts."""
@@ -117,6 +129,8 @@ def check_free(host: str, base: int, n: int) -> None:
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     return  # not an address (libzmq also binds an interface's name): the shards say
+                if exc.errno == errno.EADDRINUSE:
+                    raise port_in_use(host, port, port - base) from None
                 raise ListenError.binding(host, port, exc.errno, exc.strerror or str(exc), port - base) from None
 
 

@@ -22,6 +22,9 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     may set others): each test sets those it is about."""
     for variable in settings.VARIABLES:
         monkeypatch.delenv(variable.name, raising=False)
+    # Most tests resolve the default host, 0.0.0.0, without a token: allowed explicitly here, and
+    # refused in the tests of that refusal (which unset it).
+    monkeypatch.setenv("RS_ALLOW_NO_TOKEN", "1")
     yield
 
 
@@ -161,3 +164,40 @@ def test_the_first_bad_setting_is_the_one_named(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("RS_SHARDS", "lots")
     with pytest.raises(ConfigError, match="^--metrics-port 70000"):
         ReducerConfig.resolve(metrics_port=70000)
+
+
+# --- no token beyond the loopback (issue 39) ----------------------------------------------------
+
+_REFUSED = (r"^refusing to listen on {host} without a job token: .* set RS_JOB_TOKEN .* "
+            r"--insecure-no-token \(RS_ALLOW_NO_TOKEN=1\)$")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "reducer-0.example", "eth0"])
+def test_no_token_beyond_the_loopback_is_refused(monkeypatch: pytest.MonkeyPatch, host: str):
+    monkeypatch.delenv("RS_ALLOW_NO_TOKEN")
+    with pytest.raises(ConfigError, match=_REFUSED.format(host=host.replace(".", r"\."))):
+        ReducerConfig.resolve(host=host, port=5555, index=0, shards=1)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "::1", "localhost"])
+def test_no_token_on_the_loopback_is_allowed(monkeypatch: pytest.MonkeyPatch, host: str):
+    monkeypatch.delenv("RS_ALLOW_NO_TOKEN")
+    assert ReducerConfig.resolve(host=host, port=5555, index=0, shards=1).token == ""
+
+
+def test_a_token_or_the_explicit_override_allows_it(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("RS_ALLOW_NO_TOKEN")
+    assert ReducerConfig.resolve(shards=1, insecure_no_token=True).token == ""
+    monkeypatch.setenv("RS_ALLOW_NO_TOKEN", "1")
+    assert ReducerConfig.resolve(shards=1).host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="^refusing to listen on 0"):  # the argument wins
+        ReducerConfig.resolve(shards=1, insecure_no_token=False)
+    monkeypatch.delenv("RS_ALLOW_NO_TOKEN")
+    monkeypatch.setenv("RS_JOB_TOKEN", "secret")
+    assert ReducerConfig.resolve(shards=1).token == "secret"
+
+
+def test_a_shard_leaves_the_check_to_its_supervisor(monkeypatch: pytest.MonkeyPatch):
+    """The supervisor was told (--insecure-no-token); its shards are started without the flag."""
+    monkeypatch.delenv("RS_ALLOW_NO_TOKEN")
+    assert ReducerConfig.resolve(host="0.0.0.0", port=5555, index=0, shards=2, shard=1).shard == 1
