@@ -1,8 +1,9 @@
 """Mutual authentication: a worker trusts a reducer only once the reducer has proved the job
 token (docs/protocol.md, "Handshake"). A reducer with another job's token, or with none, at an
 address in RS_REDUCERS is refused by name; it receives no AUTH, no shared-memory offer and no
-DATA, and no collective completes through it. Real reducer processes, and a recording fake for
-what a rogue would see on the wire."""
+DATA, and no collective completes through it (a real one with another token or none does not
+even let the worker's connection through: gate.py). Real reducer processes, and a recording fake
+(one that lets any connection through) for what a rogue would see on the wire."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import zmq
 
 import reduction_server.client as rs
 from reduction_server import CollectiveError
-from reduction_server.wire import auth, protocol
+from reduction_server.wire import auth, gate, protocol
 from reduction_server.wire.protocol import MsgType
 
 from helpers.cluster import child_env, reducers, run_ranks
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "the-jobs-token"
 ROGUES = {"another job's token": "another-jobs-token", "no token": ""}
-WHY = {"another job's token": "its RS_JOB_TOKEN is not this worker's",
+WHY = {"another job's token": "the job tokens differ",
        "no token": "it has no job token (it was started without RS_JOB_TOKEN)"}
 
 
@@ -64,9 +65,8 @@ def test_a_reducer_that_cannot_prove_the_token_is_refused_and_sent_nothing(rogue
         addresses = [*good.addresses, *bad.addresses]
         errors = refusals(addresses, 2)
         for rank, error in enumerate(errors):
-            assert error.startswith(f"rank {rank}: reducer 1 ({bad.addresses[0]}) did not prove the job token "
-                                    "(RS_JOB_TOKEN): "), error
-            assert WHY[rogue] in error and "nothing was sent to it" in error, error
+            assert error.startswith(f"rank {rank}: reducer 1 ({bad.addresses[0]}) refused this worker: "), error
+            assert WHY[rogue] in error, error
         assert bad.alive()
         rogue_log = bad.stop()[0]
         good_log = good.stop()[0]
@@ -78,13 +78,16 @@ def test_a_reducer_that_cannot_prove_the_token_is_refused_and_sent_nothing(rogue
 
 
 class FakeReducer:
-    """A ROUTER socket in this process that answers HELLO as told and records every message."""
+    """A ROUTER socket in this process that answers HELLO as told and records every message. Its
+    gate lets any connection through: a rogue that got past the workers' credentials."""
 
     def __init__(self, answer: str) -> None:
         self.answer = answer
         self.context = zmq.Context()
+        self.gate = AnyConnection(self.context, TOKEN).start()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.gate.guard(self.socket)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"127.0.0.1:{port}"
         self.received: List[tuple] = []  # (header, payload)
@@ -122,7 +125,13 @@ class FakeReducer:
         self.stop.set()
         self.thread.join(5)
         self.socket.close()
+        self.gate.close()
         self.context.term()
+
+
+class AnyConnection(gate.Gate):
+    def check(self, username: bytes, password: bytes) -> None:
+        return None
 
 
 @pytest.mark.parametrize("answer, words", [
@@ -176,8 +185,9 @@ def test_a_reducer_at_the_wrong_position_in_rs_reducers_is_named():
 
 
 def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch):
-    """The reconnect path checks the proof too: a reducer that comes back with another token
-    (another job's reducer took the port) is refused by name, and never sent a chunk."""
+    """The reconnect path checks the token too: a reducer that comes back with another token
+    (another job's reducer took the port) refuses the worker's connection (gate.py), which says so
+    by name, and is never sent a chunk."""
     env = {"RS_LIVENESS_TIMEOUT": "1", "RS_HEARTBEAT_INTERVAL": "0.2"}
     with reducers(1, workers=1, token=TOKEN, extra_env=env) as group:
         for name, value in env.items():
@@ -189,7 +199,7 @@ def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch)
             group.signal(0, signal.SIGKILL)
             group.restart(0, child_env({"RS_JOB_TOKEN": "another-jobs-token", **env}))
             deadline, error = time.monotonic() + 20, ""
-            while "did not prove" not in error and time.monotonic() < deadline:
+            while "refused this worker" not in error and time.monotonic() < deadline:
                 try:
                     comm.all_reduce(x)
                     error = "it completed"
@@ -199,6 +209,6 @@ def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch)
         finally:
             comm.close()
         log = group.stop()[0]
-    assert re.search(r"reducer 0 (shard \d+ )?\(127\.0\.0\.1:\d+\) did not prove the job token \(RS_JOB_TOKEN\): its "
-                     r"RS_JOB_TOKEN is not this worker's .* \(when it came back\)", error), error
+    assert re.search(r"reducer 0 (shard \d+ )?\(127\.0\.0\.1:\d+\) came back but refused this worker: the job "
+                     r"tokens differ", error), error
     assert stopped_summary(log)["bytes_in"] == "0"  # the restarted stranger's own summary

@@ -25,7 +25,7 @@ import zmq
 from reduction_server import __version__
 from reduction_server.config.settings import SNDBUF_AUTO
 from reduction_server.log import event, get_logger
-from reduction_server.wire import auth, encryption, protocol
+from reduction_server.wire import auth, encryption, gate, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
 
@@ -71,7 +71,7 @@ class Connections:
         # Per endpoint: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
-        self.watch = Watch(len(ends), options.encrypt)
+        self.watch = Watch(len(ends), options.encrypt, gated=gate.applies(options.job_token, options.encrypt))
         self.progress = self.watch.progress
         self.context: Optional[zmq.Context] = None
         self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every endpoint that admits us
@@ -113,6 +113,8 @@ class Connections:
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
         if self.options.encrypt:  # keys from the job token (encryption.py)
             encryption.secure_worker(sock, self.options.job_token)
+        elif self.options.job_token:  # a fresh credential: a reducer lets no stranger's connection through (gate.py)
+            gate.present(sock, self.options.job_token)
         # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
         # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
         monitor = sock.get_monitor_socket(_MONITORED)

@@ -25,8 +25,9 @@ PROGRESS = {
 class Watch:
     """Per endpoint: how far its handshake got, and its failed security handshakes in a row."""
 
-    def __init__(self, count: int, encrypt: bool) -> None:
+    def __init__(self, count: int, encrypt: bool, gated: bool = False) -> None:
         self.encrypt = encrypt
+        self.gated = gated  # connections present a PLAIN credential (gate.py)
         self.progress: List[int] = [CONNECTING] * count
         self.failures: List[Tuple[int, float]] = [(0, 0.0)] * count  # (in a row, since when)
 
@@ -43,7 +44,7 @@ class Watch:
                 closed = True
                 if kind == zmq.EVENT_CLOSED and self.progress[e] < CONNECTED:  # the connect itself failed
                     self.progress[e] = REFUSED
-            failure = encryption.handshake_failure(kind, message["value"], self.encrypt)
+            failure = encryption.handshake_failure(kind, message["value"], self.encrypt, self.gated)
             if failure is not None:
                 count, since = self.failures[e]
                 now = time.monotonic()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
 
-from ..wire import protocol
+from ..wire import gate, protocol
 from .accumulator import AccumulatorPool
 from ..errors import ProtocolError
 from ..log import Throttle, get_logger
@@ -86,7 +86,8 @@ class Reducer:
         self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
                                    encrypt=encrypt, shared=shared, results=self.results, shard=shard, shards=shards,
                                    read_events=self._read_events)
-        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt, send_buffers=send_buffers,
+        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt,
+                                   gated=gate.applies(job_token, encrypt), send_buffers=send_buffers,
                                    throttle=self.outbox.throttle)
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.bytes_in = 0

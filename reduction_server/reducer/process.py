@@ -8,19 +8,20 @@ shards it supervises them instead (shards.py).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import signal
 import time
-from typing import Dict, List, Optional, Tuple, Union
+from typing import ContextManager, Dict, List, Optional, Tuple, Union
 
 import zmq
 
 from ..config import settings
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
-from ..wire import encryption, protocol
+from ..wire import encryption, gate, protocol
 from ..wire.send_buffers import AcceptedBuffers
 from . import heap
 from .core import Reducer
@@ -100,9 +101,10 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
 
 def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Reducer:
     """Bind, say so, and serve until SIGTERM or SIGINT; the reducer, stopped, for its summary."""
+    gate.seed_routing_ids()  # before the ROUTER: its first routing id is not every process's (gate.py)
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
-    with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
-        bound = _listen(socket, config)
+    with zmq.Context() as context, _gate(context, config) as zap, context.socket(zmq.ROUTER) as socket:
+        bound = _listen(socket, config, zap)
         send_buffers = AcceptedBuffers(bound) if config.sndbuf == settings.SNDBUF_AUTO else None
         reducer = Reducer(
             socket, index=config.index, address=f"{config.host}:{bound}", world_size=config.workers,
@@ -127,7 +129,16 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
     return reducer
 
 
-def _listen(socket: zmq.Socket, config: ReducerConfig) -> int:
+def _gate(context: zmq.Context, config: ReducerConfig) -> ContextManager[Optional[gate.Gate]]:
+    """The ZAP handler that lets through only connections proving the job token (gate.py): a
+    stranger's would reach libzmq's routing table, which it can make abort (issue 37). None with
+    encryption (CURVE keeps strangers out already) or without a token (anyone is admitted)."""
+    if not gate.applies(config.token, config.encrypt):
+        return contextlib.nullcontext()
+    return gate.Gate(context, config.token, log=log)
+
+
+def _listen(socket: zmq.Socket, config: ReducerConfig, zap: Optional[gate.Gate] = None) -> int:
     """Set the ROUTER socket's options, all before it binds, then bind it; the bound port."""
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable result is an error, never a silent drop
     socket.setsockopt(zmq.LINGER, 0)
@@ -138,6 +149,8 @@ def _listen(socket: zmq.Socket, config: ReducerConfig) -> int:
     protocol.set_heartbeats(socket, config.heartbeat_interval, config.liveness_timeout)
     if config.encrypt:
         encryption.secure_reducer(socket, config.token)
+    elif zap is not None:
+        zap.guard(socket)
     return _bind(socket, config.host, config.port)
 
 

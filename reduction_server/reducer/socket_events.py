@@ -26,12 +26,13 @@ log = get_logger("reducer")
 class SocketEvents:
     """The monitor of one reducer's socket, read from open() until close()."""
 
-    def __init__(self, socket: zmq.Socket, clock: Clock, *, index: int, encrypt: bool,
+    def __init__(self, socket: zmq.Socket, clock: Clock, *, index: int, encrypt: bool, gated: bool = False,
                  send_buffers: Optional[AcceptedBuffers] = None, throttle: Optional[Throttle] = None) -> None:
         self.socket = socket
         self.clock = clock
         self.index = index
         self.encrypt = encrypt
+        self.gated = gated  # connections present a PLAIN credential (gate.py)
         self.send_buffers = send_buffers
         self.monitor: Optional[zmq.Socket] = None
         self.handshake_failures = 0  # connections whose security handshake failed
@@ -57,7 +58,7 @@ class SocketEvents:
             if message["event"] == zmq.EVENT_ACCEPTED:
                 self.send_buffers.accepted(message["value"])
                 continue
-            failure = encryption.handshake_failure(message["event"], message["value"], self.encrypt)
+            failure = encryption.handshake_failure(message["event"], message["value"], self.encrypt, self.gated)
             if failure is None:
                 closed += 1
                 continue

@@ -19,6 +19,7 @@ import zmq
 from zmq.utils import z85
 
 from ..errors import ConfigError
+from . import gate
 
 _REDUCER_LABEL = b"reduction-server CurveZMQ reducer key v1"
 _WORKER_LABEL = b"reduction-server CurveZMQ worker key v1"
@@ -65,16 +66,27 @@ def secure_worker(socket: zmq.Socket, token: str) -> None:
     socket.curve_publickey, socket.curve_secretkey = _keypair(token, _WORKER_LABEL)
 
 
-def handshake_failure(event: int, value: int, encrypt: bool) -> Optional[Tuple[str, bool]]:
+def handshake_failure(event: int, value: int, encrypt: bool, gated: bool = False) -> Optional[Tuple[str, bool]]:
     """What a socket monitor event (parsed: zmq.utils.monitor) says about the security handshake:
     None if it is not a handshake failure, else (reason, certain); `certain` is False for a
-    failure that could also be a connection dropped in the middle of the handshake."""
+    failure that could also be a connection dropped in the middle of the handshake. `gated`: this
+    side's connections present a credential of the job token instead (gate.py)."""
     if not event & HANDSHAKE_FAILED:
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        mine, theirs = ("encrypts (RS_ENCRYPT=1)", "does not") if encrypt else ("does not encrypt", "does (RS_ENCRYPT=1)")
-        return (f"encryption mismatch: this side {mine} and the other {theirs}; set RS_ENCRYPT the same on "
-                "workers and reducers", True)
+        if encrypt:
+            return ("encryption mismatch: this side encrypts (RS_ENCRYPT=1) and the other does not; set RS_ENCRYPT "
+                    "the same on workers and reducers", True)
+        # CURVE, PLAIN (a token) or NULL (none) on the other side: this side cannot tell which
+        mine, theirs = (("has a job token", "it has no job token (it was started without RS_JOB_TOKEN)") if gated
+                        else ("has no job token", "it requires a job token (RS_JOB_TOKEN) and this side has none"))
+        return (f"encryption mismatch, or one side has no job token: this side does not encrypt and {mine}; the "
+                f"other encrypts (RS_ENCRYPT=1), or {theirs}; set RS_ENCRYPT and RS_JOB_TOKEN the same on workers "
+                "and reducers", True)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and gated:
+        return ("the job tokens differ: the connection's credential did not prove the job token (RS_JOB_TOKEN) of "
+                "the reducer (another job's reducer, or a mistyped token), or the hosts' clocks differ by more than "
+                f"{gate.MAX_AGE_S} s", True)
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "the encrypted (CurveZMQ) handshake failed: the peer's keys come from another RS_JOB_TOKEN", True
     if not encrypt:

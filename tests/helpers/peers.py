@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 import zmq
 
-from reduction_server.wire import protocol
+from reduction_server.wire import gate, protocol
 from reduction_server.config.discovery import job_id_from
 from reduction_server.wire.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
@@ -22,12 +22,16 @@ JOB = job_id_from(TOKEN)  # the job id a Communicator with TOKEN uses
 
 
 class Peer:
-    """A hand-driven DEALER: sends exactly what a test tells it to, reads with timeouts."""
+    """A hand-driven DEALER: sends exactly what a test tells it to, reads with timeouts. It
+    presents a credential of `token` when it connects, as a worker does (gate.py): a reducer with a
+    token lets no other connection through."""
 
-    def __init__(self, address: str, **sockopts) -> None:
+    def __init__(self, address: str, token: str = TOKEN, **sockopts) -> None:
         self.context = zmq.Context.instance()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if token:
+            gate.present(self.sock, token)
         for option, value in sockopts.items():
             self.sock.setsockopt(getattr(zmq, option), value)
         self.sock.connect(f"tcp://{address}")
@@ -108,18 +112,34 @@ def junk_over_tcp(address: str, payload: bytes) -> None:
 
 
 class RawZmtp:
-    """A ZMTP 3.0 (NULL mechanism) DEALER spoken by hand over TCP: sends frames that pyzmq
-    would never produce (a frame header claiming a terabyte)."""
+    """A ZMTP 3.0 DEALER spoken by hand over TCP: sends frames that pyzmq would never produce (a
+    frame header claiming a terabyte). With a token its mechanism is PLAIN, with a credential of
+    the token (gate.py), else NULL."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = TOKEN) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port_of(address)), timeout=5)
-        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
-        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-        self.sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
-        peer_greeting = self._read(64)
-        assert peer_greeting[0] == 0xFF and peer_greeting[9] == 0x7F and peer_greeting[10] == 3, peer_greeting
+        mechanism = b"PLAIN" if token else b"NULL"
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31
+        metadata = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        if token:
+            username, password = gate.credential(token)
+            hello = b"\x05HELLO" + bytes([len(username)]) + username + bytes([len(password)]) + password
+            self.sock.sendall(greeting + b"\x04" + bytes([len(hello)]) + hello)
+            self._greeted()
+            flags, body = self._frame()
+            assert flags & 0x04 and body.startswith(b"\x07WELCOME"), (flags, body[:20])
+            initiate = b"\x08INITIATE" + metadata
+            self.sock.sendall(b"\x04" + bytes([len(initiate)]) + initiate)
+        else:
+            ready = b"\x05READY" + metadata
+            self.sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+            self._greeted()
         flags, body = self._frame()
         assert flags & 0x04 and body.startswith(b"\x05READY"), (flags, body[:20])
+
+    def _greeted(self) -> None:
+        peer_greeting = self._read(64)
+        assert peer_greeting[0] == 0xFF and peer_greeting[9] == 0x7F and peer_greeting[10] == 3, peer_greeting
 
     def _read(self, n: int) -> bytes:
         buf = b""
