@@ -24,7 +24,7 @@ import sys
 
 BACKEND_NAME = "reduction_server"
 #: the values that turn RS_TORCH_AUTOLOAD off: settings.read's for a switch (reading it through
-#: the registry would import the package; tests/test_torch_autoload.py checks that they agree)
+#: the registry would import the package; tests/jobs/test_torch_autoload.py checks that they agree)
 _OFF = ("0", "false", "no", "off")
 
 

@@ -68,7 +68,7 @@ run() {
     "cuda", torch.cuda.is_available())'
   # The CUDA tensor path: the torch and Horovod adapters' jobs with every tensor on the GPU.
   step cuda-tests 200 python3 -m pytest -q -rs -p no:cacheprovider -k cuda \
-    tests/test_torch_backend.py tests/test_horovod_torch.py tests/test_communicator_lifetime.py
+    tests/jobs/test_torch_backend.py tests/jobs/test_horovod_torch.py tests/jobs/test_communicator_lifetime.py
   # A reducer host's cores: CPU per GiB and throughput against shards, and the loopback row; run
   # away from the source tree, which holds an uncompiled reduction_server.
   step bench-reducer 150 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \

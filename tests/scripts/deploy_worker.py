@@ -1,5 +1,5 @@
 """One worker of a deployment test: finds its place from CLUSTER_SPEC / TF_CONFIG (as on Vertex
-AI), all-reduces deterministic inputs through the reducers (in containers, in tests/test_docker.py)
+AI), all-reduces deterministic inputs through the reducers (in containers, in tests/jobs/test_docker.py)
 and checks every result against NumPy. Prints one JSON line: rank, world, reducers, checks, failures.
 
 EXPECT_RANK and EXPECT_WORLD, when set, are what discovery must have found.

@@ -1,4 +1,4 @@
-"""A training loop for tests/test_failover.py: `python failover_worker.py STEPS EXACT`.
+"""A training loop for tests/jobs/test_failover.py: `python failover_worker.py STEPS EXACT`.
 
 Every step each rank all-reduces gradients of three float32 tensors (several chunks each, on
 every reducer) and an int32 one, and every tenth step broadcasts a tensor from a rotating root;

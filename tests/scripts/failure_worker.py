@@ -1,4 +1,4 @@
-"""One rank of a failure test (tests/test_failures.py). argv[1] is JSON: {"mode": ..., ...}.
+"""One rank of a failure test (tests/jobs/test_failures.py). argv[1] is JSON: {"mode": ..., ...}.
 
 Every mode prints progress lines ("ready", ...) as JSON as it goes and one JSON summary line
 last. Times are wall-clock (time.time()), to compare with the test's own clock on this machine.

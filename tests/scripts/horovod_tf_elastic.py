@@ -1,4 +1,4 @@
-"""An elastic Keras job for tests/test_horovod_elastic.py: `python horovod_tf_elastic.py EPOCHS
+"""An elastic Keras job for tests/jobs/test_horovod_elastic.py: `python horovod_tf_elastic.py EPOCHS
 DIE_AT`. Ranks start with different weights (seeded by rank); hvd.elastic.run's first sync makes
 them rank 0's. Worker 1 SIGKILLs itself at the end of epoch DIE_AT; the others go on from their
 last commit. Each rank prints JSON lines: its digest after the first sync, and at the end its

@@ -1,4 +1,4 @@
-"""A worker command for tests/test_launcher.py: `python launcher_worker.py MODE [options]`.
+"""A worker command for tests/jobs/test_launcher.py: `python launcher_worker.py MODE [options]`.
 
 Modes:
   env     print the job variables as `ENV {json}`, TCP-connect to every RS_REDUCERS address

@@ -1,5 +1,5 @@
 """A training loop that checkpoints and resumes, for `reduction-server run --max-restarts`
-(tests/test_launcher.py): `python restart_worker.py DIR STEPS KILL_STEP`.
+(tests/jobs/test_launcher.py): `python restart_worker.py DIR STEPS KILL_STEP`.
 
 Each step all-reduces (rank + 1) * ones and adds the sum to the state; after each step rank 0
 saves (step, state) to DIR/checkpoint.json, and every rank of a restarted group (its

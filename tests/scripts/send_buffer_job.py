@@ -1,4 +1,4 @@
-"""One rank for tests/test_socket_buffer.py on an emulated network: `python send_buffer_job.py MIB
+"""One rank for tests/jobs/test_socket_buffer.py on an emulated network: `python send_buffer_job.py MIB
 ITERS HOLD`. All-reduces MIB MiB of float32 ITERS times (checking each sum), then prints one JSON
 line: the send buffers its engine gave each reducer connection (reduction_server/wire/send_buffers.py)
 and the kernel's view of them (ss's `tb`, per reducer port); then keeps its connections HOLD

@@ -3,7 +3,7 @@ wheel) against the reduction_server backend, as third-party backends run it (tor
 test/torch_tests.py): the backend is named in DistTestCases' feature sets and the suite's
 TestDistBackend starts WORLD_SIZE ranks per test.
 
-Run by tests/test_torch_suite.py with BACKEND, WORLD_SIZE, TEMP_DIR and RS_REDUCERS set; each test
+Run by tests/jobs/test_torch_suite.py with BACKEND, WORLD_SIZE, TEMP_DIR and RS_REDUCERS set; each test
 gets a generation of its own (RS_GENERATION), so that its ranks never meet an earlier test's
 rounds on the reducers.
 

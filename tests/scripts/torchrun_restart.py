@@ -1,5 +1,5 @@
 """DDP training under `torchrun --max-restarts` with the reduction_server backend, for
-tests/test_torchrun_restart.py: `python torchrun_restart.py DIR STEPS KILL_STEP`.
+tests/jobs/test_torchrun_restart.py: `python torchrun_restart.py DIR STEPS KILL_STEP`.
 
 Each step trains a small model on this rank's slice of a batch fixed by the step. Rank 0 saves
 the model, the optimizer and the next step to DIR/checkpoint.pt after every step; a process that

@@ -11,6 +11,7 @@ that runs both styles and every multi-rank check.
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
                                               "the adapter needs it")
 keras = pytest.importorskip("keras", reason="keras 3 is not installed (it comes with tensorflow >= 2.16)")
+
+if __name__ == "__main__":  # a rank's script: tests/, which holds helpers, is not on sys.path then
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import reduction_server.client.tensorflow as rstf  # noqa: E402
 from helpers.cluster import ROOT, SCRIPTS, reducers, run_example, run_workers  # noqa: E402
@@ -86,7 +90,7 @@ _job = {}
 def three_ranks():
     if not _job:
         with reducers(2, workers=3) as group:
-            results = run_workers(3, group, str(ROOT / "tests" / "test_tensorflow.py"), ["worker"], timeout=240,
+            results = run_workers(3, group, str(ROOT / "tests" / "jobs" / "test_tensorflow.py"), ["worker"], timeout=240,
                                   extra_env={"RS_FUSION_THRESHOLD": "256"})  # several buckets per step
         _job["results"] = results
     return _job["results"]

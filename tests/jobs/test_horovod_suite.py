@@ -42,7 +42,7 @@ pytest.importorskip("pytest_timeout", reason="the ranks' per-test bound needs py
 
 from helpers.cluster import TOKEN, child_env, reducers  # noqa: E402
 
-SUITE_DIR = Path(__file__).resolve().parent / "fixtures" / "horovod" / "parallel"
+SUITE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "horovod" / "parallel"
 SUITE = SUITE_DIR / "test_torch.py"
 CLASS = "TorchTests"
 

@@ -4,7 +4,7 @@ reduction_server/, client/, bench/ and native/ has a row there, and every row a 
 The convention the map follows (and these tests parse): in every table of that section whose
 header's first cell is `file`, each row's first cell is one path from the repository's root in
 backticks, such as `reduction_server/wire/protocol.py`. The layer table (header `layer`) gives
-each layer and, in backticks, the layers it may import, as tests/test_layers.py's MAY_IMPORT
+each layer and, in backticks, the layers it may import, as tests/unit/test_layers.py's MAY_IMPORT
 does; in the reducer's and the engine's tables each room imports only rooms above it. A backticked
 path anywhere on the page must name a file or folder that exists. A module added to the tree
 fails here until it has its row."""

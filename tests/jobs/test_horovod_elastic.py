@@ -24,7 +24,7 @@ pytest.importorskip("torch", reason="the elastic example needs torch")
 pytest.importorskip("filelock", reason="the elastic example takes a FileLock")
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "horovod"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "horovod"
 EXAMPLE = FIXTURES / "examples" / "pytorch_mnist_elastic.py"
 
 
