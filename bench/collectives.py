@@ -7,6 +7,7 @@ Through the reducers, reduce_scatter is one all-reduce per rank's piece, and all
 per rank (docs/design.md): per rank, S out and S in for reduce_scatter, S/W out and S in for
 all_gather, against (W-1)/W x S each way for the ring.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,24 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
+from reduction_server.children import AWAY_FROM_SOURCE
+
 from .emulated_network import EmulatedNetwork, cleanup_on_sigterm
 from .netem import medians, plan_runs, run_gloo, run_reduction_server
-from reduction_server.children import AWAY_FROM_SOURCE
 
 COLUMNS = ["peer", "collective", "W", "R", "mbit", "mib", "ms", "ms_range", "algbw_GBps", "vs_gloo"]
 _JOB = "reduction_server.bench.collectives_job"
 _MARKER = '{"collective"'
 
 
-def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
-        reducers: Optional[Sequence[int]] = None, iters: int = 3, rounds: int = 1) -> List[Dict]:
+def run(
+    worlds: Sequence[int] = (4,),
+    rates_mbit: Sequence[float] = (200,),
+    sizes_mib: Sequence[float] = (4, 16),
+    reducers: Optional[Sequence[int]] = None,
+    iters: int = 3,
+    rounds: int = 1,
+) -> List[Dict]:
     """Rows for Gloo and this project for each W x (loopback, and each link rate) x size x
     collective; with rounds > 1 the peers take turns and each row gives the median."""
     args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
@@ -52,14 +60,30 @@ def run(worlds: Sequence[int] = (4,), rates_mbit: Sequence[float] = (200,), size
 def _loopback(backend: str, world: int, reducers: int, args: List[str]) -> List[Dict]:
     """The job on this machine under `reduction-server run` (which starts the reducers, and sets
     RANK, WORLD_SIZE and MASTER_* for Gloo's ranks); rank 0's result lines."""
-    command = [sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers", str(reducers), "--",
-               sys.executable, "-m", _JOB, backend, *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=AWAY_FROM_SOURCE,
-                          env={**os.environ, "RS_SHM": "0"})  # through sockets, as between hosts
-    lines = [line[line.index("{"):] for line in proc.stdout.splitlines() if _MARKER in line]
+    command = [
+        sys.executable,
+        "-m",
+        "reduction_server",
+        "run",
+        "-np",
+        str(world),
+        "--reducers",
+        str(reducers),
+        "--",
+        sys.executable,
+        "-m",
+        _JOB,
+        backend,
+        *args,
+    ]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=AWAY_FROM_SOURCE, env={**os.environ, "RS_SHM": "0"}
+    )  # through sockets, as between hosts
+    lines = [line[line.index("{") :] for line in proc.stdout.splitlines() if _MARKER in line]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{backend} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{backend} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return [json.loads(line) for line in lines]
 
 
@@ -72,9 +96,19 @@ def _rows(runs: Dict[str, List[List[Dict]]], world: int, r: int, rate: float, ro
             key = (point["collective"], point["mib"])
             if peer == "gloo":
                 gloo_seconds[key] = step["seconds"]
-            rows.append({"peer": peer, "collective": point["collective"], "W": world, "R": "-" if peer == "gloo" else r,
-                         "mbit": rate or "loopback", "mib": point["mib"], "rounds": rounds,
-                         "ms": step["seconds"] * 1e3, "ms_range": step["range"],
-                         "algbw_GBps": point["mib"] * (1 << 20) / step["seconds"] / 1e9,
-                         "vs_gloo": gloo_seconds[key] / step["seconds"]})
+            rows.append(
+                {
+                    "peer": peer,
+                    "collective": point["collective"],
+                    "W": world,
+                    "R": "-" if peer == "gloo" else r,
+                    "mbit": rate or "loopback",
+                    "mib": point["mib"],
+                    "rounds": rounds,
+                    "ms": step["seconds"] * 1e3,
+                    "ms_range": step["range"],
+                    "algbw_GBps": point["mib"] * (1 << 20) / step["seconds"] / 1e9,
+                    "vs_gloo": gloo_seconds[key] / step["seconds"],
+                }
+            )
     return rows

@@ -7,6 +7,7 @@ rank 0 prints one JSON line per collective and size.
 BACKEND: rs (`init_process_group("reduction_server")`, placed by the RS_* variables), gloo
 (placed by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT).
 """
+
 import argparse
 import json
 import time
@@ -46,14 +47,19 @@ def main() -> None:
         full = torch.arange(n, dtype=torch.float32) % 97 + rank  # rank r's input to reduce_scatter
         shard = torch.empty(n // world)
         gathered = torch.empty(n)
-        seconds = _timed(lambda: dist.reduce_scatter_tensor(shard, full), args.iters)
+        seconds = _timed(lambda shard=shard, full=full: dist.reduce_scatter_tensor(shard, full), args.iters)
         piece = slice(rank * (n // world), (rank + 1) * (n // world))
         want = (torch.arange(n, dtype=torch.float32)[piece] % 97) * world + sum(range(world))
         assert torch.equal(shard, want), "reduce_scatter_tensor gave a wrong result"
         results = [("reduce_scatter_tensor", seconds)]
-        seconds = _timed(lambda: dist.all_gather_into_tensor(gathered, shard), args.iters)
-        want = torch.cat([(torch.arange(n, dtype=torch.float32)[r * (n // world):(r + 1) * (n // world)] % 97) * world
-                          + sum(range(world)) for r in range(world)])
+        seconds = _timed(lambda out=gathered, shard=shard: dist.all_gather_into_tensor(out, shard), args.iters)
+        want = torch.cat(
+            [
+                (torch.arange(n, dtype=torch.float32)[r * (n // world) : (r + 1) * (n // world)] % 97) * world
+                + sum(range(world))
+                for r in range(world)
+            ]
+        )
         assert torch.equal(gathered, want), "all_gather_into_tensor gave a wrong result"
         results.append(("all_gather_into_tensor", seconds))
         if rank == 0:

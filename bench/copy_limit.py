@@ -18,6 +18,7 @@ Run as `python -m reduction_server.bench.copy_limit recv MESSAGES` or `... refle
 MESSAGES BYTES WINDOW` (PORTS joined by commas; MESSAGES to each): a listening side prints the CPU time of its
 whole process (libzmq's I/O thread included) over the measured messages, as JSON, and the
 one-way sender its own."""
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ from typing import Dict, List
 
 import numpy as np
 import zmq
+
 from reduction_server.children import AWAY_FROM_SOURCE
 
 _GIB = 1 << 30
@@ -115,12 +117,22 @@ def _measure(listeners: List[List[str]], senders: List[List[str]], timeout: floa
     commas, as its first argument); the listeners' JSON results and the senders' outputs. Every
     process is gone when it returns or raises (after `timeout` seconds in all at the most)."""
     deadline = time.monotonic() + timeout
-    started = [subprocess.Popen([*_JOB, *args], stdout=subprocess.PIPE, text=True, cwd=AWAY_FROM_SOURCE) for args in listeners]
+    started = [
+        subprocess.Popen([*_JOB, *args], stdout=subprocess.PIPE, text=True, cwd=AWAY_FROM_SOURCE) for args in listeners
+    ]
     procs: List[subprocess.Popen] = []
     try:
         ports = ",".join(str(json.loads(proc.stdout.readline())["port"]) for proc in started)
-        procs = [subprocess.Popen([*_JOB, args[0], ports, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, cwd=AWAY_FROM_SOURCE) for args in senders]
+        procs = [
+            subprocess.Popen(
+                [*_JOB, args[0], ports, *args[1:]],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=AWAY_FROM_SOURCE,
+            )
+            for args in senders
+        ]
         outputs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
         for proc, (_, err) in zip(procs, outputs):
             if proc.returncode != 0:
@@ -150,8 +162,10 @@ def duplex(gib: float, message_bytes: int, world: int, window: int, processes: i
     sender (a reducer of that many shards, without the reduction), while `world` peers send `gib`
     GiB in all, in messages of `message_bytes`, the same number to each, `window` in flight to each."""
     messages = max(1, int(gib * _GIB) // (message_bytes * world * processes))
-    got = _measure([["reflect", str(world), str(messages)]] * processes,
-                   [["peer", str(messages), str(message_bytes), str(window)]] * world)
+    got = _measure(
+        [["reflect", str(world), str(messages)]] * processes,
+        [["peer", str(messages), str(message_bytes), str(window)]] * world,
+    )
     return sum(r["cpu_s"] for r in got["listeners"]) / (world * processes * messages * message_bytes / _GIB)
 
 

@@ -10,6 +10,7 @@ gradient all-reduce. Every backend starts from the same weights and data, so the
 BACKEND: rs (`init_process_group("reduction_server")`, placed by the RS_* variables), gloo
 (placed by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT).
 """
+
 import argparse
 import json
 import time
@@ -22,9 +23,13 @@ from reduction_server.bench.gloo_exit import exit_now
 
 
 def mlp(width: int) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
-                               torch.nn.Linear(4 * width, 4 * width), torch.nn.ReLU(),
-                               torch.nn.Linear(4 * width, width))
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, 4 * width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4 * width, 4 * width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4 * width, width),
+    )
 
 
 def main() -> None:
@@ -71,9 +76,12 @@ def main() -> None:
     dist.barrier()
     seconds = (time.perf_counter() - start) / args.steps
     if rank == 0:
-        print(json.dumps({"step_seconds": seconds, "steps": args.steps, "params": params,
-                          "first_loss": first_loss, "loss": loss}),
-              flush=True)
+        print(
+            json.dumps(
+                {"step_seconds": seconds, "steps": args.steps, "params": params, "first_loss": first_loss, "loss": loss}
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
     if args.backend == "gloo":
         exit_now()

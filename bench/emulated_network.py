@@ -6,6 +6,7 @@ delay four times; netem releases a packet's socket memory when it takes the pack
 delay TCP's small-queue limit no longer holds a host's backlog back, and RS_SNDBUF's effect
 differs from a run without). Addresses come from the benchmarking range 198.18.0.0/15. The
 netem, ddp, collectives and failover suites run their peers on it."""
+
 from __future__ import annotations
 
 import atexit
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from typing import Dict, Iterator, List, Sequence
+
 from reduction_server.children import AWAY_FROM_SOURCE
 
 #: the bridge's netfilter hooks (net.bridge.bridge-nf-call-*), off in the switch namespace
@@ -58,8 +60,10 @@ class EmulatedNetwork:
 
     def __init__(self, hosts: int, rate_mbit: float, delay_ms: float = 0.0) -> None:
         if os.geteuid() != 0:
-            raise PermissionError("the emulated network needs root (network namespaces, veth links and tc); "
-                              "run `reduction-server bench netem` or `bench ddp` as root")
+            raise PermissionError(
+                "the emulated network needs root (network namespaces, veth links and tc); "
+                "run `reduction-server bench netem` or `bench ddp` as root"
+            )
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
         check_delay(delay_ms)
@@ -123,8 +127,10 @@ class EmulatedNetwork:
         try:
             _tc(self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
         except RuntimeError as exc:
-            raise OSError(f"a link delay needs the kernel's netem queueing discipline (sch_netem), which this "
-                          f"machine does not offer ({exc}); run without a delay") from None
+            raise OSError(
+                f"a link delay needs the kernel's netem queueing discipline (sch_netem), which this "
+                f"machine does not offer ({exc}); run without a delay"
+            ) from None
         _tc(self.switch, "qdisc", "del", "dev", "lo", "root")
 
     def _add_host(self, i: int) -> None:
@@ -144,17 +150,36 @@ class EmulatedNetwork:
         shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"]
         for where, dev in ((ns, host_end), (self.switch, switch_end)):
             if self.delay_ms:
-                _tc(where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms:g}ms",
-                    "limit", str(NETEM_LIMIT))
+                _tc(
+                    where,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    f"{self.delay_ms:g}ms",
+                    "limit",
+                    str(NETEM_LIMIT),
+                )
                 _tc(where, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *shape)
             else:
                 _tc(where, "qdisc", "add", "dev", dev, "root", *shape)
 
     def spawn(self, i: int, argv: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
         """Start argv on host i; its output is read by the caller; it dies with the network."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=env, cwd=AWAY_FROM_SOURCE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespace(i), *argv],
+            env=env,
+            cwd=AWAY_FROM_SOURCE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self._procs.append(proc)
         return proc
 
@@ -203,8 +228,9 @@ def stale_links() -> List[str]:
     """Ends of veth pairs (a host's or the switch's) left in this namespace by runs whose process
     is gone (SIGKILLed while adding a host)."""
     out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [name for name, pid in re.findall(r"^\d+: (rs(\d+)[hs]\d+)@", out, re.M)
-            if not os.path.exists(f"/proc/{pid}")]
+    return [
+        name for name, pid in re.findall(r"^\d+: (rs(\d+)[hs]\d+)@", out, re.M) if not os.path.exists(f"/proc/{pid}")
+    ]
 
 
 def stale_namespaces() -> List[str]:

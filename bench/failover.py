@@ -9,6 +9,7 @@ step; the failover row also the step of the loss and the median step after it, w
 that matter: the loss step against an undisturbed step, and the steps after it against R-1
 reducers from the start.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -25,8 +26,14 @@ _MARKER = '{"step"'
 _WARMUP = 2  # first steps left out of every median (connections and pools warming up)
 
 
-def run(worlds: Sequence[int] = (4,), reducers: Optional[Sequence[int]] = None, rates_mbit: Sequence[float] = (400,),
-        sizes_mib: Sequence[float] = (4,), steps: int = 30, rounds: int = 1) -> List[Dict]:
+def run(
+    worlds: Sequence[int] = (4,),
+    reducers: Optional[Sequence[int]] = None,
+    rates_mbit: Sequence[float] = (400,),
+    sizes_mib: Sequence[float] = (4,),
+    steps: int = 30,
+    rounds: int = 1,
+) -> List[Dict]:
     """Rows for each W x R (default 3) x link rate x size: the four runs above, each the median
     over `rounds` turns. The reducer lost is the last one, a third of the way through."""
     for r in reducers or (3,):
@@ -37,18 +44,26 @@ def run(worlds: Sequence[int] = (4,), reducers: Optional[Sequence[int]] = None, 
     kill_at = steps // 3
     rows: List[Dict] = []
     with cleanup_on_sigterm():
-        jobs = [(w, r, rate, mib) for w in worlds for r in (reducers or (3,)) for rate in rates_mbit for mib in sizes_mib]
+        jobs = [
+            (w, r, rate, mib) for w in worlds for r in (reducers or (3,)) for rate in rates_mbit for mib in sizes_mib
+        ]
         for world, r, rate, mib in tqdm(jobs, desc="failover", unit="job"):
             args = ["--mib", f"{mib:g}", "--steps", str(steps)]
             runs: Dict[str, List[List[float]]] = {"undisturbed": [], "RS_FAILOVER=0": [], "fewer": [], "failover": []}
             with EmulatedNetwork(world + r, rate) as net:
                 for _ in range(rounds):  # in turns: the runs meet the same quiet and busy moments
                     runs["undisturbed"].append(_steps(run_reduction_server(net, world, r, _JOB, args, _MARKER)))
-                    runs["RS_FAILOVER=0"].append(_steps(run_reduction_server(
-                        net, world, r, _JOB, args, _MARKER, settings={"RS_FAILOVER": "0"})))
+                    runs["RS_FAILOVER=0"].append(
+                        _steps(run_reduction_server(net, world, r, _JOB, args, _MARKER, settings={"RS_FAILOVER": "0"}))
+                    )
                     runs["fewer"].append(_steps(run_reduction_server(net, world, r - 1, _JOB, args, _MARKER)))
-                    runs["failover"].append(_steps(run_reduction_server(
-                        net, world, r, _JOB, [*args, "--kill-at", str(kill_at)], _MARKER, victim=r - 1)))
+                    runs["failover"].append(
+                        _steps(
+                            run_reduction_server(
+                                net, world, r, _JOB, [*args, "--kill-at", str(kill_at)], _MARKER, victim=r - 1
+                            )
+                        )
+                    )
             rows += _rows(runs, world, r, rate, mib, kill_at)
     return rows
 
@@ -59,7 +74,7 @@ def _steps(lines: List[Dict]) -> List[float]:
 
 def _median(runs: List[List[float]], steps: Tuple[int, int]) -> float:
     """The median over every round of the steps in [first, last)."""
-    return statistics.median(s for run in runs for s in run[steps[0]:steps[1]])
+    return statistics.median(s for run in runs for s in run[steps[0] : steps[1]])
 
 
 def _rows(runs: Dict[str, List[List[float]]], world: int, r: int, rate: float, mib: float, kill_at: int) -> List[Dict]:
@@ -74,7 +89,16 @@ def _rows(runs: Dict[str, List[List[float]]], world: int, r: int, rate: float, m
         step = _median(runs[label], whole)
         rows.append({**base, "run": label, "R": reducers, "step_ms": step * 1e3, "vs_undisturbed": step / undisturbed})
     before = _median(runs["failover"], (_WARMUP, kill_at))
-    rows.append({**base, "run": f"failover (reducer {r - 1} killed in step {kill_at})", "R": f"{r}->{r - 1}",
-                 "step_ms": before * 1e3, "loss_step_ms": loss * 1e3, "after_ms": after * 1e3,
-                 "vs_undisturbed": loss / undisturbed, "after_vs_fewer": after / fewer})
+    rows.append(
+        {
+            **base,
+            "run": f"failover (reducer {r - 1} killed in step {kill_at})",
+            "R": f"{r}->{r - 1}",
+            "step_ms": before * 1e3,
+            "loss_step_ms": loss * 1e3,
+            "after_ms": after * 1e3,
+            "vs_undisturbed": loss / undisturbed,
+            "after_vs_fewer": after / fewer,
+        }
+    )
     return rows

@@ -6,6 +6,7 @@ prints one JSON line per step (`{"step": i, "seconds": t}`). With --kill-at, ran
 reducer process PID a moment into step K, while its chunks are on the wire: that step's time is
 the cost of the failover, and the steps after it run on the reducers left.
 """
+
 import argparse
 import json
 import os

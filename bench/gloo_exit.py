@@ -7,6 +7,7 @@ exception", or a segfault), although the rank finished its job and printed its r
 about once in twenty W=2 runs on a loaded machine (pytorch/pytorch#179291 describes the same
 race). Skipping finalization leaves nothing for that thread to race with.
 """
+
 import os
 import sys
 from typing import NoReturn

@@ -3,6 +3,7 @@
 Accumulate cases time `acc = op(acc, widen(src))` (what the reducer does for every contribution
 after the first); AVG times the final store (divide once, narrow to the wire dtype).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Tuple
@@ -30,8 +31,11 @@ def case(dtype: DType, op: ReduceOp, acc_bytes: int) -> Tuple[Callable[[], None]
     if dtype is DType.BFLOAT16:
         src = (rng.uniform(0.5, 1.5, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     else:
-        src = rng.integers(1, 3, n).astype(dtype.storage) if not dtype.is_float else \
-            rng.uniform(0.5, 1.5, n).astype(dtype.storage)
+        src = (
+            rng.integers(1, 3, n).astype(dtype.storage)
+            if not dtype.is_float
+            else rng.uniform(0.5, 1.5, n).astype(dtype.storage)
+        )
     if op is ReduceOp.AVG:
         dst = np.empty(n, dtype.storage)
 
@@ -40,11 +44,12 @@ def case(dtype: DType, op: ReduceOp, acc_bytes: int) -> Tuple[Callable[[], None]
 
         def theirs() -> None:
             if dtype is DType.BFLOAT16:
-                dst[:] = (np.divide(acc, WORLD).view(np.uint32) >> 16)  # truncates: less work than numpy would do
+                dst[:] = np.divide(acc, WORLD).view(np.uint32) >> 16  # truncates: less work than numpy would do
             elif dtype.is_float:
                 np.divide(acc, WORLD, out=dst, casting="unsafe")
             else:
                 np.floor_divide(acc, WORLD, out=dst)
+
         return ours, theirs, acc.nbytes
 
     ufunc = _UFUNC[op]
@@ -53,9 +58,12 @@ def case(dtype: DType, op: ReduceOp, acc_bytes: int) -> Tuple[Callable[[], None]
         _native.accumulate(acc, src, dtype, op)
 
     if dtype is DType.BFLOAT16:
+
         def theirs() -> None:
             ufunc(acc, _widen_bf16(src), out=acc)
     else:
+
         def theirs() -> None:
             ufunc(acc, src, out=acc)  # float16 into float32: numpy's mixed-type loop
+
     return ours, theirs, acc.nbytes

@@ -1,5 +1,6 @@
 """`reduction-server bench kernels`: run the pytest-benchmark suite (test_kernels.py) and report
 our kernels beside NumPy, per dtype x op x size, as time and speed-up."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,20 @@ def run(sizes_mib: Sequence[float] = (4, 64), quick: bool = False) -> List[Dict]
     """Rows: one per dtype x op x size, best (min) time of each implementation."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "kernels.json"
-        args = [str(SUITE), "-p", "no:terminal", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", tmp,
-                "--benchmark-quiet", f"--benchmark-json={report}", "--benchmark-disable-gc"]
+        args = [
+            str(SUITE),
+            "-p",
+            "no:terminal",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            tmp,
+            "--benchmark-quiet",
+            f"--benchmark-json={report}",
+            "--benchmark-disable-gc",
+        ]
         if quick:  # a smoke run: one round each, tiny operands
             args += ["--benchmark-min-rounds=1", "--benchmark-max-time=0.001", "--benchmark-warmup=off"]
         else:
@@ -58,7 +71,15 @@ def run(sizes_mib: Sequence[float] = (4, 64), quick: bool = False) -> List[Dict]
         best.setdefault(key, {})[info["impl"]] = bench["stats"]["min"]
     rows = []
     for (dtype, op, mib, nbytes), t in sorted(best.items()):
-        rows.append({"dtype": dtype, "op": op, "mib": mib, "native_ms": t["native"] * 1e3,
-                     "numpy_ms": t["numpy"] * 1e3, "speedup": t["numpy"] / t["native"],
-                     "native_GBps": nbytes / t["native"] / 1e9})
+        rows.append(
+            {
+                "dtype": dtype,
+                "op": op,
+                "mib": mib,
+                "native_ms": t["native"] * 1e3,
+                "numpy_ms": t["numpy"] * 1e3,
+                "speedup": t["numpy"] / t["native"],
+                "native_GBps": nbytes / t["native"] / 1e9,
+            }
+        )
     return rows

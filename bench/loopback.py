@@ -6,6 +6,7 @@ comparison only (it overstates a reduction server's link use).
 This project runs twice: as a local job runs it, with chunks in shared-memory slots (its
 reducers share the workers' host), and with RS_SHM=0, through tcp loopback sockets as chunks
 travel between hosts."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,9 @@ from typing import Dict, List, Sequence, Tuple
 
 from tqdm import tqdm
 
-from .netem import medians
 from reduction_server.children import AWAY_FROM_SOURCE
+
+from .netem import medians
 
 COLUMNS = ["peer", "W", "R", "mib", "ms", "ms_range", "algbw_GBps", "busbw_GBps(ring)", "vs_gloo", "vs_gloo_range"]
 _JOB = [sys.executable, "-m", "reduction_server.bench.allreduce_job"]
@@ -52,17 +54,30 @@ def _measure(peer: str, world: int, reducers: int, sizes_mib: Sequence[float], i
     """One run of the job: bytes and seconds per all-reduce of each size."""
     sizes = ",".join(f"{s:g}" for s in sizes_mib)
     extra = TRANSPORTS.get(peer, (peer, {}))[1]
-    proc = subprocess.run(_command(peer, world, reducers, sizes, iters), capture_output=True, text=True,
-                          timeout=900, cwd=AWAY_FROM_SOURCE, env={**os.environ, **extra})
-    points = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() if '{"bytes"' in line]
+    proc = subprocess.run(
+        _command(peer, world, reducers, sizes, iters),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=AWAY_FROM_SOURCE,
+        env={**os.environ, **extra},
+    )
+    points = [json.loads(line[line.index("{") :]) for line in proc.stdout.splitlines() if '{"bytes"' in line]
     if proc.returncode != 0 or len(points) != len(sizes_mib):
-        raise RuntimeError(f"{peer} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{peer} W={world} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return points
 
 
-def run(worlds: Sequence[int] = (2, 4), reducers: Sequence[int] = (1, 2),
-        sizes_mib: Sequence[float] = (1, 4, 16, 64, 256), peers: Sequence[str] = (), iters: int = 0,
-        rounds: int = 1) -> List[Dict]:
+def run(
+    worlds: Sequence[int] = (2, 4),
+    reducers: Sequence[int] = (1, 2),
+    sizes_mib: Sequence[float] = (1, 4, 16, 64, 256),
+    peers: Sequence[str] = (),
+    iters: int = 0,
+    rounds: int = 1,
+) -> List[Dict]:
     """Rows for every peer x W (x R for this project) x size. With rounds > 1 the jobs of one W
     run in turns that many times, so that every peer meets the same quiet and busy moments; a
     row gives the median time and the range of its turns, vs_gloo is Gloo's median over its
@@ -93,9 +108,17 @@ def _rows(world: int, sizes_mib: Sequence[float], turns: Dict[Tuple[str, int], L
             seconds = [run[i]["seconds"] for run in runs]
             point = medians(seconds)
             algbw = runs[0][i]["bytes"] / point["seconds"] / 1e9
-            row = {"peer": TRANSPORTS.get(peer, (peer,))[0], "W": world, "R": r if peer in TRANSPORTS else "-",
-                   "mib": mib, "rounds": len(runs), "ms": point["seconds"] * 1e3, "ms_range": point["range"],
-                   "algbw_GBps": algbw, "busbw_GBps(ring)": algbw * 2 * (world - 1) / world}
+            row = {
+                "peer": TRANSPORTS.get(peer, (peer,))[0],
+                "W": world,
+                "R": r if peer in TRANSPORTS else "-",
+                "mib": mib,
+                "rounds": len(runs),
+                "ms": point["seconds"] * 1e3,
+                "ms_range": point["range"],
+                "algbw_GBps": algbw,
+                "busbw_GBps(ring)": algbw * 2 * (world - 1) / world,
+            }
             if gloo is not None:
                 theirs = [run[i]["seconds"] for run in gloo]
                 ratios = [g / ours for g, ours in zip(theirs, seconds)]

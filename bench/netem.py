@@ -7,6 +7,7 @@ Bounds, per worker link of B bytes/s: a reduction server needs S/B per all-reduc
 (each worker sends S and receives S, full duplex) when the reducers' links add up to the
 workers' (R = W here, all links equal); a ring needs 2(W-1)/W x S/B.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,22 +19,39 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from reduction_server.errors import ConfigError
 from reduction_server.config.settings import TUNING, tuning
+from reduction_server.errors import ConfigError
 
 from .emulated_network import MAX_HOSTS, EmulatedNetwork, check_delay, cleanup_on_sigterm
 
-COLUMNS = ["peer", "W", "R", "mbit", "delay_ms", "mib", "ms", "ms_range", "algbw_GBps", "bound_GBps", "of_bound",
-           "vs_gloo"]
+COLUMNS = [
+    "peer",
+    "W",
+    "R",
+    "mbit",
+    "delay_ms",
+    "mib",
+    "ms",
+    "ms_range",
+    "algbw_GBps",
+    "bound_GBps",
+    "of_bound",
+    "vs_gloo",
+]
 _PYTHON = sys.executable
 _ALLREDUCE_JOB = "reduction_server.bench.allreduce_job"
 _REDUCER_PORT = 5555
 _GLOO_PORT = 29500
 
 
-def plan_runs(worlds: Sequence[int], rates_mbit: Sequence[float], reducers: Optional[Sequence[int]], rounds: int,
-              delay_ms: float, variants: Sequence[Dict[str, str]]
-              ) -> Tuple[List[Tuple[int, float, int]], List[Tuple[str, Dict[str, str]]]]:
+def plan_runs(
+    worlds: Sequence[int],
+    rates_mbit: Sequence[float],
+    reducers: Optional[Sequence[int]],
+    rounds: int,
+    delay_ms: float,
+    variants: Sequence[Dict[str, str]],
+) -> Tuple[List[Tuple[int, float, int]], List[Tuple[str, Dict[str, str]]]]:
     """What a suite runs: (W, rate, R) for every emulated network it builds (R = W unless given)
     and (label, settings) for this project's runs on each (variant_runs); all of it checked before
     the first network is built, so that a bad argument costs no run."""
@@ -44,8 +62,10 @@ def plan_runs(worlds: Sequence[int], rates_mbit: Sequence[float], reducers: Opti
     jobs = [(w, rate, r) for w in worlds for rate in rates_mbit for r in (reducers or [w])]
     for world, _, r in jobs:
         if world + r > MAX_HOSTS:
-            raise ValueError(f"W={world} workers and R={r} reducers are {world + r} hosts; an emulated network "
-                             f"has at most {MAX_HOSTS}")
+            raise ValueError(
+                f"W={world} workers and R={r} reducers are {world + r} hosts; an emulated network "
+                f"has at most {MAX_HOSTS}"
+            )
     return jobs, ours
 
 
@@ -57,14 +77,14 @@ _PLACEMENT = ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
     """This machine's environment without any rank placement of its own (but with its TUNING),
     plus `extra`; one thread per process, as many processes share few cores."""
-    env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("RS_") or k in TUNING) and k not in _PLACEMENT}
+    env = {k: v for k, v in os.environ.items() if (not k.startswith("RS_") or k in TUNING) and k not in _PLACEMENT}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 
 
-def _collect(net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, timeout: float,
-             marker: str) -> List[Dict]:
+def _collect(
+    net: EmulatedNetwork, workers: List[subprocess.Popen], what: str, timeout: float, marker: str
+) -> List[Dict]:
     """Rank 0's JSON lines that start with `marker`, once every rank has exited 0."""
     outputs = []
     try:
@@ -110,19 +130,46 @@ def variant_runs(variants: Sequence[Dict[str, str]]) -> List[Tuple[str, Dict[str
     return runs
 
 
-def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: str, args: Sequence[str],
-                         marker: str, timeout: float = 600, settings: Optional[Dict[str, str]] = None,
-                         victim: Optional[int] = None) -> List[Dict]:
+def run_reduction_server(
+    net: EmulatedNetwork,
+    world: int,
+    reducers: int,
+    job: str,
+    args: Sequence[str],
+    marker: str,
+    timeout: float = 600,
+    settings: Optional[Dict[str, str]] = None,
+    victim: Optional[int] = None,
+) -> List[Dict]:
     """`python -m JOB rs ARGS` on hosts 0..W-1 with reducers on hosts W..W+R-1, all of them with
     `settings` (TUNING variables) in their environment; rank 0's JSON lines that start with `marker`.
     `victim`: a reducer whose pid the job is told (`--victim-pid`), for a job that kills it."""
     token = os.urandom(16).hex()
     settings = settings or {}
     addresses = [f"{net.address(world + j)}:{_REDUCER_PORT}" for j in range(reducers)]
-    servers = [net.spawn(world + j, [_PYTHON, "-m", "reduction_server", "serve", "--host", net.address(world + j),
-                                     "--port", str(_REDUCER_PORT), "--workers", str(world), "--index", str(j),
-                                     "--shards", "1"],  # the emulated hosts share this machine's cores
-                         _env({"RS_JOB_TOKEN": token, **settings})) for j in range(reducers)]
+    servers = [
+        net.spawn(
+            world + j,
+            [
+                _PYTHON,
+                "-m",
+                "reduction_server",
+                "serve",
+                "--host",
+                net.address(world + j),
+                "--port",
+                str(_REDUCER_PORT),
+                "--workers",
+                str(world),
+                "--index",
+                str(j),
+                "--shards",
+                "1",
+            ],  # the emulated hosts share this machine's cores
+            _env({"RS_JOB_TOKEN": token, **settings}),
+        )
+        for j in range(reducers)
+    ]
     try:
         for j, proc in enumerate(servers):
             line = proc.stdout.readline()
@@ -130,28 +177,62 @@ def run_reduction_server(net: EmulatedNetwork, world: int, reducers: int, job: s
                 raise RuntimeError(f"reducer {j} did not start: {line}{proc.stdout.read()}")
         if victim is not None:  # `ip netns exec` execs the command: the process is the reducer
             args = [*args, "--victim-pid", str(servers[victim].pid)]
-        workers = [net.spawn(i, [_PYTHON, "-m", job, "rs", *args],
-                             _env({"RS_JOB_TOKEN": token, "RS_REDUCERS": ",".join(addresses), "RS_RANK": str(i),
-                                   "RS_WORLD_SIZE": str(world), **settings})) for i in range(world)]
+        workers = [
+            net.spawn(
+                i,
+                [_PYTHON, "-m", job, "rs", *args],
+                _env(
+                    {
+                        "RS_JOB_TOKEN": token,
+                        "RS_REDUCERS": ",".join(addresses),
+                        "RS_RANK": str(i),
+                        "RS_WORLD_SIZE": str(world),
+                        **settings,
+                    }
+                ),
+            )
+            for i in range(world)
+        ]
         return _collect(net, workers, f"reduction-server W={world} R={reducers}", timeout, marker)
     finally:
         net.stop(servers)
 
 
-def run_gloo(net: EmulatedNetwork, world: int, job: str, args: Sequence[str], marker: str,
-             timeout: float = 600) -> List[Dict]:
+def run_gloo(
+    net: EmulatedNetwork, world: int, job: str, args: Sequence[str], marker: str, timeout: float = 600
+) -> List[Dict]:
     """`python -m JOB gloo ARGS` on hosts 0..W-1 (each rank told its interface: Gloo would pick
     lo otherwise); rank 0's JSON lines that start with `marker`."""
-    workers = [net.spawn(i, [_PYTHON, "-m", job, "gloo", *args],
-                         _env({"RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                               "MASTER_ADDR": net.address(0), "MASTER_PORT": str(_GLOO_PORT),
-                               "GLOO_SOCKET_IFNAME": net.interface(i)})) for i in range(world)]
+    workers = [
+        net.spawn(
+            i,
+            [_PYTHON, "-m", job, "gloo", *args],
+            _env(
+                {
+                    "RANK": str(i),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": "0",
+                    "MASTER_ADDR": net.address(0),
+                    "MASTER_PORT": str(_GLOO_PORT),
+                    "GLOO_SOCKET_IFNAME": net.interface(i),
+                }
+            ),
+        )
+        for i in range(world)
+    ]
     return _collect(net, workers, f"gloo W={world}", timeout, marker)
 
 
-def run(worlds: Sequence[int] = (2, 4, 8), rates_mbit: Sequence[float] = (200,), sizes_mib: Sequence[float] = (4, 16),
-        reducers: Optional[Sequence[int]] = None, iters: int = 3, rounds: int = 1, delay_ms: float = 0.0,
-        variants: Sequence[Dict[str, str]] = ()) -> List[Dict]:
+def run(
+    worlds: Sequence[int] = (2, 4, 8),
+    rates_mbit: Sequence[float] = (200,),
+    sizes_mib: Sequence[float] = (4, 16),
+    reducers: Optional[Sequence[int]] = None,
+    iters: int = 3,
+    rounds: int = 1,
+    delay_ms: float = 0.0,
+    variants: Sequence[Dict[str, str]] = (),
+) -> List[Dict]:
     """Rows for Gloo and this project on each W x R x link rate, each size (R = W unless given),
     and for this project again under each of `variants` (settings, parse_variant); with rounds > 1
     the peers take turns on the same network and each row gives the median. Every argument is
@@ -173,8 +254,16 @@ def medians(runs: Sequence[float]) -> Dict:
     return {"seconds": statistics.median(runs), "range": f"{min(runs) * 1e3:.0f}-{max(runs) * 1e3:.0f}"}
 
 
-def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: List[str],
-             rounds: int, delay_ms: float, variants: List[Tuple[str, Dict[str, str]]]) -> List[Dict]:
+def _measure(
+    world: int,
+    rate: float,
+    r: int,
+    sizes_mib: Sequence[float],
+    args: List[str],
+    rounds: int,
+    delay_ms: float,
+    variants: List[Tuple[str, Dict[str, str]]],
+) -> List[Dict]:
     link = rate * 1e6 / 8  # bytes/s per host, each way
     gloo: List[List[Dict]] = []
     ours: Dict[str, List[List[Dict]]] = {label: [] for label, _ in variants}
@@ -182,8 +271,9 @@ def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: 
         for _ in range(rounds):  # in turns, so that the peers meet the same quiet and busy moments
             gloo.append(run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"'))
             for label, settings in variants:
-                ours[label].append(run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"',
-                                                        settings=settings))
+                ours[label].append(
+                    run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"', settings=settings)
+                )
     # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
     ours_bound = link * min(1.0, r / world) / 1e9
     ring_bound = link * world / (2 * (world - 1)) / 1e9
@@ -192,13 +282,25 @@ def _measure(world: int, rate: float, r: int, sizes_mib: Sequence[float], args: 
         nbytes = gloo[0][i]["bytes"]
         g = medians([run[i]["seconds"] for run in gloo])
         points = [("gloo", g, ring_bound, "-")] + [
-            (label, medians([run[i]["seconds"] for run in runs]), ours_bound, r) for label, runs in ours.items()]
+            (label, medians([run[i]["seconds"] for run in runs]), ours_bound, r) for label, runs in ours.items()
+        ]
         for peer, point, bound, reducers in points:
             algbw = nbytes / point["seconds"] / 1e9
-            rows.append({"peer": peer, "W": world, "R": reducers, "mbit": rate, "delay_ms": delay_ms, "mib": mib,
-                         "rounds": rounds,
-                         "ms": point["seconds"] * 1e3, "ms_range": point["range"], "algbw_GBps": algbw,
-                         "bound_GBps": bound, "of_bound": algbw / bound, "vs_gloo": g["seconds"] / point["seconds"]})
+            rows.append(
+                {
+                    "peer": peer,
+                    "W": world,
+                    "R": reducers,
+                    "mbit": rate,
+                    "delay_ms": delay_ms,
+                    "mib": mib,
+                    "rounds": rounds,
+                    "ms": point["seconds"] * 1e3,
+                    "ms_range": point["range"],
+                    "algbw_GBps": algbw,
+                    "bound_GBps": bound,
+                    "of_bound": algbw / bound,
+                    "vs_gloo": g["seconds"] / point["seconds"],
+                }
+            )
     return rows
-
-

@@ -23,22 +23,41 @@
   workers: the per-thread split is what shows scaling here);
 - Gbit_s_in: incoming gradient per second measured (a lower bound: the workers share the cores).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
 from tqdm import tqdm
 
-from reduction_server.tools import reducer_load
-
-from reduction_server.config import settings
 from reduction_server.client.chunking import plan_chunks
+from reduction_server.config import settings
+from reduction_server.tools import reducer_load
 
 from . import copy_limit
 
-COLUMNS = ["W", "mib", "shards", "chunk_KiB", "iters", "Gbit_s_in", "cpu_s_per_GiB", "limit_s_per_GiB", "vs_limit", "recv", "send",
-           "add", "duplex_s_per_GiB", "vs_duplex", "threads", "busiest_share", "busiest", "scales_to",
-           "per_core_Gbit_s", "host_Gbit_s"]
+COLUMNS = [
+    "W",
+    "mib",
+    "shards",
+    "chunk_KiB",
+    "iters",
+    "Gbit_s_in",
+    "cpu_s_per_GiB",
+    "limit_s_per_GiB",
+    "vs_limit",
+    "recv",
+    "send",
+    "add",
+    "duplex_s_per_GiB",
+    "vs_duplex",
+    "threads",
+    "busiest_share",
+    "busiest",
+    "scales_to",
+    "per_core_Gbit_s",
+    "host_Gbit_s",
+]
 
 
 def _chunk_bytes(mib: float) -> int:
@@ -48,8 +67,13 @@ def _chunk_bytes(mib: float) -> int:
     return plan_chunks(count, 4, 1, settings.tuning("RS_CHUNK_BYTES"), settings.tuning("RS_PIPELINE_DEPTH"))[0][1] * 4
 
 
-def run(worlds: Sequence[int] = (2, 4), sizes_mib: Sequence[float] = (64,), shards: Sequence[int] = (1, 2, 4),
-        iters: int = 20, limit_gib: float = 2.0) -> List[Dict]:
+def run(
+    worlds: Sequence[int] = (2, 4),
+    sizes_mib: Sequence[float] = (64,),
+    shards: Sequence[int] = (1, 2, 4),
+    iters: int = 20,
+    limit_gib: float = 2.0,
+) -> List[Dict]:
     """One row per size x W x shards; the copy limits measured for each size's chunks (and each
     W's and shard count's, both ways), before its loads, in the same run."""
     rows: List[Dict] = []
@@ -60,18 +84,36 @@ def run(worlds: Sequence[int] = (2, 4), sizes_mib: Sequence[float] = (64,), shar
         add = copy_limit.add(limit_gib)
         limit = sockets["recv"] + sockets["send"] + add
         loads = [(w, n) for w in worlds for n in shards]
-        duplex = {(world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
-                  for world, count in loads}
+        duplex = {
+            (world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
+            for world, count in loads
+        }
         for world, count in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
             load = reducer_load.run(world, mib, iters, count)
             name, share = load.busiest()
             per_core = reducer_load.GBIT_PER_GIB / load.cpu_s_per_gib
-            rows.append({"W": world, "mib": mib, "shards": count, "chunk_KiB": chunk / 1024, "iters": iters,
-                         "Gbit_s_in": load.gbit_s_in, "cpu_s_per_GiB": load.cpu_s_per_gib, "limit_s_per_GiB": limit,
-                         "vs_limit": load.cpu_s_per_gib / limit, "recv": sockets["recv"], "send": sockets["send"],
-                         "add": add, "duplex_s_per_GiB": duplex[world, count],
-                         "vs_duplex": load.cpu_s_per_gib / duplex[world, count], "threads": load.busy_threads(),
-                         "busiest_share": share, "busiest": name,
-                         "scales_to": 1 / share, "per_core_Gbit_s": per_core,
-                         "host_Gbit_s": per_core * min(count, 1 / share)})
+            rows.append(
+                {
+                    "W": world,
+                    "mib": mib,
+                    "shards": count,
+                    "chunk_KiB": chunk / 1024,
+                    "iters": iters,
+                    "Gbit_s_in": load.gbit_s_in,
+                    "cpu_s_per_GiB": load.cpu_s_per_gib,
+                    "limit_s_per_GiB": limit,
+                    "vs_limit": load.cpu_s_per_gib / limit,
+                    "recv": sockets["recv"],
+                    "send": sockets["send"],
+                    "add": add,
+                    "duplex_s_per_GiB": duplex[world, count],
+                    "vs_duplex": load.cpu_s_per_gib / duplex[world, count],
+                    "threads": load.busy_threads(),
+                    "busiest_share": share,
+                    "busiest": name,
+                    "scales_to": 1 / share,
+                    "per_core_Gbit_s": per_core,
+                    "host_Gbit_s": per_core * min(count, 1 / share),
+                }
+            )
     return rows

@@ -2,6 +2,7 @@
 All-reduces a float32 buffer ITERS times between barriers. Rank 0 says READY on stdout once every
 rank is warmed up and waits for a line on stdin before the timed loop (the suite reads the
 reducer's CPU clocks in between), then says DONE with the loop's seconds and waits again."""
+
 import json
 import sys
 import time

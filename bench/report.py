@@ -1,4 +1,5 @@
 """What every suite produces: a table on the terminal, a JSON file and PNG plots."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,13 @@ from typing import Dict, List, Optional, Sequence
 
 def table(rows: Sequence[Dict], columns: Sequence[str]) -> str:
     """Rows as an aligned text table; floats with 3 significant digits."""
+
     def cell(value: object) -> str:
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
 
@@ -25,16 +26,32 @@ def save(rows: List[Dict], suite: str, out_dir: Path, command: str) -> Path:
     """Write rows with the machine and the command that produced them; returns the JSON path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{suite}.json"
-    doc = {"suite": suite, "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                       "python": platform.python_version()},
-           "rows": rows}
+    doc = {
+        "suite": suite,
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+        },
+        "rows": rows,
+    }
     path.write_text(json.dumps(doc, indent=1))
     return path
 
 
-def plot(rows: Sequence[Dict], *, x: str, y: str, series: Sequence[str], panels: Optional[str], title: str,
-         path: Path, logx: bool = True) -> Path:
+def plot(
+    rows: Sequence[Dict],
+    *,
+    x: str,
+    y: str,
+    series: Sequence[str],
+    panels: Optional[str],
+    title: str,
+    path: Path,
+    logx: bool = True,
+) -> Path:
     """One line per distinct `series` tuple, one panel per distinct `panels` value."""
     import matplotlib
 
@@ -47,8 +64,12 @@ def plot(rows: Sequence[Dict], *, x: str, y: str, series: Sequence[str], panels:
         subset = [r for r in rows if panels is None or r[panels] == key]
         for label in sorted({tuple(r[s] for s in series) for r in subset}):
             points = sorted((r[x], r[y]) for r in subset if tuple(r[s] for s in series) == label)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                    label=" ".join(f"{s}={v}" for s, v in zip(series, label)))
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                label=" ".join(f"{s}={v}" for s, v in zip(series, label)),
+            )
         if logx:
             ax.set_xscale("log", base=2)
         ax.set_xlabel(x)
@@ -62,8 +83,15 @@ def plot(rows: Sequence[Dict], *, x: str, y: str, series: Sequence[str], panels:
     return path
 
 
-def bars(labels: Sequence[str], values: Sequence[float], *, xlabel: str, title: str, path: Path,
-         reference: Optional[float] = None) -> Path:
+def bars(
+    labels: Sequence[str],
+    values: Sequence[float],
+    *,
+    xlabel: str,
+    title: str,
+    path: Path,
+    reference: Optional[float] = None,
+) -> Path:
     """A horizontal bar per label; `reference` draws a vertical line (e.g. 1.0 for parity)."""
     import matplotlib
 

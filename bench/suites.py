@@ -1,4 +1,5 @@
 """`reduction-server bench SUITE`: run a suite, print its table, save JSON and PNG plots."""
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,25 @@ from . import report
 SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
-SWEEPS = {"worlds": "--workers", "reducers": "--reducers", "rates_mbit": "--rate-mbit", "sizes_mib": "--mib",
-          "delay_ms": "--delay-ms", "rounds": "--rounds", "variants": "--variant", "shards": "--shards"}
-_ACCEPTS = {"kernels": {"sizes_mib"}, "loopback": {"worlds", "reducers", "sizes_mib", "rounds"},
-            "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
-            "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
-            "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-            "reducer": {"worlds", "sizes_mib", "shards"},
-            "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"}}
+SWEEPS = {
+    "worlds": "--workers",
+    "reducers": "--reducers",
+    "rates_mbit": "--rate-mbit",
+    "sizes_mib": "--mib",
+    "delay_ms": "--delay-ms",
+    "rounds": "--rounds",
+    "variants": "--variant",
+    "shards": "--shards",
+}
+_ACCEPTS = {
+    "kernels": {"sizes_mib"},
+    "loopback": {"worlds", "reducers", "sizes_mib", "rounds"},
+    "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
+    "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
+    "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
+    "reducer": {"worlds", "sizes_mib", "shards"},
+    "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
+}
 
 
 def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[str, Any]:
@@ -48,8 +60,9 @@ def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
     return shlex.join(words)
 
 
-def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
-         sweep: Optional[Dict[str, Any]] = None) -> List[Path]:
+def main(
+    suite: str, out: Path, quick: bool = False, rounds: int = 1, sweep: Optional[Dict[str, Any]] = None
+) -> List[Path]:
     """Run `suite`; returns the files written. `rounds`: the suites that take it (SWEEPS) run
     the peers in turns that many times and report medians. `sweep`: run()'s keywords
     (SWEEPS) that replace the suite's configuration; a suite refuses one it does not take."""
@@ -65,72 +78,148 @@ def main(suite: str, out: Path, quick: bool = False, rounds: int = 1,
         print(report.table(rows, kernels.COLUMNS))
         largest = max(r["mib"] for r in rows)
         top = [r for r in rows if r["mib"] == largest]
-        files = [report.save(rows, suite, out, command),
-                 report.bars([f"{r['dtype']} {r['op']}" for r in top], [r["speedup"] for r in top],
-                             xlabel="speed-up over NumPy (same run)", reference=1.0,
-                             title=f"native kernels vs NumPy, {largest:g} MiB accumulator",
-                             path=out / "kernels.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.bars(
+                [f"{r['dtype']} {r['op']}" for r in top],
+                [r["speedup"] for r in top],
+                xlabel="speed-up over NumPy (same run)",
+                reference=1.0,
+                title=f"native kernels vs NumPy, {largest:g} MiB accumulator",
+                path=out / "kernels.png",
+            ),
+        ]
     elif suite == "loopback":
         from . import loopback
 
-        rows = loopback.run(**_configure(suite, {"worlds": (2,), "reducers": (1,), "sizes_mib": (0.25, 1), "iters": 3}
-                                         if quick else {}, sweep))
+        rows = loopback.run(
+            **_configure(
+                suite, {"worlds": (2,), "reducers": (1,), "sizes_mib": (0.25, 1), "iters": 3} if quick else {}, sweep
+            )
+        )
         print(report.table(rows, loopback.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R"), panels="W",
-                             title="loopback all-reduce algbw", path=out / "loopback.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.plot(
+                rows,
+                x="mib",
+                y="algbw_GBps",
+                series=("peer", "R"),
+                panels="W",
+                title="loopback all-reduce algbw",
+                path=out / "loopback.png",
+            ),
+        ]
     elif suite == "netem":
         from . import netem
 
-        rows = netem.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2}
-                                      if quick else {}, sweep))
+        rows = netem.run(
+            **_configure(
+                suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2} if quick else {}, sweep
+            )
+        )
         print(report.table(rows, netem.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.plot(rows, x="mib", y="algbw_GBps", series=("peer", "R", "mbit"), panels="W",
-                             title="emulated network all-reduce algbw", path=out / "netem.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.plot(
+                rows,
+                x="mib",
+                y="algbw_GBps",
+                series=("peer", "R", "mbit"),
+                panels="W",
+                title="emulated network all-reduce algbw",
+                path=out / "netem.png",
+            ),
+        ]
     elif suite == "ddp":
         from . import ddp
 
-        rows = ddp.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "width": 32, "batch": 4, "steps": 2,
-                                            "warmup": 1} if quick else {}, sweep))
+        rows = ddp.run(
+            **_configure(
+                suite,
+                {"worlds": (2,), "rates_mbit": (400,), "width": 32, "batch": 4, "steps": 2, "warmup": 1}
+                if quick
+                else {},
+                sweep,
+            )
+        )
         print(report.table(rows, ddp.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.bars([f"{r['peer']} W={r['W']} R={r['R']} {r['mbit']:g} Mbit/s" for r in rows],
-                             [r["steps_per_s"] for r in rows], xlabel="DDP training steps/s (same run)",
-                             title=f"DDP, {rows[0]['params_M']:.3g}M parameters, batch {rows[0]['batch']} per rank",
-                             path=out / "ddp.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.bars(
+                [f"{r['peer']} W={r['W']} R={r['R']} {r['mbit']:g} Mbit/s" for r in rows],
+                [r["steps_per_s"] for r in rows],
+                xlabel="DDP training steps/s (same run)",
+                title=f"DDP, {rows[0]['params_M']:.3g}M parameters, batch {rows[0]['batch']} per rank",
+                path=out / "ddp.png",
+            ),
+        ]
     elif suite == "collectives":
         from . import collectives
 
-        rows = collectives.run(**_configure(suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2}
-                                            if quick else {}, sweep))
+        rows = collectives.run(
+            **_configure(
+                suite, {"worlds": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "iters": 2} if quick else {}, sweep
+            )
+        )
         print(report.table(rows, collectives.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.bars([f"{r['collective']} {r['peer']} W={r['W']} {r['mib']:g} MiB" for r in rows],
-                             [r["vs_gloo"] for r in rows], xlabel="speed vs Gloo (same run)", reference=1.0,
-                             title="reduce_scatter_tensor and all_gather_into_tensor", path=out / "collectives.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.bars(
+                [f"{r['collective']} {r['peer']} W={r['W']} {r['mib']:g} MiB" for r in rows],
+                [r["vs_gloo"] for r in rows],
+                xlabel="speed vs Gloo (same run)",
+                reference=1.0,
+                title="reduce_scatter_tensor and all_gather_into_tensor",
+                path=out / "collectives.png",
+            ),
+        ]
     elif suite == "reducer":
         from . import reducer
 
-        rows = reducer.run(**_configure(suite, {"worlds": (2,), "sizes_mib": (16,), "shards": (1, 2), "iters": 8,
-                                                "limit_gib": 0.25} if quick else {}, sweep))
+        rows = reducer.run(
+            **_configure(
+                suite,
+                {"worlds": (2,), "sizes_mib": (16,), "shards": (1, 2), "iters": 8, "limit_gib": 0.25} if quick else {},
+                sweep,
+            )
+        )
         print(report.table(rows, reducer.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.bars([f"W={r['W']} {r['mib']:g} MiB {r['shards']} shards" for r in rows],
-                             [r["vs_limit"] for r in rows],
-                             xlabel="reducer CPU per GiB / copy limit (same run)", reference=1.0,
-                             title="one reducer over tcp: CPU per GiB of incoming gradient", path=out / "reducer.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.bars(
+                [f"W={r['W']} {r['mib']:g} MiB {r['shards']} shards" for r in rows],
+                [r["vs_limit"] for r in rows],
+                xlabel="reducer CPU per GiB / copy limit (same run)",
+                reference=1.0,
+                title="one reducer over tcp: CPU per GiB of incoming gradient",
+                path=out / "reducer.png",
+            ),
+        ]
     elif suite == "failover":
         from . import failover
 
-        rows = failover.run(**_configure(suite, {"worlds": (2,), "reducers": (2,), "rates_mbit": (400,),
-                                                 "sizes_mib": (1,), "steps": 12} if quick else {}, sweep))
+        rows = failover.run(
+            **_configure(
+                suite,
+                {"worlds": (2,), "reducers": (2,), "rates_mbit": (400,), "sizes_mib": (1,), "steps": 12}
+                if quick
+                else {},
+                sweep,
+            )
+        )
         print(report.table(rows, failover.COLUMNS))
-        files = [report.save(rows, suite, out, command),
-                 report.bars([row["run"] for row in rows], [row["vs_undisturbed"] for row in rows],
-                             xlabel="step time / undisturbed step (same run; failover: the step of the loss)",
-                             reference=1.0, title="losing a reducer on the emulated network",
-                             path=out / "failover.png")]
+        files = [
+            report.save(rows, suite, out, command),
+            report.bars(
+                [row["run"] for row in rows],
+                [row["vs_undisturbed"] for row in rows],
+                xlabel="step time / undisturbed step (same run; failover: the step of the loss)",
+                reference=1.0,
+                title="losing a reducer on the emulated network",
+                path=out / "failover.png",
+            ),
+        ]
     for path in files:
         print(f"wrote {path}", file=sys.stderr)
     return files

@@ -7,8 +7,8 @@ RS_BENCH_KERNEL_MIB (comma-separated accumulator sizes in MiB, default "4,64") p
 
 import pytest
 
-from reduction_server.config import settings
 from reduction_server.bench.kernel_cases import OPS, case
+from reduction_server.config import settings
 from reduction_server.wire.protocol import DType
 
 SIZES_MIB = [float(s) for s in settings.read("RS_BENCH_KERNEL_MIB").split(",")]

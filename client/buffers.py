@@ -1,5 +1,6 @@
 """Zero-copy byte views of what users pass to a collective: NumPy arrays, objects exporting the
 buffer protocol, and torch CPU tensors (through their NumPy view)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +40,8 @@ def _as_ndarray(x: Any, what: str) -> tuple:
         if x.device.type != "cpu":
             raise TypeError(
                 f"{what} is a {x.device.type} tensor; the Communicator takes host memory. Use "
-                "reduction_server.client.torch, which stages device tensors through pinned host buffers")
+                "reduction_server.client.torch, which stages device tensors through pinned host buffers"
+            )
         x = x.detach()
         if x.dtype == torch.bfloat16:  # NumPy has no bfloat16: carry the bits
             return x.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
@@ -56,8 +58,9 @@ def wire_view(x: Any, *, writable: bool = False, what: str = "input") -> WireBuf
     """A byte view of x without copying; errors name what was wrong."""
     arr, dtype = _as_ndarray(x, what)
     if not arr.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous (shape {arr.shape}, strides {arr.strides}); "
-                         "pass numpy.ascontiguousarray(x)")
+        raise ValueError(
+            f"{what} must be C-contiguous (shape {arr.shape}, strides {arr.strides}); pass numpy.ascontiguousarray(x)"
+        )
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what} is read-only; the result needs a writable buffer")
     return WireBuffer(dtype, arr.size, memoryview(arr.reshape(-1).view(np.uint8)))

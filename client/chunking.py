@@ -10,6 +10,7 @@ ones rotate. When that endpoint is lost, the chunk goes to the first one not los
 preference order (`preference`), which every rank computes alike. Below, "reducer" means an
 endpoint.
 """
+
 from __future__ import annotations
 
 from typing import List, NamedTuple, Tuple
@@ -30,8 +31,9 @@ MIN_SPLIT_BYTES = 64 * 1024
 _ALIGN_ELEMENTS = 64
 
 
-def plan_chunks(total: int, itemsize: int, num_reducers: int, chunk_bytes: int,
-                depth: int = DEFAULT_PIPELINE_DEPTH) -> List[Tuple[int, int]]:
+def plan_chunks(
+    total: int, itemsize: int, num_reducers: int, chunk_bytes: int, depth: int = DEFAULT_PIPELINE_DEPTH
+) -> List[Tuple[int, int]]:
     """[(offset, count), ...] in elements, covering 0..total in order."""
     if total <= 0:
         return []
@@ -61,8 +63,11 @@ def preference(seq: int, chunk: int, active: int, spares: int = 0) -> List[int]:
     own = position % active
     others = active - 1
     turn = position // active
-    return ([own] + [active + (own + turn + j) % spares for j in range(spares)]
-            + [(own + 1 + (turn + j) % others) % active for j in range(others)])
+    return (
+        [own]
+        + [active + (own + turn + j) % spares for j in range(spares)]
+        + [(own + 1 + (turn + j) % others) % active for j in range(others)]
+    )
 
 
 def plan(seq: int, spans: List[Tuple[int, int]], num_reducers: int) -> List[Chunk]:

@@ -5,6 +5,7 @@ the same order (as NCCL requires). A collective is cut into chunks (see chunking
 progress engine (engine.py) streams to the reducers and whose results it receives straight
 into the output buffer.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,19 +87,46 @@ class Communicator:
     group_id: int = 0
     ranks: Optional[Tuple[int, ...]] = None
 
-    def __init__(self, reducers: Sequence[str], rank: int, world_size: int, *,
-                 job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
-                 chunk_bytes: Optional[int] = None, window: Optional[int] = None,
-                 pipeline_depth: Optional[int] = None,
-                 timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
-                 io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
-                 shared_memory: Optional[bool] = None, send_buffer: Union[int, str, None] = None,
-                 failover: Optional[bool] = None, spares: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        reducers: Sequence[str],
+        rank: int,
+        world_size: int,
+        *,
+        job_token: Optional[str] = None,
+        job_id: Optional[int] = None,
+        generation: int = 0,
+        chunk_bytes: Optional[int] = None,
+        window: Optional[int] = None,
+        pipeline_depth: Optional[int] = None,
+        timeout: Optional[float] = None,
+        connect_timeout: Optional[float] = None,
+        io_threads: Optional[int] = None,
+        encrypt: Optional[bool] = None,
+        shared_memory: Optional[bool] = None,
+        send_buffer: Union[int, str, None] = None,
+        failover: Optional[bool] = None,
+        spares: Optional[int] = None,
+    ) -> None:
         options = EngineOptions.resolve(
-            reducers, rank, world_size, job_token=job_token, job_id=job_id, generation=generation,
-            chunk_bytes=chunk_bytes, window=window, pipeline_depth=pipeline_depth, timeout=timeout,
-            connect_timeout=connect_timeout, io_threads=io_threads, encrypt=encrypt, shared_memory=shared_memory,
-            send_buffer=send_buffer, failover=failover, spares=spares)
+            reducers,
+            rank,
+            world_size,
+            job_token=job_token,
+            job_id=job_id,
+            generation=generation,
+            chunk_bytes=chunk_bytes,
+            window=window,
+            pipeline_depth=pipeline_depth,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            io_threads=io_threads,
+            encrypt=encrypt,
+            shared_memory=shared_memory,
+            send_buffer=send_buffer,
+            failover=failover,
+            spares=spares,
+        )
         # Every setting resolved and checked at once (engine/options.py); a Group copies these parts.
         self.rank, self.world_size, self.reducers = options.rank, options.world_size, options.reducers
         self.job_id, self.generation = options.job_id, options.generation
@@ -114,23 +142,32 @@ class Communicator:
         self._closed = False
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, *, incarnation: int = 0,
-                 **options: Any) -> "Communicator":
+    def from_env(
+        cls, environ: Optional[Mapping[str, str]] = None, *, incarnation: int = 0, **options: Any
+    ) -> "Communicator":
         """Rank, world size, reducers and job identity from the environment (discovery.py).
         `incarnation`: how many communicators of this job each rank opened and closed before
         (Horovod's init after shutdown); each takes the next generation, so that the reducers
         never take its collectives for the previous one's."""
         place = discover_worker(environ)
-        return cls(place.reducers, place.rank, place.world_size, job_token=place.job_token,
-                   job_id=place.job_id, generation=place.generation + incarnation, **options)
+        return cls(
+            place.reducers,
+            place.rank,
+            place.world_size,
+            job_token=place.job_token,
+            job_id=place.job_id,
+            generation=place.generation + incarnation,
+            **options,
+        )
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x: Any, op: OpLike = "sum", out: Any = None) -> Any:
         """Reduce x over all ranks; a new array (or `out`, which may be x itself)."""
         return self.all_reduce_async(x, op, out).wait()
 
-    def all_reduce_async(self, x: Any, op: OpLike = "sum", out: Any = None, *,
-                         timeout: Optional[float] = None) -> Handle:
+    def all_reduce_async(
+        self, x: Any, op: OpLike = "sum", out: Any = None, *, timeout: Optional[float] = None
+    ) -> Handle:
         """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
         not change until then; collectives complete in the order they were started. `timeout`:
         seconds it may take from this call before it fails, waiting to start included (None: the
@@ -162,8 +199,17 @@ class Communicator:
         (None: the reducers' RS_TIMEOUT)."""
         self.all_reduce_async(np.zeros(1, np.int32), timeout=timeout).wait()
 
-    def _start(self, src: Optional[WireBuffer], dst: WireBuffer, op: ReduceOp, root: int, result: Any,
-               trace: Optional[Trace] = None, traced: bool = True, time_limit: Optional[float] = None) -> Handle:
+    def _start(
+        self,
+        src: Optional[WireBuffer],
+        dst: WireBuffer,
+        op: ReduceOp,
+        root: int,
+        result: Any,
+        trace: Optional[Trace] = None,
+        traced: bool = True,
+        time_limit: Optional[float] = None,
+    ) -> Handle:
         if self.ranks is not None and op is ReduceOp.BROADCAST:  # the wire names the root by its job rank
             root = self.ranks[root]
         if dst.count == 0:  # nothing to move; no rank sends anything, so seq stays in step
@@ -174,13 +220,27 @@ class Communicator:
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
         limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
-        spans = plan_chunks(dst.count, dst.dtype.itemsize, self.active_reducers, min(self.chunk_bytes, limit),
-                            self.pipeline_depth)
+        spans = plan_chunks(
+            dst.count, dst.dtype.itemsize, self.active_reducers, min(self.chunk_bytes, limit), self.pipeline_depth
+        )
         with self._submit_lock:  # only what needs the seq: ranks must submit in one order
             seq = next(self._seq)
             chunks = plan(seq, spans, self.active_endpoints)
-            coll = Collective(seq, dst.dtype, op, root, src.data if src else None, dst.data, dst.count, chunks,
-                              result, trace=trace, traced=traced, group=self.group_id, time_limit=time_limit)
+            coll = Collective(
+                seq,
+                dst.dtype,
+                op,
+                root,
+                src.data if src else None,
+                dst.data,
+                dst.count,
+                chunks,
+                result,
+                trace=trace,
+                traced=traced,
+                group=self.group_id,
+                time_limit=time_limit,
+            )
             self._engine.submit(coll)
         return Handle(coll.future)
 

@@ -5,6 +5,7 @@ The plan depends only on the list of tensors (names, shapes, dtypes, in order) a
 threshold, never on timing, so every rank builds the same buckets. The first use of a plan
 checks that every rank did, and names the ranks that did not.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,9 +16,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from reduction_server.config import settings
 from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.wire.protocol import DType, ReduceOp
-from reduction_server.config import settings
 
 from .buffers import WireBuffer, wire_view
 from .communicator import Communicator, Handle
@@ -80,8 +81,11 @@ class FusionPlan:
         self._where: Dict[str, Tuple[int, int]] = {}  # name -> (bucket, position in it)
         for spec in self.specs:
             last = self.buckets[-1] if self.buckets else None
-            if (last is None or last.dtype is not spec.dtype
-                    or (last.count + spec.count) * spec.dtype.itemsize > self.threshold):
+            if (
+                last is None
+                or last.dtype is not spec.dtype
+                or (last.count + spec.count) * spec.dtype.itemsize > self.threshold
+            ):
                 last = Bucket(len(self.buckets), spec.dtype)
                 self.buckets.append(last)
             self._where[spec.name] = (last.index, len(last.specs))
@@ -101,8 +105,10 @@ class FusionPlan:
 
     def summary(self) -> str:
         """The plan in one line (tensors, bytes, buckets, threshold), for error messages."""
-        return (f"{len(self.specs)} tensors, {sum(s.nbytes for s in self.specs)} bytes, "
-                f"{len(self.buckets)} buckets, threshold {self.threshold}")
+        return (
+            f"{len(self.specs)} tensors, {sum(s.nbytes for s in self.specs)} bytes, "
+            f"{len(self.buckets)} buckets, threshold {self.threshold}"
+        )
 
 
 class FusedAllReduce:
@@ -138,22 +144,24 @@ class FusedAllReduce:
         timeline = self.comm._engine.timeline  # read once: hvd.stop_timeline() may clear it meanwhile
         trace = self._bucket_trace(bucket, timeline) if timeline is not None else None
         copy_started = time.perf_counter() if trace is not None else 0.0
-        self._bytes[bucket.index][start:start + len(src.data)] = src.data
+        self._bytes[bucket.index][start : start + len(src.data)] = src.data
         if trace is not None:
             trace.copied(copy_started)
         self._seen.add(name)
         self._missing[bucket.index] -= 1
         if self._missing[bucket.index] == 0:
             wire = WireBuffer(bucket.dtype, bucket.count, self._bytes[bucket.index])
-            self._handles[bucket.index] = self.comm._start(wire, wire, self.op, 0, None,
-                                                           trace=self._traces[bucket.index])
+            self._handles[bucket.index] = self.comm._start(
+                wire, wire, self.op, 0, None, trace=self._traces[bucket.index]
+            )
 
     def _bucket_trace(self, bucket: Bucket, timeline: Timeline) -> Trace:
         """The bucket's timeline record, begun at its first tensor: named after its tensors."""
         trace = self._traces[bucket.index]
         if trace is None:
             trace = self._traces[bucket.index] = timeline.begin_tensors(
-                f"bucket {bucket.index}: ", [s.name for s in bucket.specs], {"bucket": bucket.index})
+                f"bucket {bucket.index}: ", [s.name for s in bucket.specs], {"bucket": bucket.index}
+            )
         return trace
 
     def started(self) -> List[int]:
@@ -165,13 +173,15 @@ class FusedAllReduce:
         its uint16 bits)."""
         missing = [s.name for s in self.plan.specs if s.name not in self._seen]
         if missing:
-            raise ValueError(f"wait() before every tensor was given; missing: {missing[:8]}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+            raise ValueError(
+                f"wait() before every tensor was given; missing: {missing[:8]}"
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
         out = {}
         for bucket, handle, buf in zip(self.plan.buckets, self._handles, self._buffers):
             handle.wait()
             for spec, start in zip(bucket.specs, bucket.offsets):
-                out[spec.name] = buf[start:start + spec.count].reshape(spec.shape)
+                out[spec.name] = buf[start : start + spec.count].reshape(spec.shape)
         return out
 
 
@@ -189,4 +199,5 @@ def verify_plan(comm: Communicator, plan: FusionPlan) -> None:
         raise CollectiveError(
             f"rank {comm.rank}: ranks {differ} built a different fusion plan than rank 0 (their tensor "
             f"lists or fusion thresholds differ: names, shapes, dtypes and order must match on every "
-            f"rank). {rows}. This rank's plan: {plan.summary()}")
+            f"rank). {rows}. This rank's plan: {plan.summary()}"
+        )

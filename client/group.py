@@ -5,6 +5,7 @@ The reducers learn a group's ranks from its members (a GROUP message before its 
 and key its rounds by its id, so several groups of one job run side by side: torch's subgroups,
 DeviceMesh dimensions, point-to-point pairs, Horovod's process sets.
 """
+
 from __future__ import annotations
 
 import hashlib

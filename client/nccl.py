@@ -5,6 +5,7 @@ they carry the reducers' addresses, the job token and a fresh job id. Buffers ar
 addresses (integers), counts are elements, datatypes and ops are NCCL's constants. Streams mean
 nothing for host memory: the call returns when the collective is complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,11 @@ _PREFIX = b"RSUID1:"
 
 def get_unique_id(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """An id for a new job: the reducers (from the environment), the job token, a fresh job id."""
-    body = {"reducers": list(discover_reducers(environ)), "token": settings.read("RS_JOB_TOKEN", environ),
-            "job": secrets.randbits(64)}
+    body = {
+        "reducers": list(discover_reducers(environ)),
+        "token": settings.read("RS_JOB_TOKEN", environ),
+        "job": secrets.randbits(64),
+    }
     return _PREFIX + json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -55,15 +59,23 @@ def parse_unique_id(unique_id: bytes) -> dict:
     if not isinstance(unique_id, (bytes, bytearray)) or not unique_id.startswith(_PREFIX):
         raise ConfigError("not a reduction-server unique id (make one with get_unique_id() on one rank)")
     try:
-        body = json.loads(unique_id[len(_PREFIX):])
+        body = json.loads(unique_id[len(_PREFIX) :])
         reducers, token, job = body["reducers"], body["token"], body["job"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"corrupt reduction-server unique id: {exc}") from None
     # A job id that does not fit the header's 64 bits would only fail later, inside the handshake.
-    if not (isinstance(reducers, list) and reducers and all(isinstance(a, str) for a in reducers)
-            and isinstance(token, str) and type(job) is int and 0 <= job < 1 << 64):
-        raise ConfigError("corrupt reduction-server unique id: expected a non-empty list of reducer "
-                          "addresses, a token string and a 64-bit unsigned job id")
+    if not (
+        isinstance(reducers, list)
+        and reducers
+        and all(isinstance(a, str) for a in reducers)
+        and isinstance(token, str)
+        and type(job) is int
+        and 0 <= job < 1 << 64
+    ):
+        raise ConfigError(
+            "corrupt reduction-server unique id: expected a non-empty list of reducer "
+            "addresses, a token string and a 64-bit unsigned job id"
+        )
     return {"reducers": reducers, "token": token, "job": job}
 
 

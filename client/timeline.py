@@ -21,6 +21,7 @@ process that is killed leaves the array unterminated, which chrome://tracing and
 
 With RS_TIMELINE unset nothing here runs: the engine checks one attribute per chunk.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -68,11 +69,24 @@ def open_timeline(path: str, rank: int, mark_cycles: bool = False) -> "Timeline"
 class Trace:
     """The timestamps (time.perf_counter()) of one collective, filled in as it progresses."""
 
-    __slots__ = ("timeline", "name", "args", "lane", "start", "fusion_end", "submitted", "first_send", "last_send",
-                 "first_result", "copy_s", "negotiated")
+    __slots__ = (
+        "timeline",
+        "name",
+        "args",
+        "lane",
+        "start",
+        "fusion_end",
+        "submitted",
+        "first_send",
+        "last_send",
+        "first_result",
+        "copy_s",
+        "negotiated",
+    )
 
-    def __init__(self, timeline: "Timeline", name: str, lane: int, start: float,
-                 args: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(
+        self, timeline: "Timeline", name: str, lane: int, start: float, args: Optional[Dict[str, Any]] = None
+    ) -> None:
         self.timeline = timeline  # the file it is written to, though the engine may have moved on
         self.name = name
         self.args = args or {}
@@ -122,9 +136,18 @@ class Timeline:
         self._file = open(path, "wb")
         self._end: Optional[int] = None  # file offset of the closing bracket, once written
         self._count = 0
-        self._write([{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                      "args": {"name": f"rank {rank}", "start_time_since_epoch_in_micros": self._wall0}},
-                     {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}])
+        self._write(
+            [
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "tid": 0,
+                    "args": {"name": f"rank {rank}", "start_time_since_epoch_in_micros": self._wall0},
+                },
+                {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            ]
+        )
         atexit.register(self._complete)
 
     # -- collectives -------------------------------------------------------------------------
@@ -134,8 +157,17 @@ class Timeline:
             lane = next((i for i, busy in enumerate(self._lanes) if not busy), len(self._lanes))
             if lane == len(self._lanes):
                 self._lanes.append(True)
-                self._write([{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": lane + 1,
-                              "args": {"name": f"collectives {lane}"}}])
+                self._write(
+                    [
+                        {
+                            "name": "thread_name",
+                            "ph": "M",
+                            "pid": self.rank,
+                            "tid": lane + 1,
+                            "args": {"name": f"collectives {lane}"},
+                        }
+                    ]
+                )
             self._lanes[lane] = True
         # After taking the row: the collective that held it before has finished by now.
         return Trace(self, name, lane, time.perf_counter(), args)
@@ -166,9 +198,11 @@ class Timeline:
         if trace.negotiated is not None:
             label, asked, agreed = trace.negotiated
             events.append(self._event(label, "phase", asked, agreed, tid, {}))
-        phases = [("fusion", trace.start if trace.fusion_end is not None else None, trace.fusion_end),
-                  ("queue", trace.submitted, trace.first_send),
-                  ("send", trace.first_send, trace.last_send)]
+        phases = [
+            ("fusion", trace.start if trace.fusion_end is not None else None, trace.fusion_end),
+            ("queue", trace.submitted, trace.first_send),
+            ("send", trace.first_send, trace.last_send),
+        ]
         if trace.last_send is not None:
             receiving = max(trace.last_send, trace.first_result) if trace.first_result is not None else done
             if receiving > trace.last_send:  # results started only after the last chunk went out
@@ -186,15 +220,24 @@ class Timeline:
     def mark(self, name: str) -> None:
         """An instant event now (Horovod's CYCLE_START)."""
         with self._lock:
-            self._write([{"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": 0,
-                          "ts": self._us(time.perf_counter())}])
+            self._write(
+                [{"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": 0, "ts": self._us(time.perf_counter())}]
+            )
 
     # -- the file --------------------------------------------------------------------------
     def _event(self, name: str, cat: str, begin: float, end: float, tid: int, args: Dict[str, Any]) -> dict:
         # Both ends through one conversion: phases that share a boundary share it exactly.
         ts, until = self._us(begin), self._us(max(begin, end))
-        return {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid, "ts": ts, "dur": until - ts,
-                "args": args}
+        return {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": self.rank,
+            "tid": tid,
+            "ts": ts,
+            "dur": until - ts,
+            "args": args,
+        }
 
     def _us(self, t: float) -> float:
         """perf_counter time t in the file's clock: microseconds since the epoch (a monotone map)."""

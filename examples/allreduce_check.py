@@ -7,6 +7,7 @@ Run it under the local launcher (reducers and workers on this machine):
 Every rank all-reduces buffers whose correct sum it can compute by itself, checks the result
 for each dtype and op, then times a large float32 all-reduce. Exits non-zero on a wrong result.
 """
+
 import argparse
 import sys
 import time
@@ -19,9 +20,14 @@ import reduction_server.client as rs
 def expected(op: str, world: int, base: np.ndarray) -> np.ndarray:
     """Rank r contributes base * (r + 1); the reduction of that over all ranks."""
     factors = np.arange(1, world + 1, dtype=np.float64)
-    value = {"sum": factors.sum(), "avg": factors.mean(), "min": factors.min(), "max": factors.max(),
-             "prod": factors.prod()}[op]
-    return base * value if op != "prod" else base ** world * value
+    value = {
+        "sum": factors.sum(),
+        "avg": factors.mean(),
+        "min": factors.min(),
+        "max": factors.max(),
+        "prod": factors.prod(),
+    }[op]
+    return base * value if op != "prod" else base**world * value
 
 
 def main() -> int:
@@ -58,11 +64,16 @@ def main() -> int:
         wrong = int(comm.all_reduce(np.array([errors], dtype=np.int64))[0])  # the verdict covers every rank
         if rank == 0:
             # algbw: the bytes one worker all-reduces over the time it takes (nccl-tests' measure)
-            print(f"{world} workers, {len(comm.reducers)} reducers: {args.mib:g} MiB float32 all-reduce "
-                  f"in {elapsed * 1e3:.1f} ms, algbw {x.nbytes / elapsed / 1e9:.2f} GB/s "
-                  "(algorithm bandwidth: the buffer's bytes over the time)")
-            print("PASSED: every result of every rank was right" if not wrong
-                  else f"FAILED: {wrong} wrong results over the ranks")
+            print(
+                f"{world} workers, {len(comm.reducers)} reducers: {args.mib:g} MiB float32 all-reduce "
+                f"in {elapsed * 1e3:.1f} ms, algbw {x.nbytes / elapsed / 1e9:.2f} GB/s "
+                "(algorithm bandwidth: the buffer's bytes over the time)"
+            )
+            print(
+                "PASSED: every result of every rank was right"
+                if not wrong
+                else f"FAILED: {wrong} wrong results over the ranks"
+            )
         return 1 if errors else 0
 
 

@@ -8,6 +8,7 @@ A Horovod script needs one change: ``import horovod.torch as hvd`` becomes the i
 Synthetic data: each rank draws its own batches of a fixed linear problem; the loss falls and
 the weights stay identical on every rank.
 """
+
 import argparse
 import os
 import time
@@ -36,11 +37,15 @@ def main() -> None:
         torch.cuda.set_device(hvd.local_rank())
 
     torch.manual_seed(hvd.rank())  # different on every rank: broadcast_parameters makes them equal
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                                torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)  # scaled by workers
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
+    opt = hvd.DistributedOptimizer(
+        opt,
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 

@@ -14,6 +14,7 @@ on its r-th shard of global batch s. Shards are equal, so the averaged gradient 
 of the whole global batch, and the weights end as `fit` on the whole data set with the global
 batch size leaves them in a single process.
 """
+
 import argparse
 import os
 
@@ -28,17 +29,18 @@ except ModuleNotFoundError as missing:  # the framework is an extra of the packa
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from tf_custom_loop import add_common_arguments, finish, weights  # noqa: E402  (the sibling example)
 
 import reduction_server.client.tensorflow as rstf  # noqa: E402
-from tf_custom_loop import add_common_arguments, finish, weights  # noqa: E402  (the sibling example)
 
 IN, HIDDEN, OUT = 8, 32, 4
 
 
 def make_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN, activation="relu"),
-                             keras.layers.Dense(OUT)])
+    return keras.Sequential(
+        [keras.Input((IN,)), keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(OUT)]
+    )
 
 
 def dataset(steps: int, per_rank: int, world: int) -> tuple:
@@ -55,8 +57,17 @@ def shard(x: np.ndarray, per_rank: int, rank: int, world: int) -> np.ndarray:
     return x.reshape(-1, world, per_rank, *x.shape[1:])[:, rank].reshape(-1, *x.shape[1:])
 
 
-def fit(model: keras.Model, steps: int, per_rank: int, rank: int, world: int, lr: float, epochs: int = 1,
-        distributed: bool = True, callbacks: tuple = ()) -> dict:
+def fit(
+    model: keras.Model,
+    steps: int,
+    per_rank: int,
+    rank: int,
+    world: int,
+    lr: float,
+    epochs: int = 1,
+    distributed: bool = True,
+    callbacks: tuple = (),
+) -> dict:
     """model.fit on rank's shards; returns the History's logs. distributed=False is the plain
     single-process fit (the reference the tests compare against: rank 0, world 1, the global
     batch size)."""
@@ -66,8 +77,15 @@ def fit(model: keras.Model, steps: int, per_rank: int, rank: int, world: int, lr
         callbacks = (rstf.BroadcastVariablesCallback(root_rank=0), *callbacks, rstf.MetricAverageCallback())
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=False)
     x, y = dataset(steps, per_rank, world)
-    history = model.fit(shard(x, per_rank, rank, world), shard(y, per_rank, rank, world), batch_size=per_rank,
-                        epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+    history = model.fit(
+        shard(x, per_rank, rank, world),
+        shard(y, per_rank, rank, world),
+        batch_size=per_rank,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
     return history.history
 
 
@@ -81,8 +99,14 @@ def main() -> None:
     rank, world = rstf.rank(), rstf.size()
     model = make_model(seed=rank)  # different on every rank: the callback broadcasts rank 0's
     history = fit(model, args.steps, args.batch, rank, world, args.lr, args.epochs)
-    finish(rank, weights(model), f"{args.epochs} epochs of {args.steps} steps on {world} ranks: loss (averaged "
-           f"over ranks) {history['loss'][0]:.5f} -> {history['loss'][-1]:.5f}", {"history": history}, args.json)
+    finish(
+        rank,
+        weights(model),
+        f"{args.epochs} epochs of {args.steps} steps on {world} ranks: loss (averaged "
+        f"over ranks) {history['loss'][0]:.5f} -> {history['loss'][-1]:.5f}",
+        {"history": history},
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ torchrun or the cluster gives rank and world size. The only changes from a gloo/
 the import and the backend name. Synthetic data: each rank draws its own batches of a fixed
 linear problem; the loss falls, and the weights stay identical on every rank.
 """
+
 import argparse
 import os
 import time
@@ -30,10 +31,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket size")
-    parser.add_argument("--hook", choices=["none", "fp16", "bf16"], default="none",
-                        help="keep gloo as the process group and all-reduce through a comm hook instead")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads per rank (default: this host's cores shared by its ranks)")
+    parser.add_argument(
+        "--hook",
+        choices=["none", "fp16", "bf16"],
+        default="none",
+        help="keep gloo as the process group and all-reduce through a comm hook instead",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (default: this host's cores shared by its ranks)"
+    )
     args = parser.parse_args()
     # Ranks (and reducers) on one host share its cores; spinning intra-op threads would starve them.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -46,12 +52,17 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(rank)  # different on every rank: DDP broadcasts rank 0's weights
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                                torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    )
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     if args.hook != "none":
-        from reduction_server.client.torch import (ReductionServerHookState, reduction_server_bf16_hook,
-                                                   reduction_server_fp16_hook)
+        from reduction_server.client.torch import (
+            ReductionServerHookState,
+            reduction_server_bf16_hook,
+            reduction_server_fp16_hook,
+        )
+
         hook = reduction_server_fp16_hook if args.hook == "fp16" else reduction_server_bf16_hook
         ddp.register_comm_hook(ReductionServerHookState.from_env(), hook)
 

@@ -12,6 +12,7 @@ rank, and rank r trains on its r-th shard. Shards are equal, so the averaged gra
 gradient of the whole batch: the weights end as a single process training on the whole batch
 would leave them.
 """
+
 import argparse
 import json
 import os
@@ -36,8 +37,14 @@ IN, HIDDEN, OUT = 8, 32, 4
 
 def make_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN, activation="tanh"),
-                             keras.layers.Dense(HIDDEN, activation="tanh"), keras.layers.Dense(OUT)])
+    return keras.Sequential(
+        [
+            keras.Input((IN,)),
+            keras.layers.Dense(HIDDEN, activation="tanh"),
+            keras.layers.Dense(HIDDEN, activation="tanh"),
+            keras.layers.Dense(OUT),
+        ]
+    )
 
 
 def global_batch(step: int, rows: int) -> tuple:
@@ -49,8 +56,9 @@ def global_batch(step: int, rows: int) -> tuple:
     return x, y
 
 
-def train(model: keras.Model, steps: int, per_rank: int, rank: int, world: int, lr: float,
-          distributed: bool = True) -> list:
+def train(
+    model: keras.Model, steps: int, per_rank: int, rank: int, world: int, lr: float, distributed: bool = True
+) -> list:
     """SGD on rank's shard of each global batch; returns the losses. distributed=False is the
     plain single-process loop (the reference the tests compare against)."""
     optimizer = keras.optimizers.SGD(lr)
@@ -82,8 +90,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
     """The options both TensorFlow examples take (keras_fit.py uses them too)."""
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--json", metavar="PATH", help="write this rank's weights (and losses) as JSON to PATH, "
-                        "in which {rank} stands for the rank")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write this rank's weights (and losses) as JSON to PATH, in which {rank} stands for the rank",
+    )
 
 
 def finish(rank: int, final: np.ndarray, summary: str, report: dict, json_path: Optional[str]) -> None:
@@ -114,8 +125,13 @@ def main() -> None:
     rstf.broadcast_variables(model.weights, root_rank=0)
     initial = weights(model)
     losses = train(model, args.steps, args.batch, rank, world, args.lr)
-    finish(rank, weights(model), f"{args.steps} steps on {world} ranks: loss {losses[0]:.5f} -> {losses[-1]:.5f}",
-           {"before": before.tolist(), "initial": initial.tolist(), "losses": losses}, args.json)
+    finish(
+        rank,
+        weights(model),
+        f"{args.steps} steps on {world} ranks: loss {losses[0]:.5f} -> {losses[-1]:.5f}",
+        {"before": before.tolist(), "initial": initial.tolist(), "losses": losses},
+        args.json,
+    )
 
 
 if __name__ == "__main__":

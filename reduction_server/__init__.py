@@ -4,9 +4,17 @@ The core (the wire, configuration, the reducer, the launcher and tools) lives he
 worker-side library is `reduction_server.client`. The core never imports the client. The map of
 the tree and its layers: docs/design.md, "Where each concept lives".
 """
-from .errors import CollectiveError, ConfigError, ProtocolError, ReductionServerError
+
 from ._version import __version__
+from .errors import CollectiveError, ConfigError, ProtocolError, ReductionServerError
 from .wire.protocol import DType, ReduceOp
 
-__all__ = ["CollectiveError", "ConfigError", "DType", "ProtocolError", "ReduceOp",
-           "ReductionServerError", "__version__"]
+__all__ = [
+    "CollectiveError",
+    "ConfigError",
+    "DType",
+    "ProtocolError",
+    "ReduceOp",
+    "ReductionServerError",
+    "__version__",
+]

@@ -4,6 +4,7 @@ Buffers are any C-contiguous objects exporting the buffer protocol; their bytes 
 `dtype` code says (DType, NCCL numbering), whatever their own format. Codes are ints or
 DType / ReduceOp members.
 """
+
 from typing import Optional, Sequence, Tuple, Union
 
 from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -19,15 +20,15 @@ def load(acc: Buffer, src: Buffer, dtype: Union[int, DType]) -> None:
 def accumulate(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp]) -> None:
     """acc[:] = op(acc, widen(src)) elementwise; AVG accumulates like SUM."""
 
-def accumulate_copies(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
-                      world: int, outs: Sequence[Buffer]) -> None:
+def accumulate_copies(
+    acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp], world: int, outs: Sequence[Buffer]
+) -> None:
     """The last accumulate(), and each of outs as store(acc, out, dtype, op, world) gives it, a
     block at a time while it is in cache (acc divided in place for AVG of a dtype that
     accumulates in itself, left the float32 sum for FLOAT16 and BFLOAT16); an out may be src
     itself."""
 
-def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp],
-          world: int) -> None:
+def store(acc: Buffer, dst: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp], world: int) -> None:
     """dst[:] = narrow(acc), divided by world first when op is AVG; dst may be acc itself for
     dtypes that need no narrowing."""
 

@@ -1,2 +1,3 @@
 """The release version: the one place it is written (setup.py reads it from here)."""
+
 __version__ = "0.3.0.dev0"

@@ -1,5 +1,6 @@
 """The child processes of a local job: each in a process group of its own that dies with the
 launcher, its output copied line by line with a prefix, and all of them stopped as a whole."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The package's exceptions: one base class, one subclass per way things go wrong."""
+
 import errno
 
 
@@ -29,9 +30,13 @@ class ListenError(ReductionServerError, OSError):
         if shard:
             where += f", shard {shard}'s port (--port + {shard})"
         if code == errno.EADDRINUSE:
-            return cls(f"cannot listen on {where}: the port is already in use (another reducer or program "
-                       "listens there); stop it, or choose another port (--port; 0 picks a free one)")
+            return cls(
+                f"cannot listen on {where}: the port is already in use (another reducer or program "
+                "listens there); stop it, or choose another port (--port; 0 picks a free one)"
+            )
         if code == errno.EADDRNOTAVAIL:
-            return cls(f"cannot listen on {where}: {host} is not an address of this host "
-                       "(--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)")
+            return cls(
+                f"cannot listen on {where}: {host} is not an address of this host "
+                "(--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)"
+            )
         return cls(f"cannot listen on {where}: {detail}")

@@ -5,6 +5,7 @@ logger under `reduction_server`. NOTICE, between INFO and WARNING, is for the fe
 operator wants from a healthy process: a reducer's configuration at start and its summary at
 stop. Per-peer and per-round events are INFO or DEBUG; problems are WARNING or ERROR.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,9 @@ class Throttle:
     THROTTLE_S is written, later ones only counted, and the count goes out as one `suppressed`
     line once the interval has passed (at the next line of that cause or the next flush())."""
 
-    def __init__(self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic,
-                 interval_s: float = THROTTLE_S) -> None:
+    def __init__(
+        self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic, interval_s: float = THROTTLE_S
+    ) -> None:
         self.logger = logger
         self.clock = clock
         self.interval_s = interval_s

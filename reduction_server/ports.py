@@ -1,5 +1,6 @@
 """Who holds a TCP port on this host: what a reducer or `run` names when a port it needs is taken,
 so that the message says which process to stop (read from /proc, so Linux only)."""
+
 from __future__ import annotations
 
 import os

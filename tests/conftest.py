@@ -5,6 +5,7 @@ uncompiled tree (no native extension, no client package): it is taken off here, 
 imports reduction_server. The tests then run from tests/, which holds no reduction_server, so a
 child process that a test starts as `python -m reduction_server` imports the installed package too.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,15 +25,20 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != RO
 os.environ.setdefault("RS_SHARDS", "1")
 
 import reduction_server.client as rs  # noqa: E402  (after the tree left sys.path)
-from reduction_server import _native  # noqa: E402
 from helpers.cluster import Reducers, reducers  # noqa: E402
 from helpers.jobs import connect, new_job  # noqa: E402
+from reduction_server import _native  # noqa: E402
+
 collect_ignore_glob = ["fixtures/*"]  # third-party test files, run by the test modules that vendor them
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--torch-suite", choices=("ci", "all"), default="ci",
-                     help="test_torch_suite.py: torch's distributed tests in CI's selection (ci), or all of them")
+    parser.addoption(
+        "--torch-suite",
+        choices=("ci", "all"),
+        default="ci",
+        help="test_torch_suite.py: torch's distributed tests in CI's selection (ci), or all of them",
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

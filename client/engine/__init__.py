@@ -3,6 +3,7 @@
 Each concept is a room (a module of this package); the rooms, in the order they may import each
 other, are mapped in docs/design.md, "Where each concept lives".
 """
+
 from .collective import Collective
 from .connections import RECONNECT_S
 from .engine import Engine

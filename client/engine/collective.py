@@ -1,4 +1,5 @@
 """One collective in flight on a worker: its buffers, its chunk plan, and each chunk's state."""
+
 from __future__ import annotations
 
 import time
@@ -59,7 +60,7 @@ class Collective:
 
     @property
     def what(self) -> str:
-        """"broadcast", or "all_reduce" and its op."""
+        """ "broadcast", or "all_reduce" and its op."""
         return "broadcast" if self.op is ReduceOp.BROADCAST else f"all_reduce {self.op.name.lower()}"
 
     def describe(self) -> str:
@@ -70,9 +71,14 @@ class Collective:
     def trace_facts(self) -> Tuple[str, Dict[str, Any]]:
         """Its name and arguments on the timeline (timeline.py)."""
         what = self.what
-        return f"{what} #{self.seq}", {"seq": self.seq, "op": what, "dtype": self.dtype.name.lower(),
-                                       "count": self.total, "bytes": self.total * self.dtype.itemsize,
-                                       "chunks": len(self.chunks)}
+        return f"{what} #{self.seq}", {
+            "seq": self.seq,
+            "op": what,
+            "dtype": self.dtype.name.lower(),
+            "count": self.total,
+            "bytes": self.total * self.dtype.itemsize,
+            "chunks": len(self.chunks),
+        }
 
     def move(self, k: int, endpoint: int, moved: bool) -> None:
         """Chunk k goes to `endpoint` from now on (failover.py); `moved`: not its own endpoint."""

@@ -11,6 +11,7 @@ Python thread cannot starve them) close a connection silent for RS_LIVENESS_TIME
 process that exits closes its own; a socket monitor reports either at once. The engine also
 sends each endpoint a PING every interval: it tells the reducer that this worker can be probed.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,15 @@ class Connections:
     """The sockets to every endpoint, which of them are down, and when to try each again.
     Endpoints go by their index in `endpoints` (e); `name(e)` says which reducer's shard it is."""
 
-    def __init__(self, me: Identity, ends: Sequence[Endpoint], ledger: Ledger, slots: Slots, failover: Failover,
-                 options: EngineOptions) -> None:
+    def __init__(
+        self,
+        me: Identity,
+        ends: Sequence[Endpoint],
+        ledger: Ledger,
+        slots: Slots,
+        failover: Failover,
+        options: EngineOptions,
+    ) -> None:
         self.me = me
         self.endpoints = ends
         self.addresses = [end.address for end in ends]
@@ -134,8 +142,13 @@ class Connections:
             self.progress[e] = CONNECTING
         # "heartbeats": this engine PINGs its endpoints once it runs, so a reducer may probe it from
         # its admission on (a worker killed before its first PING is seen lost at once).
-        facts: Dict[str, Any] = {"host": pysocket.gethostname(), "pid": os.getpid(), "version": __version__,
-                                 "nonce": self.nonces[e].hex(), "heartbeats": True}
+        facts: Dict[str, Any] = {
+            "host": pysocket.gethostname(),
+            "pid": os.getpid(),
+            "version": __version__,
+            "nonce": self.nonces[e].hex(),
+            "heartbeats": True,
+        }
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
         self.slots.drop(e)  # a new connection gets a new segment: nothing old can reach it
@@ -187,9 +200,12 @@ class Connections:
         if down is not None and down[1] and refused:
             self.refuse(e, f"{self.name(e)} came back but refused this worker: {refused}")
         elif down is None:
-            self.lose(e, "its connection closed (the process exited, stopped answering heartbeats for "
-                         f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
-                      reconnect=True)
+            self.lose(
+                e,
+                "its connection closed (the process exited, stopped answering heartbeats for "
+                f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
+                reconnect=True,
+            )
         elif down[1]:  # not back yet, or gone again in the middle of the new handshake
             self.retry_later(e)
 
@@ -239,8 +255,11 @@ class Connections:
         """Endpoint e admitted this worker again after it was lost."""
         limit = int(welcome.get("max_chunk_bytes", max_chunk_bytes))
         if limit < max_chunk_bytes:  # the ranks' chunk plans would no longer agree
-            return self.refuse(e, f"{self.name(e)} came back with a smaller chunk limit ({limit} < "
-                                  f"{max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job")
+            return self.refuse(
+                e,
+                f"{self.name(e)} came back with a smaller chunk limit ({limit} < "
+                f"{max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job",
+            )
         del self.down[e]
         self.admitted(e, welcome)
         self.event("reducer_readmitted", e)

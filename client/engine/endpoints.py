@@ -10,6 +10,7 @@ Order: the plan's reducers shard by shard (shard 0 of each, then shard 1 of each
 consecutive chunks go to different hosts first; then the spares' shards in the same order, so
 that the plan's endpoints come first (chunking.plan) and the spares last (failover.py).
 """
+
 from __future__ import annotations
 
 import resource
@@ -72,9 +73,11 @@ def make_room(context: zmq.Context, count: int, rank: int) -> None:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
     if hard != resource.RLIM_INFINITY and hard < need:
-        raise CollectiveError(f"rank {rank}: {count} reducer endpoints (every shard of every reducer) need about "
-                              f"{need} open files, and this process may open at most {hard} (ulimit -n): raise "
-                              "the limit, or run fewer shards per reducer (RS_SHARDS on the reducers)")
+        raise CollectiveError(
+            f"rank {rank}: {count} reducer endpoints (every shard of every reducer) need about "
+            f"{need} open files, and this process may open at most {hard} (ulimit -n): raise "
+            "the limit, or run fewer shards per reducer (RS_SHARDS on the reducers)"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
@@ -83,6 +86,8 @@ def check_shard_counts(ends: Sequence[Endpoint], said: Sequence[int], first_said
     its reducer's shard 0 named first (`first_said`, by reducer)."""
     for end, count in zip(ends, said):
         if count != first_said[end.reducer]:
-            raise CollectiveError(f"rank {rank}: {end.name()} says its reducer runs {count} shards, but its shard 0 "
-                                  f"said {first_said[end.reducer]}: another program listens on one of the shards' "
-                                  "ports, or the reducer restarted with other --shards meanwhile")
+            raise CollectiveError(
+                f"rank {rank}: {end.name()} says its reducer runs {count} shards, but its shard 0 "
+                f"said {first_said[end.reducer]}: another program listens on one of the shards' "
+                "ports, or the reducer restarted with other --shards meanwhile"
+            )

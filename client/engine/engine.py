@@ -6,6 +6,7 @@ Future. The thread first handshakes with every reducer (handshake.py), then loop
 collectives, pump chunks (pump.py), read what reducers send (results.py), watch connections
 (connections.py), heartbeat, and fail collectives that make no progress (ledger.py).
 """
+
 from __future__ import annotations
 
 import threading
@@ -195,8 +196,11 @@ class Engine:
                     if coll.future.done():
                         continue  # it failed while it waited (_held)
                     if (coll.group, coll.seq) in ledger.active:  # its answers could not be told apart
-                        ledger.fail(coll, "another collective with its group and seq is in flight on this rank "
-                                          "(two groups made under one name?)")
+                        ledger.fail(
+                            coll,
+                            "another collective with its group and seq is in flight on this rank "
+                            "(two groups made under one name?)",
+                        )
                         continue
                     ledger.start(coll)
                     if self.failover.rerouting and not self.failover.place(coll):
@@ -234,9 +238,12 @@ class Engine:
             return False
         now = time.monotonic()
         if now >= coll.deadline:
-            self.ledger.fail(coll, f"Timed out after {coll.time_limit:g} s (the timeout it was given) before it "
-                                   "started: it waited for a reducer that came back to name the collective from "
-                                   "which every rank uses it again")
+            self.ledger.fail(
+                coll,
+                f"Timed out after {coll.time_limit:g} s (the timeout it was given) before it "
+                "started: it waited for a reducer that came back to name the collective from "
+                "which every rank uses it again",
+            )
             return False
         verdict = self.failover.waits(coll, now, self.timeout, self.connections.report, self.connections.name)
         if isinstance(verdict, str):

@@ -19,6 +19,7 @@ after the one this rank lacks, so every rank that got it still keeps it.
 A reducer that runs shards fails over shard by shard: what is lost, kept and moved is an endpoint
 (endpoints.py), and below an index is an endpoint's.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -80,8 +81,11 @@ class Failover:
         """The endpoints in use (not lost, back in some group, or back and awaiting the JOIN that
         says from when), leaving out `without`. One awaiting its JOIN counts: a rank that had
         read the JOIN first would count it, and the ranks must agree on what is lost."""
-        return [e for e in range(self.num_endpoints)
-                if e != without and (e not in self.lost or self.since.get(e) or e in self.rejoining)]
+        return [
+            e
+            for e in range(self.num_endpoints)
+            if e != without and (e not in self.lost or self.since.get(e) or e in self.rejoining)
+        ]
 
     def route(self, seq: int, chunk: int, group: int) -> Optional[int]:
         """The endpoint chunk `chunk` of collective `seq` of `group` goes to: the first usable one
@@ -130,8 +134,10 @@ class Failover:
     def place(self, coll: Collective) -> bool:
         """A collective starting after a loss: its chunks on endpoints not usable go to their
         substitutes. False: some chunk has none (the caller fails it)."""
-        return all(self.usable(chunk.reducer, coll.group, coll.seq) or self._reroute(coll, k)
-                   for k, chunk in enumerate(coll.chunks))
+        return all(
+            self.usable(chunk.reducer, coll.group, coll.seq) or self._reroute(coll, k)
+            for k, chunk in enumerate(coll.chunks)
+        )
 
     def _reroute(self, coll: Collective, k: int) -> bool:
         """Chunk k of coll to its first usable endpoint, marked moved unless that is its own."""
@@ -189,8 +195,11 @@ class Failover:
         down reports when it is admitted again: readmitted). With no endpoint left in use but such
         a spare, a loss is moved off all the same: what is in flight fails (nowhere to move it),
         and the spare takes the chunks from the boundary its JOIN names."""
-        return [e for e in range(self.active, self.num_endpoints)
-                if e in self.lost and e not in self.rejoining and e not in self.since and e not in down]
+        return [
+            e
+            for e in range(self.active, self.num_endpoints)
+            if e in self.lost and e not in self.rejoining and e not in self.since and e not in down
+        ]
 
     def recruit(self, next_seqs: Dict[int, int], down: Container[int]) -> Dict[int, Dict[int, int]]:
         """An endpoint was lost: each spare that is up and not asked yet is asked to join
@@ -206,8 +215,14 @@ class Failover:
             self.since.setdefault(e, {}).update(boundaries)
             self.joins += len(boundaries)
 
-    def waits(self, coll: Collective, now: float, timeout: float, report: Callable[[int, Dict[int, int]], None],
-              name: Callable[[int], str]) -> Union[bool, str]:
+    def waits(
+        self,
+        coll: Collective,
+        now: float,
+        timeout: float,
+        report: Callable[[int, Dict[int, int]], None],
+        name: Callable[[int], str],
+    ) -> Union[bool, str]:
         """Whether coll waits to start (hold), telling the endpoints coming back where its group
         is (`report`, PROGRESS); once it has waited `timeout` seconds, why it fails instead."""
         held, reports = self.hold(coll)
@@ -222,9 +237,11 @@ class Failover:
             return True
         self.held_since = None
         waiting = [name(e) for e in self.rejoining if coll.group not in self.since.get(e, {})]
-        return (f"it waited {timeout:g} s (RS_TIMEOUT) for {', '.join(waiting)}, which came back after it was "
-                "lost, to name the collective from which every rank uses it again (some rank of the group did "
-                "not rejoin it)")
+        return (
+            f"it waited {timeout:g} s (RS_TIMEOUT) for {', '.join(waiting)}, which came back after it was "
+            "lost, to name the collective from which every rank uses it again (some rank of the group did "
+            "not rejoin it)"
+        )
 
     def hold(self, coll: Collective) -> Tuple[bool, Dict[int, Dict[int, int]]]:
         """Whether coll must wait before it starts, since an endpoint coming back may take some of

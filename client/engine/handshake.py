@@ -7,6 +7,7 @@ shared-memory offer, no data. Only then does the AUTH go out, with this worker's
 reducer on this host, the shared-memory offer. At start the engine waits for every endpoint's
 WELCOME (each shard of each reducer, endpoints.py), saying every WAITING_REPORT_S what it still waits for.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ WAITING_REPORT_S = 5.0
 class Handshake:
     """Proofs both ways with every endpoint, and the first wait for them all."""
 
-    def __init__(self, me: Identity, connections: Connections, slots: Slots, job_token: str,
-                 connect_timeout: float) -> None:
+    def __init__(
+        self, me: Identity, connections: Connections, slots: Slots, job_token: str, connect_timeout: float
+    ) -> None:
         self.me = me
         self.connections = connections
         self.slots = slots
@@ -56,14 +58,25 @@ class Handshake:
             return f"{conn.name(e)} answered HELLO with a malformed CHALLENGE: {exc}"
         end = conn.endpoints[e]
         if h.rank != end.reducer:
-            return (f"{conn.name(e)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {end.reducer}: "
-                    "each reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS")
+            return (
+                f"{conn.name(e)} says it is reducer {h.rank}, but RS_REDUCERS lists it as reducer {end.reducer}: "
+                "each reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS"
+            )
         if h.chunk != end.shard:
-            return (f"{conn.name(e)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
-                    f"{end.shard}: RS_REDUCERS must list each reducer's own port (its shard 0), and no other "
-                    "reducer may listen on the ports after it (its shards')")
-        if not auth.verify_reducer(self.job_token, conn.nonces[e], proof, index=end.reducer, job=self.me.job,
-                                   generation=self.me.generation, shard=end.shard):
+            return (
+                f"{conn.name(e)} says it is shard {h.chunk} of its reducer, but its port makes it shard "
+                f"{end.shard}: RS_REDUCERS must list each reducer's own port (its shard 0), and no other "
+                "reducer may listen on the ports after it (its shards')"
+            )
+        if not auth.verify_reducer(
+            self.job_token,
+            conn.nonces[e],
+            proof,
+            index=end.reducer,
+            job=self.me.job,
+            generation=self.me.generation,
+            shard=end.shard,
+        ):
             if not self.job_token:
                 why = "it requires a job token and this worker has none: set RS_JOB_TOKEN to the job's token"
             elif not h.aux:
@@ -76,15 +89,23 @@ class Handshake:
         offer = self.slots.offer(e)
         if offer is not None:
             facts["shared_memory"] = offer
-        proof = auth.worker_proof(self.job_token, nonce, job=self.me.job, generation=self.me.generation,
-                                  rank=self.me.rank, world=self.me.world)
+        proof = auth.worker_proof(
+            self.job_token,
+            nonce,
+            job=self.me.job,
+            generation=self.me.generation,
+            rank=self.me.rank,
+            world=self.me.world,
+        )
         conn.send_text(e, MsgType.AUTH, proof + (json.dumps(facts).encode() if facts else b""))
         return None
 
     def unproved_welcome(self, e: int) -> str:
         """Why endpoint e is refused when it sent WELCOME before its CHALLENGE proved the job token."""
-        return (f"{self.connections.name(e)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
-                "nothing was sent to it")
+        return (
+            f"{self.connections.name(e)} sent WELCOME without proving the job token (RS_JOB_TOKEN) first; "
+            "nothing was sent to it"
+        )
 
     def wait_for_all(self) -> None:
         """Wait until every endpoint has proved the token and admitted this worker; one whose
@@ -97,13 +118,26 @@ class Handshake:
             now = time.monotonic()
             if now >= deadline:
                 sharded = any(conn.endpoints[e].shard for e in waiting)
-                raise CollectiveError(f"rank {self.me.rank}: no reducer admitted this worker within "
-                                      f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}"
-                                      + ("; a reducer's shards listen on the ports after its own, and each must "
-                                         "be reachable from the workers (RS_SHARDS=1 runs one)" if sharded else ""))
+                raise CollectiveError(
+                    f"rank {self.me.rank}: no reducer admitted this worker within "
+                    f"{self.connect_timeout:g} s (RS_CONNECT_TIMEOUT): {self._waiting(waiting)}"
+                    + (
+                        "; a reducer's shards listen on the ports after its own, and each must "
+                        "be reachable from the workers (RS_SHARDS=1 runs one)"
+                        if sharded
+                        else ""
+                    )
+                )
             if now >= report:  # a worker that waits says for what, rather than look hung
-                event(log, NOTICE, "waiting_for_reducers", rank=self.me.rank, waited_s=f"{now - started:.0f}",
-                      connect_timeout_s=f"{self.connect_timeout:g}", waiting=self._waiting(waiting))
+                event(
+                    log,
+                    NOTICE,
+                    "waiting_for_reducers",
+                    rank=self.me.rank,
+                    waited_s=f"{now - started:.0f}",
+                    connect_timeout_s=f"{self.connect_timeout:g}",
+                    waiting=self._waiting(waiting),
+                )
                 report = max(report + WAITING_REPORT_S, now + 1.0)
             conn.reopen_due(now, rejoin=False)
             until = min(deadline, report, *conn.reopen_at.values())
@@ -126,8 +160,9 @@ class Handshake:
         try:
             h = protocol.unpack(frames[0])
         except ProtocolError as exc:
-            raise CollectiveError(f"rank {self.me.rank}: {name} answered the handshake with a malformed frame: "
-                                  f"{exc}") from None
+            raise CollectiveError(
+                f"rank {self.me.rank}: {name} answered the handshake with a malformed frame: {exc}"
+            ) from None
         text = frames[1] if len(frames) > 1 else b""
         if h.type is MsgType.CHALLENGE:
             refused = self.answer_challenge(e, h, text)
@@ -151,8 +186,10 @@ class Handshake:
         shards = welcome.get("shards", 1)
         port = int(self.connections.addresses[e].rsplit(":", 1)[1]) - self.connections.endpoints[e].shard
         if not (isinstance(shards, int) and 1 <= shards <= MAX_SHARDS and port + shards - 1 <= 65535):
-            raise CollectiveError(f"rank {self.me.rank}: {self.connections.name(e)} says it runs {shards!r} shards, "
-                                  f"not a count of 1..{MAX_SHARDS} ports from {port}")
+            raise CollectiveError(
+                f"rank {self.me.rank}: {self.connections.name(e)} says it runs {shards!r} shards, "
+                f"not a count of 1..{MAX_SHARDS} ports from {port}"
+            )
         return shards
 
     def _waiting(self, waiting: Iterable[int]) -> str:

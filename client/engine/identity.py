@@ -1,4 +1,5 @@
 """Who a worker is to the reducers: the four fields every one of its headers carries."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ class Identity:
 
     def header(self, mtype: MsgType, payload: bytes = b"", group: int = 0) -> bytes:
         """The header of a handshake, PING, BYE, GROUP or PROGRESS message from this worker."""
-        return protocol.text_header(mtype, payload, rank=self.rank, world=self.world, job=self.job,
-                                    generation=self.generation, group=group)
+        return protocol.text_header(
+            mtype, payload, rank=self.rank, world=self.world, job=self.job, generation=self.generation, group=group
+        )
 
     def owns(self, h: protocol.Header) -> bool:
         """Whether an answer is about this worker's job and generation."""

@@ -4,6 +4,7 @@ and the wish to close; a pipe wakes the thread, which polls it beside its socket
 ZeroMQ sockets are not thread-safe, so user threads never touch them: they leave work here, under
 a lock, and the engine thread takes it at the top of each turn of its loop.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -10,6 +10,7 @@ collective ends are copied out of it, before its caller gets the buffer back. A 
 earlier chunks are no longer kept by then, so most of its result is never copied
 (bench/RESULTS.md, "Failover: what keeping results costs").
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -54,10 +55,24 @@ class Kept:
 
     def final_header(self, me: Identity) -> bytes:
         """The FINAL that brings this result to the chunk's new endpoint."""
-        return protocol.data_header(MSG_FINAL, dtype=self.dtype, op=self.op, rank=me.rank, world=me.world,
-                                    job=me.job, generation=me.generation, seq=self.seq, chunk=self.chunk,
-                                    nchunks=self.nchunks, offset=self.offset, count=self.count, total=self.total,
-                                    nbytes=self.nbytes, aux=self.root, group=self.group)
+        return protocol.data_header(
+            MSG_FINAL,
+            dtype=self.dtype,
+            op=self.op,
+            rank=me.rank,
+            world=me.world,
+            job=me.job,
+            generation=me.generation,
+            seq=self.seq,
+            chunk=self.chunk,
+            nchunks=self.nchunks,
+            offset=self.offset,
+            count=self.count,
+            total=self.total,
+            nbytes=self.nbytes,
+            aux=self.root,
+            group=self.group,
+        )
 
 
 #: where a result is besides its collective's buffer, if anywhere: the shared-memory slot it came
@@ -88,9 +103,22 @@ class KeptResults:
         lease = held if isinstance(held, Lease) else None
         data = lease.view if lease is not None else held
         if data is None:
-            data = coll.recv[offset * size:(offset + count) * size]
-        item = Kept(coll.group, coll.seq, k, len(coll.chunks), coll.dtype, coll.op, coll.root, offset, count,
-                    coll.total, data, e, lease)
+            data = coll.recv[offset * size : (offset + count) * size]
+        item = Kept(
+            coll.group,
+            coll.seq,
+            k,
+            len(coll.chunks),
+            coll.dtype,
+            coll.op,
+            coll.root,
+            offset,
+            count,
+            coll.total,
+            data,
+            e,
+            lease,
+        )
         if held is None:
             coll.kept.append(item)
         ring = self.kept.get((item.group, item.endpoint))
@@ -158,7 +186,7 @@ class KeptResults:
             item.lease = None
         elif isinstance(item.data, bytearray):
             self.spare.append(item.data)
-            del self.spare[:-self.window * self.num_endpoints]
+            del self.spare[: -self.window * self.num_endpoints]
         item.data = None
 
     def _buffer(self, nbytes: int) -> bytearray:

@@ -1,6 +1,7 @@
 """The collectives in flight on a worker, and every way one ends: all its chunks answered, an
 error, a lost endpoint (a reducer's shard, endpoints.py), no progress for the backstop, or the
 engine stopping."""
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,13 @@ class Ledger:
         """The collective whose chunk, sent to endpoint e, h answers; None for a late answer (it
         already failed, or the chunk has moved since) or the answer to a FINAL."""
         coll = self.active.get((h.group, h.seq))
-        if coll is None or not self.me.owns(h) or h.chunk >= len(coll.chunks) or coll.state[h.chunk] != SENT \
-                or coll.chunks[h.chunk].reducer != e:
+        if (
+            coll is None
+            or not self.me.owns(h)
+            or h.chunk >= len(coll.chunks)
+            or coll.state[h.chunk] != SENT
+            or coll.chunks[h.chunk].reducer != e
+        ):
             return None
         return coll
 
@@ -137,18 +143,26 @@ class Ledger:
         for `backstop` seconds, naming the endpoints that did not answer."""
         for coll in list(self.active.values()):
             if now >= coll.deadline:
-                self.give_up(coll, (
-                    f"Timed out after {coll.time_limit:g} s (the timeout it was given): {coll.answered} of "
-                    f"{len(coll.chunks)} chunks had completed; the ranks that did not join it in time are "
-                    "named by the reducers' own RS_TIMEOUT"))
+                self.give_up(
+                    coll,
+                    (
+                        f"Timed out after {coll.time_limit:g} s (the timeout it was given): {coll.answered} of "
+                        f"{len(coll.chunks)} chunks had completed; the ranks that did not join it in time are "
+                        "named by the reducers' own RS_TIMEOUT"
+                    ),
+                )
                 continue
             if now - coll.last_progress < backstop or SENT not in coll.state:
                 continue  # nothing in flight: it waits for window slots held by earlier collectives
             waiting = sorted({c.reducer for c, s in zip(coll.chunks, coll.state) if s == SENT})
-            self.give_up(coll, (
-                f"no answer for {backstop:g} s (RS_TIMEOUT={timeout:g} and a margin) from "
-                + ", ".join(self.names[e] for e in waiting)
-                + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"))
+            self.give_up(
+                coll,
+                (
+                    f"no answer for {backstop:g} s (RS_TIMEOUT={timeout:g} and a margin) from "
+                    + ", ".join(self.names[e] for e in waiting)
+                    + f"; {coll.answered} of {len(coll.chunks)} chunks had completed"
+                ),
+            )
 
     def fail_all(self, reason: str, queued: Sequence[Collective] = ()) -> None:
         """The engine stops: every collective in flight, and those still queued, fail with reason."""

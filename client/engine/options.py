@@ -5,6 +5,7 @@ wins, then the place discovery found (Communicator.from_env passes it as argumen
 RS_* variable (reduction_server/config/settings.py), then the variable's default. Everything is
 checked here, before any socket is opened, and a ConfigError names the setting that is wrong.
 """
+
 from __future__ import annotations
 
 import operator
@@ -47,8 +48,9 @@ def _reducer_list(reducers: Union[Sequence[str], str]) -> Tuple[str, ...]:
     for position, address in enumerate(reducers):
         host, port = parse_address(address, "reducers")
         if (host.lower(), port) in seen:  # two indices for one reducer: two shares of each buffer
-            raise ConfigError(f"reducers lists {address.strip()} twice (positions "
-                              f"{seen[host.lower(), port]} and {position})")
+            raise ConfigError(
+                f"reducers lists {address.strip()} twice (positions {seen[host.lower(), port]} and {position})"
+            )
         seen[host.lower(), port] = position
     return tuple(a.strip() for a in reducers)
 
@@ -95,14 +97,27 @@ class EngineOptions:
         return len(self.reducers) - self.spares
 
     @classmethod
-    def resolve(cls, reducers: Union[Sequence[str], str], rank: int, world_size: int, *,
-                job_token: Optional[str] = None, job_id: Optional[int] = None, generation: int = 0,
-                chunk_bytes: Optional[int] = None, window: Optional[int] = None,
-                pipeline_depth: Optional[int] = None,
-                timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
-                io_threads: Optional[int] = None, encrypt: Optional[bool] = None,
-                shared_memory: Optional[bool] = None, send_buffer: Union[int, str, None] = None,
-                failover: Optional[bool] = None, spares: Optional[int] = None) -> "EngineOptions":
+    def resolve(
+        cls,
+        reducers: Union[Sequence[str], str],
+        rank: int,
+        world_size: int,
+        *,
+        job_token: Optional[str] = None,
+        job_id: Optional[int] = None,
+        generation: int = 0,
+        chunk_bytes: Optional[int] = None,
+        window: Optional[int] = None,
+        pipeline_depth: Optional[int] = None,
+        timeout: Optional[float] = None,
+        connect_timeout: Optional[float] = None,
+        io_threads: Optional[int] = None,
+        encrypt: Optional[bool] = None,
+        shared_memory: Optional[bool] = None,
+        send_buffer: Union[int, str, None] = None,
+        failover: Optional[bool] = None,
+        spares: Optional[int] = None,
+    ) -> "EngineOptions":
         """The options of a Communicator given these arguments (the same as its own): each left
         None (or, for chunk_bytes, the timeouts and io_threads, 0) comes from its RS_* variable or
         that variable's default.
@@ -118,8 +133,9 @@ class EngineOptions:
         failover = settings.read("RS_FAILOVER") if failover is None else failover
         spares = settings.read("RS_SPARE_REDUCERS") if spares is None else spares
         if not (isinstance(spares, int) and 0 <= spares < len(reducers)):
-            raise ConfigError(f"RS_SPARE_REDUCERS={spares!r}: spares must leave at least one of the "
-                              f"{len(reducers)} reducers in use")
+            raise ConfigError(
+                f"RS_SPARE_REDUCERS={spares!r}: spares must leave at least one of the {len(reducers)} reducers in use"
+            )
         if spares and not failover:
             raise ConfigError(f"RS_SPARE_REDUCERS={spares} needs RS_FAILOVER=1: spares take a lost reducer's chunks")
         chunk_bytes = chunk_bytes or tuning("RS_CHUNK_BYTES")
@@ -134,10 +150,24 @@ class EngineOptions:
         send_buffer = socket_send_buffer(send_buffer)
         if encrypt:
             encryption.check(job_token)
-        return cls(reducers=reducers, rank=rank, world_size=world_size, job_token=job_token,
-                   job_id=job_id_from(job_token) if job_id is None else job_id, generation=generation,
-                   chunk_bytes=chunk_bytes, window=window, pipeline_depth=pipeline_depth, timeout=timeout,
-                   connect_timeout=connect_timeout, io_threads=io_threads, encrypt=encrypt,
-                   shared_memory=shared_memory, send_buffer=send_buffer, failover=failover, spares=spares,
-                   heartbeat_interval=settings.read("RS_HEARTBEAT_INTERVAL"),
-                   liveness_timeout=settings.read("RS_LIVENESS_TIMEOUT"))
+        return cls(
+            reducers=reducers,
+            rank=rank,
+            world_size=world_size,
+            job_token=job_token,
+            job_id=job_id_from(job_token) if job_id is None else job_id,
+            generation=generation,
+            chunk_bytes=chunk_bytes,
+            window=window,
+            pipeline_depth=pipeline_depth,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            io_threads=io_threads,
+            encrypt=encrypt,
+            shared_memory=shared_memory,
+            send_buffer=send_buffer,
+            failover=failover,
+            spares=spares,
+            heartbeat_interval=settings.read("RS_HEARTBEAT_INTERVAL"),
+            liveness_timeout=settings.read("RS_LIVENESS_TIMEOUT"),
+        )

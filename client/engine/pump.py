@@ -8,6 +8,7 @@ collectives. Groups have windows of their own, so that ranks may use groups in d
 (a send/recv ring: each rank's receive waits for a send in another group). Each chunk is sent
 without a copy from the user's buffer, or through a shared-memory slot (slots.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,9 @@ _backend_send = zmq.backend.Socket.send
 class Pump:
     """Sends the ledger's collectives' chunks as their endpoints' windows allow."""
 
-    def __init__(self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, failover: Failover,
-                 window: int) -> None:
+    def __init__(
+        self, me: Identity, ledger: Ledger, connections: Connections, slots: Slots, failover: Failover, window: int
+    ) -> None:
         self.me = me
         self.ledger = ledger
         self.connections = connections
@@ -106,7 +108,7 @@ class Pump:
         try:
             _backend_send(sock, item.final_header(self.me), _NOBLOCK | _SNDMORE)
             # Copied: the kept buffer may hold another result before libzmq sends this one.
-            _backend_send(sock, memoryview(item.data)[:item.nbytes], _NOBLOCK, True)
+            _backend_send(sock, memoryview(item.data)[: item.nbytes], _NOBLOCK, True)
         except zmq.Again:
             return False
         return True
@@ -133,7 +135,7 @@ class Pump:
         """Send chunk k of coll to endpoint e; False if its connection is gone."""
         offset, count, _ = coll.chunks[k]
         size = ITEMSIZE[coll.dtype]
-        payload = coll.send[offset * size:(offset + count) * size] if coll.send is not None else None
+        payload = coll.send[offset * size : (offset + count) * size] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         slot = None
         moved = coll.moved[k]
@@ -141,10 +143,23 @@ class Pump:
             slot = self.slots.take(e, nbytes)
         mtype = MSG_MOVED if moved else MSG_DATA if slot is None else MSG_DATA_SHM
         header = protocol.data_header(
-            mtype, dtype=coll.dtype, op=coll.op, rank=self.me.rank,
-            world=self.me.world, job=self.me.job, generation=self.me.generation, seq=coll.seq, chunk=k,
-            nchunks=len(coll.chunks), offset=offset, count=count, total=coll.total, nbytes=nbytes,
-            aux=coll.root if slot is None else slot, group=coll.group)
+            mtype,
+            dtype=coll.dtype,
+            op=coll.op,
+            rank=self.me.rank,
+            world=self.me.world,
+            job=self.me.job,
+            generation=self.me.generation,
+            seq=coll.seq,
+            chunk=k,
+            nchunks=len(coll.chunks),
+            offset=offset,
+            count=count,
+            total=coll.total,
+            nbytes=nbytes,
+            aux=coll.root if slot is None else slot,
+            group=coll.group,
+        )
         if slot is not None:
             self.slots.view(e, slot, nbytes)[:] = payload
         sock = self.connections.sockets[e]

@@ -10,6 +10,7 @@ the reducer's words; a handshake message from an endpoint that was lost readmits
 it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,9 @@ def _skip(sock: zmq.Socket, more: int) -> None:
 class Results:
     """Reads what each endpoint sends and settles the chunks it answers."""
 
-    def __init__(self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots,
-                 failover: Failover) -> None:
+    def __init__(
+        self, ledger: Ledger, connections: Connections, handshake: Handshake, slots: Slots, failover: Failover
+    ) -> None:
         self.ledger = ledger
         self.connections = connections
         self.failover = failover
@@ -140,16 +142,21 @@ class Results:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
         size = ITEMSIZE[coll.dtype]
-        if not more and h.nbytes == 0 and coll.op is OP_BROADCAST and coll.send is not None \
-                and not self._misshapen(h, coll):
+        if (
+            not more
+            and h.nbytes == 0
+            and coll.op is OP_BROADCAST
+            and coll.send is not None
+            and not self._misshapen(h, coll)
+        ):
             # This rank is the root: its own data does not come back; out of place, it is copied.
             if coll.send is not coll.recv:
-                coll.recv[offset * size:(offset + count) * size] = coll.send[offset * size:(offset + count) * size]
+                coll.recv[offset * size : (offset + count) * size] = coll.send[offset * size : (offset + count) * size]
             return self.ledger.chunk_done(coll, h.chunk, e, None)
         if not more or self._misshapen(h, coll):
             _skip(sock, more)
             return self.ledger.chunk_done(coll, h.chunk, e, self._shape_error(e, h, coll))
-        view = coll.recv[offset * size:(offset + count) * size]
+        view = coll.recv[offset * size : (offset + count) * size]
         held = None
         if self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
             # The result that failover keeps is the message itself: one copy, into the output.
@@ -174,8 +181,10 @@ class Results:
 
     def _shape_error(self, e: int, h: protocol.Header, coll: Collective) -> str:
         offset, count, _ = coll.chunks[h.chunk]
-        return (f"{self.connections.name(e)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
-                f"(dtype code {h.dtype}), expected {count} at {offset}")
+        return (
+            f"{self.connections.name(e)} returned chunk {h.chunk} as {h.count} elements at offset {h.offset} "
+            f"(dtype code {h.dtype}), expected {count} at {offset}"
+        )
 
     def _shared_result(self, e: int, h: protocol.Header, slot: Optional[int]) -> None:
         coll = self.ledger.pending_chunk(h, e)
@@ -185,12 +194,14 @@ class Results:
         size = coll.dtype.itemsize
         error, lease = None, None
         if slot is None or slot != h.aux:
-            error = (f"{self.connections.name(e)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
-                     "sent " + ("as a frame" if slot is None else f"in slot {slot}"))
+            error = (
+                f"{self.connections.name(e)} answered chunk {h.chunk} in shared-memory slot {h.aux}, but it was "
+                "sent " + ("as a frame" if slot is None else f"in slot {slot}")
+            )
         elif self._misshapen(h, coll):
             error = self._shape_error(e, h, coll)
         else:
-            self.slots.copy_out(e, slot, coll.recv[offset * size:(offset + count) * size])
+            self.slots.copy_out(e, slot, coll.recv[offset * size : (offset + count) * size])
             if self.failover.enabled:  # the result it keeps may stay where it is
                 lease = self.slots.lease(e, slot, count * size)
         self.ledger.chunk_done(coll, h.chunk, e, error, lease)
@@ -211,8 +222,9 @@ class Results:
             self.slots.release_result(e, h.aux)
             return self.ledger.chunk_done(coll, h.chunk, e, error)
         try:
-            lease = self.slots.read_result(e, h.aux, coll.recv[offset * size:(offset + count) * size],
-                                           keep=self.failover.enabled)
+            lease = self.slots.read_result(
+                e, h.aux, coll.recv[offset * size : (offset + count) * size], keep=self.failover.enabled
+            )
         except ValueError as exc:
             error = f"{self.connections.name(e)} answered chunk {h.chunk} in a result slot this rank cannot read: {exc}"
         self.ledger.chunk_done(coll, h.chunk, e, error, lease)

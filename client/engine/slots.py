@@ -2,12 +2,12 @@
 
 With RS_SHM on (the default), the AUTH to each endpoint (a reducer's shard, endpoints.py) whose
 address is one of this host's offers a segment of payload slots
-(reduction_server/wire/shared_memory.py), sent only once that reducer has proved the job token. A reducer that maps it says so in its WELCOME; chunks of a
-reduction then go through a free slot (DATA_SHM) and come back in it (RESULT_SHM), which saves
-the socket copies. A slot is free again only once the reducer has answered its chunk, whatever
-became of the collective, so a late result never overwrites a newer chunk; a chunk that finds no
-free slot, or a reducer without the segment, travels as a frame. A new connection gets a new
-segment.
+(reduction_server/wire/shared_memory.py), sent only once that reducer has proved the job token. A
+reducer that maps it says so in its WELCOME; chunks of a reduction then go through a free slot
+(DATA_SHM) and come back in it (RESULT_SHM), which saves the socket copies. A slot is free again
+only once the reducer has answered its chunk, whatever became of the collective, so a late result
+never overwrites a newer chunk; a chunk that finds no free slot, or a reducer without the segment,
+travels as a frame. A new connection gets a new segment.
 
 A reducer may also offer its result slots in its WELCOME (shared_memory.py, "shared results"):
 they are mapped read-only, and the segment's header says so to the reducer, which may then write
@@ -21,6 +21,7 @@ flight and a window and one more to lend (the kept results of a group, and the o
 the oldest out). A slot lent is never sent in, so the reducer has no reason to write it again.
 A result slot is lent the same way (ResultLease): the reducer writes it again only once released.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -127,8 +128,9 @@ class Slots:
         if offer is None:
             return
         try:
-            self.results[e] = shared_memory.Segment.attach(offer, max_slots=shared_memory.MAX_RESULT_SLOTS,
-                                                           max_slot_bytes=MAX_RESULT_SLOT_BYTES, writable=False)
+            self.results[e] = shared_memory.Segment.attach(
+                offer, max_slots=shared_memory.MAX_RESULT_SLOTS, max_slot_bytes=MAX_RESULT_SLOT_BYTES, writable=False
+            )
         except shared_memory.Unavailable as exc:
             log.debug("rank %d: endpoint %d's result slots not used: %s", self.me.rank, e, exc)
             return

@@ -1,6 +1,7 @@
 """What each endpoint connection's socket monitor says: how far its handshake got (for the
 report of a worker still waiting), and its failed security handshakes in a row (when to give up:
 an encryption mismatch, or encrypted handshakes failing for GIVE_UP_AFTER_S)."""
+
 from __future__ import annotations
 
 import time
@@ -16,7 +17,7 @@ CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3
 PROGRESS = {
     CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
     REFUSED: "connection refused: nothing listens there (is `reduction-server serve` running there, and the "
-             "port in RS_REDUCERS right?)",
+    "port in RS_REDUCERS right?)",
     CONNECTED: "connected, but no answer to HELLO yet (is it a reducer?)",
     CHALLENGED: "it proved the job token; waiting for its WELCOME",
 }
@@ -50,7 +51,8 @@ class Watch:
                 now = time.monotonic()
                 count, since = count + 1, since if count else now
                 self.failures[e] = (count, since)
-                if failure[1] or (count >= encryption.MAX_HANDSHAKE_FAILURES
-                                  and now - since >= encryption.GIVE_UP_AFTER_S):
+                if failure[1] or (
+                    count >= encryption.MAX_HANDSHAKE_FAILURES and now - since >= encryption.GIVE_UP_AFTER_S
+                ):
                     final = failure[0]
         return closed, final

@@ -4,6 +4,7 @@ local rank, and collectives of picklable objects.
 One Communicator and one Coordinator per process, whichever of the framework modules the script
 imports (``horovod.torch`` and ``horovod.tensorflow`` in one process share them).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,8 +23,8 @@ from reduction_server.wire.protocol import ReduceOp
 from ..buffers import wire_view
 from ..communicator import Communicator
 from ..timeline import open_timeline, timeline_path
-from .coordinator import ALLGATHER, BROADCAST, Coordinator, Request, gather_bytes, name_counter
 from . import elastic
+from .coordinator import ALLGATHER, BROADCAST, Coordinator, Request, gather_bytes, name_counter
 from .exceptions import HorovodInternalError, as_horovod_errors
 from .process_sets import ProcessSet, ProcessSetLike, ProcessSets
 
@@ -38,7 +39,7 @@ class _Process:
         hosts = [h.decode() for h in gather_bytes(comm, socket.gethostname().encode())]
         me = hosts[comm.rank]
         distinct = list(dict.fromkeys(hosts))  # hosts in order of their first rank
-        self.local_rank = hosts[:comm.rank].count(me)
+        self.local_rank = hosts[: comm.rank].count(me)
         self.local_size = hosts.count(me)
         self.cross_rank = distinct.index(me)
         self.cross_size = len(distinct)
@@ -48,8 +49,7 @@ class _Process:
         self.set_names = name_counter("process_set")  # advanced by every rank alike, unlike object_names
 
 
-def init(comm: Optional[Communicator] = None,
-         process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
+def init(comm: Optional[Communicator] = None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
     """Join the job: a Communicator from the environment (or `comm`), and the negotiation thread;
     then add `process_sets` (every rank passes the same). Calling it again while initialized does
     nothing, as in Horovod; after shutdown() it joins the job again, on a generation of its own.
@@ -58,7 +58,7 @@ def init(comm: Optional[Communicator] = None,
     global _state, _incarnations, _inits
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
-            raise ValueError(f"process_sets={process_sets!r}: give a list of ProcessSets, or \"dynamic\"")
+            raise ValueError(f'process_sets={process_sets!r}: give a list of ProcessSets, or "dynamic"')
         process_sets = None
     with _lock:
         if _state is not None:
@@ -142,8 +142,10 @@ def add_process_set(process_set: ProcessSetLike) -> ProcessSet:
     state = _process()
     everyone = allgather_object(process_set.ranks, name=f"add.{state.set_names()}")
     if any(r != process_set.ranks for r in everyone):
-        raise ValueError(f"rank {rank()}: ranks disagree on the process set to add: "
-                         + "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone)))
+        raise ValueError(
+            f"rank {rank()}: ranks disagree on the process set to add: "
+            + "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone))
+        )
     process_set.process_set_id = state.process_sets.add(process_set.ranks)
     process_set._rank = rank()
     return process_set
@@ -158,8 +160,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     state = _process()
     everyone = allgather_object(set_id, name=f"remove.{state.set_names()}")
     if any(i != set_id for i in everyone):
-        raise ValueError(f"rank {rank()}: ranks disagree on the process set to remove: "
-                         + "; ".join(f"rank {r}: {i}" for r, i in enumerate(everyone)))
+        raise ValueError(
+            f"rank {rank()}: ranks disagree on the process set to remove: "
+            + "; ".join(f"rank {r}: {i}" for r, i in enumerate(everyone))
+        )
     process_set.process_set_id = None
     return state.process_sets.remove(set_id)
 
@@ -219,8 +223,9 @@ def _unserializable(ranks: Sequence[int], error: Optional[BaseException]) -> Non
         raise HorovodInternalError(f"rank(s) {', '.join(map(str, ranks))} could not serialize the object")
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: Optional[ProcessSet] = None) -> Any:
+def broadcast_object(
+    obj: Any = None, root_rank: int = 0, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> Any:
     """root_rank's `obj` (pickled), on every rank (of `process_set`)."""
     state = _process()
     name = name or state.object_names()
@@ -229,7 +234,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     run(BROADCAST, f"{name}.length", length, length, root=root_rank, process_set=process_set)
     _unserializable([root_rank] if length[0] < 0 else [], error)
     buf = np.zeros(int(length[0]), np.uint8)
-    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
     run(BROADCAST, f"{name}.bytes", buf, buf, root=root_rank, process_set=process_set)
     return obj if rank() == root_rank else pickle.loads(buf.tobytes())
 
@@ -243,12 +248,21 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional
     _unserializable(np.flatnonzero(lengths < 0).tolist(), error)
     joined = run(ALLGATHER, f"{name}.bytes", np.frombuffer(data, np.uint8), process_set=process_set)
     ends = np.cumsum(lengths)
-    return [pickle.loads(joined[e - n:e].tobytes()) for e, n in zip(ends, lengths)]
+    return [pickle.loads(joined[e - n : e].tobytes()) for e, n in zip(ends, lengths)]
 
 
-def submit(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
-           op: ReduceOp = ReduceOp.SUM, root: int = 0, process_set: Optional[ProcessSet] = None,
-           splits: Sequence[int] = (), type_name: str = "") -> Future:
+def submit(
+    kind: str,
+    name: str,
+    send: np.ndarray,
+    out: Optional[np.ndarray] = None,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    root: int = 0,
+    process_set: Optional[ProcessSet] = None,
+    splits: Sequence[int] = (),
+    type_name: str = "",
+) -> Future:
     """Start one named collective of NumPy arrays among `process_set` (default: every rank);
     `root` is a global rank, `splits` alltoall's rows for each rank. The Future's value is the
     gathered array for allgather, (rows received, rows from each rank) for alltoall, None for
@@ -264,9 +278,17 @@ def submit(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = N
         return coord.submit(request, wire, dst)
 
 
-def run(kind: str, name: str, send: np.ndarray, out: Optional[np.ndarray] = None, *,
-        op: ReduceOp = ReduceOp.SUM, root: int = 0, process_set: Optional[ProcessSet] = None,
-        splits: Sequence[int] = ()) -> Any:
+def run(
+    kind: str,
+    name: str,
+    send: np.ndarray,
+    out: Optional[np.ndarray] = None,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    root: int = 0,
+    process_set: Optional[ProcessSet] = None,
+    splits: Sequence[int] = (),
+) -> Any:
     """submit(), waited for; a failed collective raises HorovodInternalError."""
     with as_horovod_errors():
         return submit(kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits).result()

@@ -2,6 +2,7 @@
 NCCL, DDL, oneCCL or ROCm inside (the reducers do the reductions; CUDA tensors are staged
 through host memory, so there are no CUDA kernels either). Scripts that branch on them take
 their portable path."""
+
 from __future__ import annotations
 
 

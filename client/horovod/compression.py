@@ -3,6 +3,7 @@
 compress(tensor) -> (tensor, ctx) before the wire and decompress(tensor, ctx) after, as in
 Horovod, on torch tensors, TensorFlow tensors and NumPy arrays alike.
 """
+
 from __future__ import annotations
 
 from typing import Any, Tuple
@@ -14,9 +15,13 @@ def _framework(tensor: Any) -> str:
 
 def _is_float(tensor: Any) -> bool:
     dtype = tensor.dtype
-    return bool(getattr(dtype, "is_floating_point", None) if _framework(tensor) == "torch"
-                else getattr(dtype, "is_floating", None) if _framework(tensor) in ("tensorflow", "keras")
-                else dtype.kind == "f")
+    return bool(
+        getattr(dtype, "is_floating_point", None)
+        if _framework(tensor) == "torch"
+        else getattr(dtype, "is_floating", None)
+        if _framework(tensor) in ("tensorflow", "keras")
+        else dtype.kind == "f"
+    )
 
 
 def _cast(tensor: Any, dtype: Any) -> Any:

@@ -15,6 +15,7 @@ submitted and others did not within RS_TIMEOUT fails naming both.
 Modules: requests (Request, Submission, disagreement), negotiation (the replicated table),
 runner (fusion, starting and completing), coordinator (submission, the cycle, failure).
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,19 +23,42 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Tuple
 
-from reduction_server.errors import CollectiveError
 from reduction_server.config import settings
+from reduction_server.errors import CollectiveError
 
 from ..buffers import WireBuffer
 from ..communicator import Communicator
 from ..fusion import fusion_threshold
 from .negotiation import Negotiation, cycle_time, exchange_bytes, gather_bytes
-from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request, Submission,
-                       disagreement, name_counter)
+from .requests import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    REDUCESCATTER,
+    Request,
+    Submission,
+    disagreement,
+    name_counter,
+)
 from .runner import Runner
 
-__all__ = ["ALLGATHER", "ALLREDUCE", "ALLTOALL", "BARRIER", "BROADCAST", "REDUCESCATTER", "Coordinator", "Request",
-           "cycle_time", "disagreement", "exchange_bytes", "gather_bytes", "name_counter"]
+__all__ = [
+    "ALLGATHER",
+    "ALLREDUCE",
+    "ALLTOALL",
+    "BARRIER",
+    "BROADCAST",
+    "REDUCESCATTER",
+    "Coordinator",
+    "Request",
+    "cycle_time",
+    "disagreement",
+    "exchange_bytes",
+    "gather_bytes",
+    "name_counter",
+]
 
 #: an idle job backs off to at most this many cycle times between negotiations
 _IDLE_BACKOFF = 8
@@ -43,9 +67,16 @@ _IDLE_BACKOFF = 8
 class Coordinator:
     """Matches named collectives across ranks and runs them, fused, over one Communicator."""
 
-    def __init__(self, comm: Communicator, *, owns_communicator: bool = True,
-                 cycle_seconds: Optional[float] = None, threshold: Optional[int] = None,
-                 stall_timeout: Optional[float] = None, marks_cycles: bool = True) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        owns_communicator: bool = True,
+        cycle_seconds: Optional[float] = None,
+        threshold: Optional[int] = None,
+        stall_timeout: Optional[float] = None,
+        marks_cycles: bool = True,
+    ) -> None:
         self.comm = comm
         self._marks_cycles = marks_cycles  # the job's own coordinator marks them; a process set's does not
         self.rank, self.size = comm.rank, comm.world_size
@@ -79,14 +110,20 @@ class Coordinator:
         mine = Submission(request, send, out)
         with self._lock:
             if self._stopping:
-                raise CollectiveError(f"rank {self.rank}: {request.kind} of {request.name!r} cannot run: "
-                                      + (self._ended or "this rank has shut down"))
+                raise CollectiveError(
+                    f"rank {self.rank}: {request.kind} of {request.name!r} cannot run: "
+                    + (self._ended or "this rank has shut down")
+                )
             if self._join is not None:
-                raise ValueError(f"rank {self.rank}: {request.kind} of {request.name!r} cannot start: this rank has "
-                                 "joined (hvd.join()) and takes part with zeros until every rank has")
+                raise ValueError(
+                    f"rank {self.rank}: {request.kind} of {request.name!r} cannot start: this rank has "
+                    "joined (hvd.join()) and takes part with zeros until every rank has"
+                )
             if request.name in self._mine:
-                raise ValueError(f"rank {self.rank}: a collective named {request.name!r} is already in "
-                                 "flight; names must be unique among outstanding collectives")
+                raise ValueError(
+                    f"rank {self.rank}: a collective named {request.name!r} is already in "
+                    "flight; names must be unique among outstanding collectives"
+                )
             self._mine[request.name] = mine
             self._new.append(mine)
         return mine.future
@@ -97,8 +134,9 @@ class Coordinator:
         Future's value is the rank that joined last, the same on every rank."""
         with self._lock:
             if self._stopping:
-                raise CollectiveError(f"rank {self.rank}: join cannot run: "
-                                      + (self._ended or "this rank has shut down"))
+                raise CollectiveError(
+                    f"rank {self.rank}: join cannot run: " + (self._ended or "this rank has shut down")
+                )
             if self._join is not None:
                 raise ValueError(f"rank {self.rank}: join() is already waiting for the other ranks")
             self._join = Future()
@@ -138,8 +176,11 @@ class Coordinator:
                     break
                 backoff = 1 if busy else min(backoff * 2, _IDLE_BACKOFF)
         except BaseException as exc:  # noqa: BLE001 - every waiter gets it
-            error = exc if isinstance(exc, CollectiveError) else CollectiveError(
-                f"rank {self.rank}: negotiation failed: {exc!r}")
+            error = (
+                exc
+                if isinstance(exc, CollectiveError)
+                else CollectiveError(f"rank {self.rank}: negotiation failed: {exc!r}")
+            )
             self._fail_all(error, f"an earlier collective failed: {error}")
         finally:
             self.runner.stop()
@@ -163,8 +204,10 @@ class Coordinator:
         for name, why in cycle.stale:
             self._fail_mine(name, CollectiveError(why))
         if cycle.leaving:  # as in Horovod, one rank shutting down ends the job's collectives
-            self._fail_all(CollectiveError(f"rank {self.rank}: ranks {cycle.leaving} shut down before this "
-                                           "collective completed"), f"ranks {cycle.leaving} have shut down")
+            self._fail_all(
+                CollectiveError(f"rank {self.rank}: ranks {cycle.leaving} shut down before this collective completed"),
+                f"ranks {cycle.leaving} have shut down",
+            )
             return False, True
         return cycle.busy, False
 

@@ -10,15 +10,15 @@ worker, the next commit raises HostsUpdatedInterrupt on every rank alike (rank 0
 rendezvous and tells the others); the ranks initialize again with the newcomer, which takes the
 state from rank 0 (the oldest worker).
 """
+
 from __future__ import annotations
 
 import functools
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from reduction_server.launch import rendezvous
-
 from reduction_server.config import settings
+from reduction_server.launch import rendezvous
 
 from ..communicator import Communicator
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -37,8 +37,9 @@ def join() -> Communicator:
     """This worker's Communicator for the next round of the elastic job: its rank and size from
     the rendezvous, its generation the round's."""
     global _joined_version
-    place = rendezvous.seat(settings.read("RS_RENDEZVOUS"), settings.read("RS_JOB_TOKEN"),
-                            settings.read("RS_WORKER_ID"))
+    place = rendezvous.seat(
+        settings.read("RS_RENDEZVOUS"), settings.read("RS_JOB_TOKEN"), settings.read("RS_WORKER_ID")
+    )
     _joined_version = place.version
     # The launcher's placement variables describe the worker as it started; the round's replace them.
     environ = {k: v for k, v in os.environ.items() if k not in _PLACEMENT}
@@ -131,6 +132,7 @@ class ObjectState(State):
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
     """`func(state, ...)` run again after each reset until it returns: a lost worker rolls the
     state back to its last commit; new workers take rank 0's state first."""
+
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         skip_sync = False
@@ -146,4 +148,5 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 skip_sync = interrupt.skip_sync
             reset()
             state.on_reset()
+
     return wrapper

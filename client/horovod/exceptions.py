@@ -1,4 +1,5 @@
 """Horovod's exceptions, as its scripts catch them."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -1,6 +1,7 @@
 """The collectives that move rows between ranks, allgather and alltoall, as one byte-exact
 all-reduce: each rank writes its rows at its own offset in a zero buffer, the reducers sum it
 (the other ranks add zeros), and each rank reads what it asked for. Exact for every dtype."""
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def plan(request: Request, send: memoryview, requests: Dict[int, Request], rank:
     ends = np.cumsum(sizes)
     buf = np.zeros(int(ends[-1]) if sizes else 0, np.uint8)
     start = int(ends[rank]) - sizes[rank]
-    buf[start:start + sizes[rank]] = np.frombuffer(send, np.uint8)
+    buf[start : start + sizes[rank]] = np.frombuffer(send, np.uint8)
     if request.kind == ALLTOALL:
         return buf, lambda: _received(buf, requests, rank, ends, sizes)
     rows = sum(requests[r].rows for r in range(len(requests)))
@@ -33,15 +34,16 @@ def plan(request: Request, send: memoryview, requests: Dict[int, Request], rank:
     return buf, lambda: buf.view(request.dtype.storage).reshape(shape)
 
 
-def _received(buf: np.ndarray, requests: Dict[int, Request], rank: int, ends: np.ndarray,
-              sizes: List[int]) -> Tuple[np.ndarray, List[int]]:
+def _received(
+    buf: np.ndarray, requests: Dict[int, Request], rank: int, ends: np.ndarray, sizes: List[int]
+) -> Tuple[np.ndarray, List[int]]:
     """alltoall: (the rows every rank sent to this one, in rank order; how many from each)."""
     row = _row_bytes(requests[rank])
     pieces, counts = [], []
     for src in range(len(requests)):
         splits = requests[src].splits
         first = int(ends[src]) - sizes[src] + sum(splits[:rank]) * row
-        pieces.append(buf[first:first + splits[rank] * row])
+        pieces.append(buf[first : first + splits[rank] * row])
         counts.append(splits[rank])
     mine = requests[rank]
     joined = np.concatenate(pieces)

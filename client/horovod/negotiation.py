@@ -12,6 +12,7 @@ every rank that has not joined asked for it (the joined ranks add zeros to an al
 other kinds fail, as in Horovod). Once every rank has joined, the join completes everywhere,
 naming the last.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from reduction_server.wire.protocol import ReduceOp
 from reduction_server.config import settings
+from reduction_server.wire.protocol import ReduceOp
 
 from ..buffers import wire_view
 from ..communicator import Communicator
@@ -79,17 +80,24 @@ class Negotiation:
         # Each rank's row: its leading fields, then the payload itself when it fits (a few
         # requests): one collective per cycle, a second only for a longer payload.
         table = np.zeros((self.size, _FIELDS + _INLINE_BYTES // 8), np.int64)
-        table[self.rank, :_FIELDS] = (len(payload), stopping, int(time.monotonic() * 1e6) if self.rank == 0 else 0,
-                                      joining)
+        table[self.rank, :_FIELDS] = (
+            len(payload),
+            stopping,
+            int(time.monotonic() * 1e6) if self.rank == 0 else 0,
+            joining,
+        )
         if len(payload) <= _INLINE_BYTES:
-            table[self.rank, _FIELDS:].view(np.uint8)[:len(payload)] = np.frombuffer(payload, np.uint8)
+            table[self.rank, _FIELDS:].view(np.uint8)[: len(payload)] = np.frombuffer(payload, np.uint8)
         sum_in_place(self.comm, table, traced=False)  # every cycle: kept off the timeline
         clock = table[0, 2] / 1e6
         lengths = table[:, 0]
         ready: List[Tuple[str, Dict[int, Request]]] = []
         if lengths.any():
-            blobs = (exchange_bytes(self.comm, payload, lengths, traced=False) if lengths.max() > _INLINE_BYTES
-                     else [row[_FIELDS:].view(np.uint8)[:n].tobytes() for row, n in zip(table, lengths)])
+            blobs = (
+                exchange_bytes(self.comm, payload, lengths, traced=False)
+                if lengths.max() > _INLINE_BYTES
+                else [row[_FIELDS:].view(np.uint8)[:n].tobytes() for row, n in zip(table, lengths)]
+            )
             for r, blob in enumerate(blobs):
                 for item in json.loads(blob) if blob else ():
                     self._arrived(r, Request.decode(item), clock, ready)
@@ -101,8 +109,7 @@ class Negotiation:
     def _complete(self, pending: _Pending) -> bool:
         return len(pending.requests) + len(self.joined - pending.requests.keys()) == self.size
 
-    def _arrived(self, rank: int, request: Request, clock: float,
-                 ready: List[Tuple[str, Dict[int, Request]]]) -> None:
+    def _arrived(self, rank: int, request: Request, clock: float, ready: List[Tuple[str, Dict[int, Request]]]) -> None:
         pending = self.pending.setdefault(request.name, _Pending(clock))
         pending.requests[rank] = request
         if self._complete(pending):
@@ -132,10 +139,16 @@ class Negotiation:
             del self.pending[name]
             have = sorted(pending.requests)
             lacking = [r for r in range(self.size) if r not in pending.requests and r not in self.joined]
-            stale.append((name, (
-                f"rank {self.rank}: tensor {name!r} ({pending.requests[have[0]].describe()}) was submitted by "
-                f"ranks {have} but not by ranks {lacking} within {self.stall_timeout:g} s (RS_TIMEOUT); "
-                "every rank must submit every named collective")))
+            stale.append(
+                (
+                    name,
+                    (
+                        f"rank {self.rank}: tensor {name!r} ({pending.requests[have[0]].describe()}) was submitted by "
+                        f"ranks {have} but not by ranks {lacking} within {self.stall_timeout:g} s (RS_TIMEOUT); "
+                        "every rank must submit every named collective"
+                    ),
+                )
+            )
         return stale
 
 
@@ -151,10 +164,10 @@ def exchange_bytes(comm: Communicator, payload: bytes, lengths: Sequence[int], t
     ends = np.cumsum(np.asarray(lengths, np.int64))
     buf = np.zeros(int(ends[-1]), np.uint8)
     start = int(ends[comm.rank]) - len(payload)
-    buf[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
+    buf[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
     sum_in_place(comm, buf, traced)
     raw = buf.tobytes()
-    return [raw[int(e - n):int(e)] for e, n in zip(ends, lengths)]
+    return [raw[int(e - n) : int(e)] for e, n in zip(ends, lengths)]
 
 
 def gather_bytes(comm: Communicator, payload: bytes) -> List[bytes]:

@@ -1,4 +1,5 @@
 """Horovod's reduction ops (hvd.Average, hvd.Sum, ...) and how they map onto the protocol's."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,8 +10,7 @@ from reduction_server.wire.protocol import ReduceOp
 # Horovod's numbering, so scripts that compare or store them keep working.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 
-_PROTOCOL = {Average: ReduceOp.AVG, Sum: ReduceOp.SUM, Min: ReduceOp.MIN, Max: ReduceOp.MAX,
-             Product: ReduceOp.PROD}
+_PROTOCOL = {Average: ReduceOp.AVG, Sum: ReduceOp.SUM, Min: ReduceOp.MIN, Max: ReduceOp.MAX, Product: ReduceOp.PROD}
 _NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 
@@ -28,11 +28,11 @@ def resolve_op(op: Optional[Any], average: Optional[bool] = None) -> ReduceOp:
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
-        raise AdasumUnsupported("hvd.Adasum is not supported by the reduction server (it needs pairwise "
-                                "exchanges between workers); use hvd.Average or hvd.Sum")
+        raise AdasumUnsupported(
+            "hvd.Adasum is not supported by the reduction server (it needs pairwise "
+            "exchanges between workers); use hvd.Average or hvd.Sum"
+        )
     try:
         return _PROTOCOL[op]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown reduction op {op!r}; use one of hvd."
-                         + ", hvd.".join(_NAMES.values())) from None
-
+        raise ValueError(f"unknown reduction op {op!r}; use one of hvd." + ", hvd.".join(_NAMES.values())) from None

@@ -6,6 +6,7 @@ set its rank belongs to has a Coordinator of its own (named collectives matched 
 members). Adding and removing a set are collectives of every rank, as with Horovod's dynamic
 process sets; ids count up from 1 in the order the sets were added, the same on every rank.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -27,8 +28,10 @@ class ProcessSet:
         try:
             members = sorted(ranks)
         except TypeError:
-            raise ValueError(f"a ProcessSet takes a list of ranks, got {ranks!r} (mpi4py communicators are not "
-                             "supported: the reduction server runs without MPI)") from None
+            raise ValueError(
+                f"a ProcessSet takes a list of ranks, got {ranks!r} (mpi4py communicators are not "
+                "supported: the reduction server runs without MPI)"
+            ) from None
         if any(isinstance(r, bool) or not isinstance(r, int) for r in members):
             raise ValueError(f"a ProcessSet's ranks must be integers, got {list(ranks)!r}")
         self.ranks = members
@@ -111,8 +114,10 @@ class ProcessSets:
         set_id = 0 if process_set is None else process_set.process_set_id
         ranks, coordinator = self._lookup(set_id)
         if coordinator is None:
-            raise ValueError(f"rank {self.comm.rank} is not in process set {set_id} (ranks {list(ranks)}); only its "
-                             "members may run its collectives")
+            raise ValueError(
+                f"rank {self.comm.rank} is not in process set {set_id} (ranks {list(ranks)}); only its "
+                "members may run its collectives"
+            )
         return coordinator
 
     def root(self, process_set: Any, root_rank: int) -> int:
@@ -131,8 +136,10 @@ class ProcessSets:
 
     def _lookup(self, set_id: Optional[int]) -> Tuple[Tuple[int, ...], Optional[Coordinator]]:
         if set_id not in self._sets:
-            raise ValueError(f"process set {set_id} is not registered (add it with hvd.add_process_set() on "
-                             "every rank first; a removed set cannot be used again)")
+            raise ValueError(
+                f"process set {set_id} is not registered (add it with hvd.add_process_set() on "
+                "every rank first; a removed set cannot be used again)"
+            )
         return self._sets[set_id]
 
 

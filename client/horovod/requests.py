@@ -1,5 +1,6 @@
 """What a rank asks for in a named collective: the Request every rank learns of it, the
 Submission this rank keeps (its buffers and Future), and whether the ranks' requests agree."""
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,16 @@ class Request:
 
     def encode(self) -> list:
         """The request as a JSON-able list, as it travels in the negotiation (decode() reverses it)."""
-        return [self.name, self.kind, int(self.dtype), list(self.shape), int(self.op), self.root, self.type_name,
-                list(self.splits)]
+        return [
+            self.name,
+            self.kind,
+            int(self.dtype),
+            list(self.shape),
+            int(self.op),
+            self.root,
+            self.type_name,
+            list(self.splits),
+        ]
 
     @classmethod
     def decode(cls, item: list) -> "Request":
@@ -82,11 +91,14 @@ class Submission:
 def disagreement(name: str, requests: Mapping[int, Request]) -> Optional[str]:
     """None when every rank's request for `name` is compatible, else the message naming them."""
     first = requests[min(requests)]
-    for what, key in (("kind", lambda r: r.kind), ("dtype", lambda r: r.type_name or r.dtype.name.lower()),
-                      ("op", lambda r: r.op.name.lower() if r.kind in REDUCING else ""),
-                      ("root", lambda r: r.root if r.kind == BROADCAST else 0),
-                      ("shape", lambda r: list(r.shape[1:]) if r.kind in RAGGED else list(r.shape)),
-                      ("rank", lambda r: len(r.shape) if r.kind in RAGGED else 0)):
+    for what, key in (
+        ("kind", lambda r: r.kind),
+        ("dtype", lambda r: r.type_name or r.dtype.name.lower()),
+        ("op", lambda r: r.op.name.lower() if r.kind in REDUCING else ""),
+        ("root", lambda r: r.root if r.kind == BROADCAST else 0),
+        ("shape", lambda r: list(r.shape[1:]) if r.kind in RAGGED else list(r.shape)),
+        ("rank", lambda r: len(r.shape) if r.kind in RAGGED else 0),
+    ):
         values: Dict[str, List[int]] = {}
         for rank in sorted(requests):
             values.setdefault(str(key(requests[rank])), []).append(rank)
@@ -107,4 +119,5 @@ def name_counter(prefix: str) -> Callable[[], str]:
     def next_name() -> str:
         with lock:
             return f"{prefix}.noname.{next(counter)}"
+
     return next_name

@@ -3,6 +3,7 @@ one dtype and op fused into one collective of up to the fusion threshold, the ot
 one (allgather and alltoall as in gathering.py; a barrier needs no data), each
 started on the cycle thread (so every rank's order is the agreed one) and completed on a thread
 of its own, so a large copy-out never delays the next negotiation."""
+
 from __future__ import annotations
 
 import queue
@@ -33,8 +34,7 @@ class Runner:
         self._lock = threading.Lock()
         self._spare: List[np.ndarray] = []  # fusion buffers, reused
         self._completions: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._completer = threading.Thread(target=self._complete, name=f"rs-hvd-done-rank{self.rank}",
-                                           daemon=True)
+        self._completer = threading.Thread(target=self._complete, name=f"rs-hvd-done-rank{self.rank}", daemon=True)
         self._completer.start()
 
     def stop(self) -> None:
@@ -55,8 +55,10 @@ class Runner:
             template = asked[min(asked)]
             joined = [r for r in range(self.size) if r not in asked]
             if problem is None and joined and template.kind not in (ALLREDUCE, BARRIER):
-                problem = (f"tensor {name!r}: {template.kind} is not supported with join (ranks {joined} have joined "
-                           "and wait for the others): only allreduce and barrier are, as in Horovod")
+                problem = (
+                    f"tensor {name!r}: {template.kind} is not supported with join (ranks {joined} have joined "
+                    "and wait for the others): only allreduce and barrier are, as in Horovod"
+                )
             # A joined rank stands in even for a name it has submitted since: that one is announced later.
             mine = (self._take_submission(name) if self.rank in asked else None) or self._stand_in(template)
             if problem is not None:
@@ -112,11 +114,11 @@ class Runner:
         copy_started = time.perf_counter()
         for m in batch:
             n = m.request.count * size
-            fused[offset:offset + n] = m.send.data
+            fused[offset : offset + n] = m.send.data
             offset += n
         if trace is not None:
             trace.copied(copy_started)
-        wire = WireBuffer(req.dtype, total, memoryview(fused[:total * size]))
+        wire = WireBuffer(req.dtype, total, memoryview(fused[: total * size]))
         self._start(batch, wire, wire, req.op, 0, fused, trace=trace)
 
     def _trace(self, batch: List[Submission]) -> Optional[Trace]:
@@ -127,20 +129,30 @@ class Runner:
         if timeline is None:
             return None
         asked, now = min(m.submitted for m in batch), time.perf_counter()
-        trace = timeline.begin_tensors("", [f"{m.request.kind}.{m.request.name}" for m in batch],
-                                       {"negotiation_us": round((now - asked) * 1e6)})
+        trace = timeline.begin_tensors(
+            "", [f"{m.request.kind}.{m.request.name}" for m in batch], {"negotiation_us": round((now - asked) * 1e6)}
+        )
         trace.negotiated = (f"NEGOTIATE_{batch[0].request.kind.upper()}", asked, now)
         return trace
 
-    def _start(self, batch: List[Submission], send: Optional[WireBuffer], out: WireBuffer, op: ReduceOp, root: int,
-               fused: Optional[np.ndarray] = None, result: Optional[Callable[[], Any]] = None,
-               trace: Optional[Trace] = None) -> None:
+    def _start(
+        self,
+        batch: List[Submission],
+        send: Optional[WireBuffer],
+        out: WireBuffer,
+        op: ReduceOp,
+        root: int,
+        fused: Optional[np.ndarray] = None,
+        result: Optional[Callable[[], Any]] = None,
+        trace: Optional[Trace] = None,
+    ) -> None:
         """Start one collective for `batch`; its Futures get `result()` (None without it) once done."""
         if trace is None and len(batch) == 1:
             trace = self._trace(batch)
         try:
-            handle = self.comm._start(send if op is not ReduceOp.BROADCAST or self.rank == root else None,
-                                      out, op, root, None, trace=trace)
+            handle = self.comm._start(
+                send if op is not ReduceOp.BROADCAST or self.rank == root else None, out, op, root, None, trace=trace
+            )
         except BaseException as exc:  # noqa: BLE001 - e.g. the communicator has failed
             if trace is not None:
                 trace.timeline.finish(trace, str(exc))
@@ -173,7 +185,7 @@ class Runner:
                 offset = 0
                 for m in batch:
                     n = len(m.out.data)
-                    m.out.data[:] = fused[offset:offset + n]
+                    m.out.data[:] = fused[offset : offset + n]
                     offset += n
                 with self._lock:
                     self._spare.append(fused)

@@ -1,5 +1,6 @@
 """What each rank gets of a collective, by Horovod's rules, for every framework: reducescatter's
 share of the rows, alltoall's splits, and how an integer average is taken."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Type
@@ -19,13 +20,17 @@ def splits(rows: int, given: Optional[Sequence[int]], size: int, error: Type[Exc
     None or empty; `error` (with Horovod's meaning) when they cannot be."""
     if not given:
         if rows % size:
-            raise error(f"alltoall without splits divides the first dimension ({rows}) equally among the {size} "
-                        "ranks; it does not divide")
+            raise error(
+                f"alltoall without splits divides the first dimension ({rows}) equally among the {size} "
+                "ranks; it does not divide"
+            )
         return [rows // size] * size
     counts = [int(v) for v in given]
     if len(counts) != size or min(counts) < 0 or sum(counts) > rows:
-        raise error(f"alltoall's splits {counts} must give each of the {size} ranks a number of rows, none negative, "
-                    f"adding up to at most the first dimension ({rows})")
+        raise error(
+            f"alltoall's splits {counts} must give each of the {size} ranks a number of rows, none negative, "
+            f"adding up to at most the first dimension ({rows})"
+        )
     return counts
 
 

@@ -48,14 +48,44 @@ matched by name, with ``use_collectives``.
 
 The adapter's modules: docs/design.md, "Where each concept lives".
 """
+
 from .callbacks import BroadcastVariablesCallback, MetricAverageCallback
-from .collectives import (Collectives, Compressor, FusedCollectives, collectives, init, is_initialized, rank,
-                          shutdown, size, use_collectives)
+from .collectives import (
+    Collectives,
+    Compressor,
+    FusedCollectives,
+    collectives,
+    init,
+    is_initialized,
+    rank,
+    shutdown,
+    size,
+    use_collectives,
+)
 from .gradients import DistributedGradientTape, DistributedOptimizer, scaled
 from .graph import XlaCompileError, dense, refuse_xla
 from .ops import allreduce, broadcast_variables, grouped_allreduce
 
-__all__ = ["BroadcastVariablesCallback", "Collectives", "Compressor", "DistributedGradientTape",
-           "DistributedOptimizer", "FusedCollectives", "MetricAverageCallback", "XlaCompileError", "allreduce",
-           "broadcast_variables", "collectives", "dense", "grouped_allreduce", "init", "is_initialized", "rank",
-           "refuse_xla", "scaled", "shutdown", "size", "use_collectives"]
+__all__ = [
+    "BroadcastVariablesCallback",
+    "Collectives",
+    "Compressor",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "FusedCollectives",
+    "MetricAverageCallback",
+    "XlaCompileError",
+    "allreduce",
+    "broadcast_variables",
+    "collectives",
+    "dense",
+    "grouped_allreduce",
+    "init",
+    "is_initialized",
+    "rank",
+    "refuse_xla",
+    "scaled",
+    "shutdown",
+    "size",
+    "use_collectives",
+]

@@ -1,4 +1,5 @@
 """Keras callbacks: start every rank from rank 0's variables, and log metrics averaged over the ranks."""
+
 from __future__ import annotations
 
 from typing import Optional

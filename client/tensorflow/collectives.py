@@ -1,6 +1,7 @@
 """Where the TensorFlow adapter's collectives go: one Communicator per process, through
 FusedCollectives (matched across ranks by order, fused into buckets), unless the Horovod layer
 installs its own (matched by name) with use_collectives."""
+
 from __future__ import annotations
 
 import atexit
@@ -101,8 +102,10 @@ class FusedCollectives:
         comm = self.communicator
         # The layout is checked like a fusion plan: one byte tensor per array, named with its
         # dtype and shaped (*shape, itemsize) so that its size is its bytes.
-        specs = [TensorSpec(f"{name}:{a.dtype.name}", (*a.shape, a.dtype.itemsize), DType.UINT8)
-                 for name, a in zip(names, arrays)]
+        specs = [
+            TensorSpec(f"{name}:{a.dtype.name}", (*a.shape, a.dtype.itemsize), DType.UINT8)
+            for name, a in zip(names, arrays)
+        ]
         key = ("broadcast", tuple(specs))
         offsets, total = [], 0
         for a in arrays:
@@ -111,14 +114,14 @@ class FusedCollectives:
         buf = np.empty(total, np.uint8)
         if comm.rank == root:
             for a, start in zip(arrays, offsets):
-                buf[start:start + a.nbytes] = np.require(a, requirements="C").reshape(-1).view(np.uint8)
+                buf[start : start + a.nbytes] = np.require(a, requirements="C").reshape(-1).view(np.uint8)
         with self._lock:
             if key not in self._verified:
                 plan = FusionPlan(specs, threshold=0)
                 verify_plan(comm, plan)
                 self._verified[key] = plan
             comm.broadcast(buf, root)
-        return [buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape) for a, start in zip(arrays, offsets)]
+        return [buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape) for a, start in zip(arrays, offsets)]
 
     def close(self) -> None:
         """Close the communicator if this object owns it (init() created it)."""
@@ -145,8 +148,10 @@ def init(comm: Optional[Communicator] = None) -> Communicator:
     with _state.lock:
         if _state.default is not None:
             if comm is not None and comm is not _state.default.communicator:
-                raise ConfigError("reduction_server.client.tensorflow is already initialised with another "
-                                  "communicator; call shutdown() first")
+                raise ConfigError(
+                    "reduction_server.client.tensorflow is already initialised with another "
+                    "communicator; call shutdown() first"
+                )
             return _state.default.communicator
         owns = comm is None
         _state.default = FusedCollectives(Communicator.from_env() if owns else comm, owns)

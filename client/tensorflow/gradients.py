@@ -1,5 +1,6 @@
 """Gradients averaged over the ranks: DistributedGradientTape for custom loops, and
 DistributedOptimizer for model.fit (a Keras 3 optimizer whose apply() all-reduces first)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -36,17 +37,21 @@ class _GradientReduction:
         if not self.predivide > 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         if self.predivide != 1.0 and self.op is not ReduceOp.AVG:
-            raise ValueError(f"gradient_predivide_factor splits an average; it needs op average, not "
-                             f"{self.op.name.lower()}")
+            raise ValueError(
+                f"gradient_predivide_factor splits an average; it needs op average, not {self.op.name.lower()}"
+            )
 
     def __call__(self, grads: Sequence[Any]) -> List[Optional[tf.Tensor]]:
         if self.predivide == 1.0:
             return grouped_allreduce(grads, self.op, self.compression, name="gradient")
-        pre = [None if g is None else scaled(dense(g, f"gradient.{i}"), 1.0 / self.predivide)
-               for i, g in enumerate(grads)]
+        pre = [
+            None if g is None else scaled(dense(g, f"gradient.{i}"), 1.0 / self.predivide) for i, g in enumerate(grads)
+        ]
         post = self.predivide / size()
-        return [None if g is None else scaled(g, post)
-                for g in grouped_allreduce(pre, ReduceOp.SUM, self.compression, name="gradient")]
+        return [
+            None if g is None else scaled(g, post)
+            for g in grouped_allreduce(pre, ReduceOp.SUM, self.compression, name="gradient")
+        ]
 
 
 class DistributedGradientTape:
@@ -64,19 +69,31 @@ class DistributedGradientTape:
     passes its own, with process sets and sparse gradients), and the three are not used.
     """
 
-    def __init__(self, tape: tf.GradientTape, op: Any = "average", compression: Optional[Compressor] = None,
-                 gradient_predivide_factor: float = 1.0, reduce: Optional[Reduction] = None) -> None:
+    def __init__(
+        self,
+        tape: tf.GradientTape,
+        op: Any = "average",
+        compression: Optional[Compressor] = None,
+        gradient_predivide_factor: float = 1.0,
+        reduce: Optional[Reduction] = None,
+    ) -> None:
         if isinstance(tape, DistributedGradientTape):
             raise TypeError("this tape is already a DistributedGradientTape")
         self._tape = tape
         self._reduce = reduce or _GradientReduction(op, compression, gradient_predivide_factor)
 
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
         """The wrapped tape's gradient(), all-reduced over every rank as one fused collective, in
         the same structure; None gradients stay None."""
-        grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
-                                    unconnected_gradients=unconnected_gradients)
+        grads = self._tape.gradient(
+            target, sources, output_gradients=output_gradients, unconnected_gradients=unconnected_gradients
+        )
         flat = tf.nest.flatten(grads)  # None and IndexedSlices are leaves
         return tf.nest.pack_sequence_as(grads, self._reduce(flat))
 
@@ -106,9 +123,13 @@ class _AllReducingOptimizer:
 _distributed_classes: Dict[type, type] = {}
 
 
-def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = "average",  # noqa: N802 - Horovod's name
-                         compression: Optional[Compressor] = None, gradient_predivide_factor: float = 1.0,
-                         reduce: Optional[Reduction] = None) -> keras.optimizers.Optimizer:
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    op: Any = "average",  # noqa: N802 - Horovod's name
+    compression: Optional[Compressor] = None,
+    gradient_predivide_factor: float = 1.0,
+    reduce: Optional[Reduction] = None,
+) -> keras.optimizers.Optimizer:
     """A copy of `optimizer` (a Keras 3 optimizer, not yet built) whose ``apply`` /
     ``apply_gradients`` all-reduce the gradients first; use it with ``model.fit`` or a custom
     loop. `op`, `compression`, `gradient_predivide_factor`, `reduce`: as for DistributedGradientTape. The
@@ -117,18 +138,23 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = "avera
     all-reduced (the result is the same; the traffic is not saved)."""
     reduction = reduce or _GradientReduction(op, compression, gradient_predivide_factor)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer takes a Keras 3 optimizer (keras.optimizers.Optimizer), "
-                        f"not {type(optimizer).__name__}")
+        raise TypeError(
+            f"DistributedOptimizer takes a Keras 3 optimizer (keras.optimizers.Optimizer), "
+            f"not {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, _AllReducingOptimizer):
         raise TypeError("this optimizer is already a DistributedOptimizer")
     if optimizer.built:
-        raise ValueError(f"{type(optimizer).__name__} is already built (it holds state that a copy would lose); "
-                         "wrap the optimizer before the first training step")
+        raise ValueError(
+            f"{type(optimizer).__name__} is already built (it holds state that a copy would lose); "
+            "wrap the optimizer before the first training step"
+        )
     base = type(optimizer)
     cls = _distributed_classes.get(base)
     if cls is None:
-        cls = type(base.__name__, (_AllReducingOptimizer, base), {"__module__": base.__module__,
-                                                                  "__doc__": base.__doc__})
+        cls = type(
+            base.__name__, (_AllReducingOptimizer, base), {"__module__": base.__module__, "__doc__": base.__doc__}
+        )
         _distributed_classes[base] = cls
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._rs_reduce = reduction

@@ -1,5 +1,6 @@
 """What a TensorFlow graph allows the adapter: no XLA around tf.numpy_function, dense tensors,
 and numpy_function's outputs as a list."""
+
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -27,7 +28,8 @@ def refuse_xla(what: str) -> None:
             f"{what} runs through tf.numpy_function, which XLA cannot compile, but this step is being "
             "compiled with XLA. Pass jit_compile=False: to tf.function(...) for a custom loop, or to "
             "model.compile(...) for model.fit (Keras's default jit_compile='auto' turns XLA on when a GPU "
-            "is present)")
+            "is present)"
+        )
 
 
 def dense(tensor: Any, what: str) -> Optional[tf.Tensor]:

@@ -1,5 +1,6 @@
 """The adapter's collectives as TensorFlow ops: each a stateful tf.numpy_function, so that every
 rank runs them in one order, eagerly, inside tf.function and in model.fit."""
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
@@ -13,8 +14,9 @@ from .collectives import Compressor, collectives, size
 from .graph import as_list, dense, refuse_xla
 
 
-def reduce_arrays(arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp,
-                   compression: Optional[Compressor]) -> List[np.ndarray]:
+def reduce_arrays(
+    arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp, compression: Optional[Compressor]
+) -> List[np.ndarray]:
     """All-reduce NumPy arrays through the current Collectives, compressed on the wire if asked;
     the results have the inputs' dtypes and shapes."""
     if compression is None:
@@ -28,14 +30,21 @@ def reduce_arrays(arrays: Sequence[np.ndarray], names: Sequence[str], op: Reduce
     for name, array, out, ctx in zip(names, arrays, collectives().reduce(wires, names, op), contexts):
         out = compression.decompress(out, ctx)
         if out.dtype != array.dtype:
-            raise TypeError(f"compression {getattr(compression, '__name__', type(compression).__name__)}"
-                            f".decompress returned {out.dtype} for tensor {name!r}, which was {array.dtype}")
+            raise TypeError(
+                f"compression {getattr(compression, '__name__', type(compression).__name__)}"
+                f".decompress returned {out.dtype} for tensor {name!r}, which was {array.dtype}"
+            )
         results.append(out)
     return results
 
 
-def grouped_allreduce(tensors: Sequence[Any], op: Any = "average", compression: Optional[Compressor] = None,
-                      names: Optional[Sequence[str]] = None, name: str = "tensor") -> List[Optional[tf.Tensor]]:
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    op: Any = "average",
+    compression: Optional[Compressor] = None,
+    names: Optional[Sequence[str]] = None,
+    name: str = "tensor",
+) -> List[Optional[tf.Tensor]]:
     """All-reduce a list of tensors as one fused collective (one tf.numpy_function call).
 
     `op`: "average" (default), "sum", "min", "max", "product". `None` entries stay `None`;
@@ -68,8 +77,9 @@ def grouped_allreduce(tensors: Sequence[Any], op: Any = "average", compression: 
     return results
 
 
-def allreduce(tensor: Any, op: Any = "average", compression: Optional[Compressor] = None,
-              name: str = "tensor") -> tf.Tensor:
+def allreduce(
+    tensor: Any, op: Any = "average", compression: Optional[Compressor] = None, name: str = "tensor"
+) -> tf.Tensor:
     """All-reduce one tensor (see grouped_allreduce)."""
     if tensor is None:
         raise ValueError(f"allreduce: {name} is None")
@@ -77,6 +87,7 @@ def allreduce(tensor: Any, op: Any = "average", compression: Optional[Compressor
 
 
 # -- broadcast --------------------------------------------------------------------------------
+
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
     """Overwrite every variable (tf.Variable or keras.Variable) with root_rank's value, as one

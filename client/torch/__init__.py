@@ -32,14 +32,27 @@ CUDA tensors are staged through pinned host buffers (tensors.py).
 
 The adapter's modules: docs/design.md, "Where each concept lives".
 """
-from .hooks import (ReductionServerHookState, reduction_server_bf16_hook, reduction_server_fp16_hook,
-                    reduction_server_hook)
+
+from .hooks import (
+    ReductionServerHookState,
+    reduction_server_bf16_hook,
+    reduction_server_fp16_hook,
+    reduction_server_hook,
+)
 from .process_group import BACKEND_NAME, ReductionServerProcessGroup, create_backend
 from .rendezvous import register
 from .tensors import Staged, torch_reduce_op
 
-__all__ = ["BACKEND_NAME", "ReductionServerHookState", "ReductionServerProcessGroup", "Staged", "create_backend",
-           "reduction_server_bf16_hook", "reduction_server_fp16_hook", "reduction_server_hook",
-           "torch_reduce_op"]
+__all__ = [
+    "BACKEND_NAME",
+    "ReductionServerHookState",
+    "ReductionServerProcessGroup",
+    "Staged",
+    "create_backend",
+    "reduction_server_bf16_hook",
+    "reduction_server_fp16_hook",
+    "reduction_server_hook",
+    "torch_reduce_op",
+]
 
 register()

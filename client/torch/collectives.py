@@ -7,6 +7,7 @@ plans agree. Where a rank cannot know the sizes another rank sends (all_to_all w
 splits), the ranks first all-reduce a matrix of counts, waiting for it before the data goes.
 Each call submits everything at once and hands the Pipeline a finish() that copies results out.
 """
+
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
@@ -54,8 +55,9 @@ class Collectives:
         """Hand start() to the Pipeline; a Future for `tensors` (on their CUDA devices, if any)."""
         return self.pipeline.run(start, future_for(tensors))
 
-    def _reduce_into(self, x: torch.Tensor, out: torch.Tensor, op: ReduceOp, factor: Factor,
-                     timeout: Optional[float]) -> Handle:
+    def _reduce_into(
+        self, x: torch.Tensor, out: torch.Tensor, op: ReduceOp, factor: Factor, timeout: Optional[float]
+    ) -> Handle:
         """All-reduce host tensor x (times factor) into host tensor out."""
         if factor is not None:
             x = x * factor if x.data_ptr() != out.data_ptr() else x.mul_(factor)
@@ -66,9 +68,16 @@ class Collectives:
         return self.comm.broadcast_async(as_wire(host, None), root, timeout=timeout)
 
     # -- all-reduce and its relatives -------------------------------------------------------
-    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, factor: Factor = None, value: Any = None,
-                   timeout: Optional[float] = None) -> torch.futures.Future:
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp,
+        factor: Factor = None,
+        value: Any = None,
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """In-place all-reduce of each tensor; the Future's value is `value` (default: the list)."""
+
         def start() -> Started:
             staged = [Staged(t, "all_reduce tensor") for t in tensors]
             handles = [self._reduce_into(s.host, s.host, op, factor, timeout) for s in staged]
@@ -77,11 +86,19 @@ class Collectives:
                 for s in staged:
                     s.finish()
                 return list(tensors) if value is None else value
+
             return handles, finish
+
         return self.submit(start, tensors)
 
-    def reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, root: int, factor: Factor = None,
-               timeout: Optional[float] = None) -> torch.futures.Future:
+    def reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp,
+        root: int,
+        factor: Factor = None,
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """Each tensor reduced into the root's; the other ranks' tensors are left as they were."""
         if self.rank == root:
             return self.all_reduce(tensors, op, factor, timeout=timeout)
@@ -90,18 +107,27 @@ class Collectives:
             staged = [Staged(t, "reduce tensor") for t in tensors]
             handles = [self._reduce_into(s.host, torch.empty_like(s.host), op, factor, timeout) for s in staged]
             return handles, lambda: list(tensors)
+
         return self.submit(start, tensors)
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: ReduceOp,
-                       factor: Factor = None, timeout: Optional[float] = None) -> torch.futures.Future:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        op: ReduceOp,
+        factor: Factor = None,
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """inputs[r] reduced over the ranks into rank r's output: one all-reduce per rank's piece,
         this rank's straight into its output."""
         if len(inputs) != self.world:
             raise ValueError(f"reduce_scatter: {len(inputs)} inputs; the world size is {self.world}")
         mine = inputs[self.rank]
         if mine.numel() != output.numel() or mine.dtype != output.dtype:
-            raise ValueError(f"reduce_scatter: output {tuple(output.shape)} {output.dtype} does not match this "
-                             f"rank's input {tuple(mine.shape)} {mine.dtype}")
+            raise ValueError(
+                f"reduce_scatter: output {tuple(output.shape)} {output.dtype} does not match this "
+                f"rank's input {tuple(mine.shape)} {mine.dtype}"
+            )
 
         def start() -> Started:
             out = Staged(output, "reduce_scatter output", load=False)
@@ -114,29 +140,43 @@ class Collectives:
             def finish():
                 out.finish()
                 return [output]
+
             return handles, finish
+
         return self.submit(start, [output])
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,  # noqa: A002
-                              factor: Factor = None, timeout: Optional[float] = None) -> torch.futures.Future:
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp,  # noqa: A002
+        factor: Factor = None,
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """input, cut into world-size equal pieces, reduce-scattered into output."""
         if input.numel() != output.numel() * self.world or input.dtype != output.dtype:
-            raise ValueError(f"reduce_scatter_tensor: input {tuple(input.shape)} {input.dtype} must hold world size "
-                             f"({self.world}) x output {tuple(output.shape)} {output.dtype}")
+            raise ValueError(
+                f"reduce_scatter_tensor: input {tuple(input.shape)} {input.dtype} must hold world size "
+                f"({self.world}) x output {tuple(output.shape)} {output.dtype}"
+            )
         return self.reduce_scatter(output, _pieces(_flat(input), [output.numel()] * self.world), op, factor, timeout)
 
     def barrier(self, timeout: Optional[float] = None) -> torch.futures.Future:
         """A Future that completes once every rank has reached the barrier (a one-element
         all-reduce), or fails past `timeout` seconds."""
+
         def start() -> Started:
             token = np.zeros(1, np.int32)
             return [self.comm.all_reduce_async(token, ReduceOp.SUM, out=token, timeout=timeout)], lambda: None
+
         return self.pipeline.run(start, torch.futures.Future())
 
     # -- relays: each rank's data to the others, broadcast by the reducers -------------------
-    def broadcast(self, tensors: Sequence[torch.Tensor], root: int,
-                  timeout: Optional[float] = None) -> torch.futures.Future:
+    def broadcast(
+        self, tensors: Sequence[torch.Tensor], root: int, timeout: Optional[float] = None
+    ) -> torch.futures.Future:
         """Overwrite each tensor with root's, in place (sent as bytes); the Future's value is the list."""
+
         def start() -> Started:
             staged = [Staged(t, "broadcast tensor", load=self.rank == root) for t in tensors]
             handles = [self.relay(s.host, root, timeout) for s in staged]
@@ -146,11 +186,18 @@ class Collectives:
                     for s in staged:
                         s.finish()
                 return list(tensors)
+
             return handles, finish
+
         return self.submit(start, tensors)
 
-    def all_gather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
-                   timeout: Optional[float] = None, value: Any = None) -> torch.futures.Future:
+    def all_gather(
+        self,
+        outputs: Sequence[Sequence[torch.Tensor]],
+        inputs: Sequence[torch.Tensor],
+        timeout: Optional[float] = None,
+        value: Any = None,
+    ) -> torch.futures.Future:
         """Each input into outputs[i][rank] on every rank, as one broadcast per rank; the
         Future's value is `value` (default: the output lists). ValueError for lists or tensors
         that do not match."""
@@ -161,8 +208,10 @@ class Collectives:
             if len(outs) != world:
                 raise ValueError(f"allgather: an output list holds {len(outs)} tensors; the world size is {world}")
             if outs[rank].dtype != x.dtype or outs[rank].numel() != x.numel():
-                raise ValueError(f"allgather: output {tuple(outs[rank].shape)} {outs[rank].dtype} does not match "
-                                 f"input {tuple(x.shape)} {x.dtype}")
+                raise ValueError(
+                    f"allgather: output {tuple(outs[rank].shape)} {outs[rank].dtype} does not match "
+                    f"input {tuple(x.shape)} {x.dtype}"
+                )
 
         def start() -> Started:
             for x in inputs:
@@ -181,29 +230,43 @@ class Collectives:
                     if root != rank:
                         s.finish()
                 return [list(outs) for outs in outputs] if value is None else value
+
             return handles, finish
+
         return self.submit(start, [o for outs in outputs for o in outs])
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          timeout: Optional[float] = None) -> torch.futures.Future:
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """Every rank's input into its piece of output (world size x input), in rank order."""
         if output.numel() != input.numel() * self.world or output.dtype != input.dtype:
-            raise ValueError(f"all_gather_into_tensor: output {tuple(output.shape)} {output.dtype} must hold world "
-                             f"size ({self.world}) x input {tuple(input.shape)} {input.dtype}")
+            raise ValueError(
+                f"all_gather_into_tensor: output {tuple(output.shape)} {output.dtype} must hold world "
+                f"size ({self.world}) x input {tuple(input.shape)} {input.dtype}"
+            )
         if not output.is_contiguous():
             raise ValueError("all_gather_into_tensor: the output tensor must be contiguous")
         pieces = _pieces(_flat(output), [input.numel()] * self.world)
         return self.all_gather([pieces], [input], timeout, value=output)
 
-    def gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor, root: int,  # noqa: A002
-               timeout: Optional[float] = None) -> torch.futures.Future:
+    def gather(
+        self,
+        outputs: Sequence[torch.Tensor],
+        input: torch.Tensor,
+        root: int,  # noqa: A002
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """Every rank's input into outputs[rank] on the root (outputs is empty elsewhere)."""
         if self.rank != root:
             outputs = [input if r == self.rank else _scratch_like(input) for r in range(self.world)]
         return self.all_gather([list(outputs)], [input], timeout)
 
-    def scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], root: int,
-                timeout: Optional[float] = None) -> torch.futures.Future:
+    def scatter(
+        self, output: torch.Tensor, inputs: Sequence[torch.Tensor], root: int, timeout: Optional[float] = None
+    ) -> torch.futures.Future:
         """The root's inputs[r] into rank r's output: one broadcast per other rank."""
         rank = self.rank
         if rank == root and len(inputs) != self.world:
@@ -227,11 +290,18 @@ class Collectives:
             def finish():
                 out.finish()
                 return [output]
+
             return handles, finish
+
         return self.submit(start, [output])
 
-    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                   even: bool = False, timeout: Optional[float] = None) -> torch.futures.Future:
+    def all_to_all(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        even: bool = False,
+        timeout: Optional[float] = None,
+    ) -> torch.futures.Future:
         """inputs[r] of rank j into outputs[j] of rank r. Each rank broadcasts its inputs as one
         buffer and every rank keeps its pieces; `even` says every piece has one size everywhere,
         else the ranks first exchange their counts."""
@@ -243,10 +313,16 @@ class Collectives:
                 raise ValueError(f"all_to_all: output {j} is {o.dtype} but the inputs are {inputs[0].dtype}")
 
         def start() -> Started:
-            counts = ([[outputs[0].numel()] * world] * world if even
-                      else self._counts([x.numel() for x in inputs], [o.numel() for o in outputs]))
-            sent = torch.cat([_flat(Staged(x, "all_to_all input").host) for x in inputs]) if world > 1 \
+            counts = (
+                [[outputs[0].numel()] * world] * world
+                if even
+                else self._counts([x.numel() for x in inputs], [o.numel() for o in outputs])
+            )
+            sent = (
+                torch.cat([_flat(Staged(x, "all_to_all input").host) for x in inputs])
+                if world > 1
                 else _flat(Staged(inputs[0], "all_to_all input").host)
+            )
             outs = [Staged(o, "all_to_all output", load=False) for o in outputs]
             bufs = [sent if j == rank else _scratch_like(sent, sum(counts[j])) for j in range(world)]
             handles = [self.relay(buf, j, timeout) for j, buf in enumerate(bufs)]
@@ -258,7 +334,9 @@ class Collectives:
                         out.host.copy_(piece.reshape(out.host.shape))
                         out.finish()
                 return list(outputs)
+
             return handles, finish
+
         return self.submit(start, list(outputs))
 
     def _counts(self, sends: List[int], receives: List[int]) -> List[List[int]]:
@@ -271,7 +349,11 @@ class Collectives:
         self.comm.all_reduce(both, out=both)
         wrong = [(j, r) for j in range(world) for r in range(world) if both[0, j, r] != both[1, r, j]]
         if wrong:
-            raise ValueError("all_to_all: the ranks disagree on sizes: " + "; ".join(
-                f"rank {j} sends rank {r} {both[0, j, r]} elements, rank {r} expects {both[1, r, j]}"
-                for j, r in wrong[:8]))
+            raise ValueError(
+                "all_to_all: the ranks disagree on sizes: "
+                + "; ".join(
+                    f"rank {j} sends rank {r} {both[0, j, r]} elements, rank {r} expects {both[1, r, j]}"
+                    for j, r in wrong[:8]
+                )
+            )
         return both[0].tolist()

@@ -5,6 +5,7 @@ Collectives are submitted on the calling thread (so every rank's order is its pr
 and never waited for there; the thread waits for each one's handles, copies staged results back
 and completes its Future, which runs DDP's callbacks off the communication engine.
 """
+
 import atexit
 import queue
 import threading
@@ -50,8 +51,7 @@ class Pipeline:
         return cls(communicator or Communicator.from_env(), owns)
 
     # Every collective: submit(start) under the lock, so the completion queue has submission order.
-    def run(self, start: Callable[[], Started],
-            future: torch.futures.Future) -> torch.futures.Future:
+    def run(self, start: Callable[[], Started], future: torch.futures.Future) -> torch.futures.Future:
         """Call start() under the lock (it submits the collectives; returns their handles and a
         finish callback) and queue them; `future` completes with finish()'s value or the error.
         RuntimeError once closed."""

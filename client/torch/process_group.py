@@ -1,4 +1,5 @@
 """The torch.distributed process group over the reducers, and the backend creator torch calls."""
+
 import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -43,6 +44,7 @@ def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.
             together.set_exception(exc)
         else:
             together.set_result(value)
+
     torch.futures.collect_all(futures).add_done_callback(complete)
     return together
 
@@ -55,7 +57,9 @@ def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], world: int, what: st
             raise ValueError(f"all_to_all_single: the {what}'s {rows} rows cannot be split equally over {world} ranks")
         sizes = [rows // world] * world
     if len(sizes) != world or sum(sizes) != rows:
-        raise ValueError(f"all_to_all_single: {what} split sizes {list(sizes)} do not cut {rows} rows over {world} ranks")
+        raise ValueError(
+            f"all_to_all_single: {what} split sizes {list(sizes)} do not cut {rows} rows over {world} ranks"
+        )
     if what == "output" and not tensor.is_contiguous():
         raise ValueError("all_to_all_single: the output tensor must be contiguous")
     width = tensor.numel() // rows if rows else 0
@@ -70,8 +74,14 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     Every call returns at once with a Work; its Future completes on a background thread.
     """
 
-    def __init__(self, communicator: Optional[Communicator] = None, *, owns_communicator: Optional[bool] = None,
-                 timeout: Optional[timedelta] = None, _share: Optional["ReductionServerProcessGroup"] = None) -> None:
+    def __init__(
+        self,
+        communicator: Optional[Communicator] = None,
+        *,
+        owns_communicator: Optional[bool] = None,
+        timeout: Optional[timedelta] = None,
+        _share: Optional["ReductionServerProcessGroup"] = None,
+    ) -> None:
         if _share is not None:  # another group over the same ranks: the same Communicator and order
             self._pipeline, self._owner = _share._pipeline, False
         else:
@@ -155,14 +165,17 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """ProcessGroup.reduce: the tensors reduced into the root's (ReduceOptions); the other
         ranks' tensors are left unchanged."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return FutureWork(self._collectives.reduce(_as_list(tensors), op, self._root(opts, "reduce"), factor,
-                                              self._limit(opts)))
+        return FutureWork(
+            self._collectives.reduce(_as_list(tensors), op, self._root(opts, "reduce"), factor, self._limit(opts))
+        )
 
     def broadcast(self, tensors, opts=None) -> dist.Work:
         """ProcessGroup.broadcast: overwrite the tensors on every rank with the root's
         (BroadcastOptions.rootRank or an int, 0 by default); returns a Work at once. ValueError
         for a root out of range."""
-        return FutureWork(self._collectives.broadcast(_as_list(tensors), self._root(opts, "broadcast"), self._limit(opts)))
+        return FutureWork(
+            self._collectives.broadcast(_as_list(tensors), self._root(opts, "broadcast"), self._limit(opts))
+        )
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.allgather: each input into output_tensors[i][rank] on every rank (also as
@@ -176,8 +189,9 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
         """ProcessGroup.allgather_coalesced: output_lists[r][i] receives rank r's input_list[i]."""
         by_input = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
-        return FutureWork(_together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))],
-                               output_lists))
+        return FutureWork(
+            _together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))], output_lists)
+        )
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
         """ProcessGroup.all_gather_single (all_gather_into_tensor): every rank's input into its
@@ -188,8 +202,12 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         """all_gather_single of each (output, input) pair, as one Work."""
-        return FutureWork(_together([self._collectives.all_gather_single(o, i, self._limit(opts))
-                                for o, i in zip(outputs, inputs)], list(outputs)))
+        return FutureWork(
+            _together(
+                [self._collectives.all_gather_single(o, i, self._limit(opts)) for o, i in zip(outputs, inputs)],
+                list(outputs),
+            )
+        )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -208,8 +226,11 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.reduce_scatter: input_tensors[0][r] reduced over the ranks into rank r's output_tensors[0]."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return FutureWork(self._collectives.reduce_scatter(_as_list(output_tensors)[0], input_tensors[0], op, factor,
-                                                      self._limit(opts)))
+        return FutureWork(
+            self._collectives.reduce_scatter(
+                _as_list(output_tensors)[0], input_tensors[0], op, factor, self._limit(opts)
+            )
+        )
 
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
         """ProcessGroup.reduce_scatter_single (reduce_scatter_tensor): input cut into world-size
@@ -222,15 +243,23 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         """reduce_scatter_single of each (output, input) pair, as one Work."""
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        return FutureWork(_together([self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
-                                for o, i in zip(outputs, inputs)], list(outputs)))
+        return FutureWork(
+            _together(
+                [
+                    self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
+                    for o, i in zip(outputs, inputs)
+                ],
+                list(outputs),
+            )
+        )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """ProcessGroup.alltoall: rank j's input_tensors[r] into rank r's output_tensors[j]."""
-        return FutureWork(self._collectives.all_to_all(list(output_tensors), list(input_tensors),
-                                                  timeout=self._limit(opts)))
+        return FutureWork(
+            self._collectives.all_to_all(list(output_tensors), list(input_tensors), timeout=self._limit(opts))
+        )
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:  # noqa: A002
         """ProcessGroup.all_to_all_single: input cut along its first dimension by
@@ -275,8 +304,10 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag=0) -> dist.Work:
         """Not supported: a receive from any rank cannot be matched by the reducers, which relay
         each message within the pair that sends it. NotImplementedError."""
-        raise NotImplementedError("recv without a source (recv_anysource) is not supported by the reduction_server "
-                                  "backend: name the source rank, or use a gloo group")
+        raise NotImplementedError(
+            "recv without a source (recv_anysource) is not supported by the reduction_server "
+            "backend: name the source rank, or use a gloo group"
+        )
 
     def barrier(self, opts=None) -> dist.Work:
         """ProcessGroup.barrier: a Work that completes once every rank has entered the barrier,
@@ -312,8 +343,9 @@ def _communicator_for(rank: int, world_size: int) -> Communicator:
     Whatever launcher started the process, torch's rank and world size stand: its placement on
     the host is not needed here, and may be unknown (Lightning's launcher sets LOCAL_RANK alone)."""
     place = discover_worker(rank=rank, world_size=world_size)
-    return Communicator(place.reducers, rank, world_size, job_token=place.job_token, job_id=place.job_id,
-                        generation=place.generation)
+    return Communicator(
+        place.reducers, rank, world_size, job_token=place.job_token, job_id=place.job_id, generation=place.generation
+    )
 
 
 def create_backend(options: Any, backend_options: Any = None) -> ReductionServerProcessGroup:
@@ -327,8 +359,9 @@ def create_backend(options: Any, backend_options: Any = None) -> ReductionServer
         if world is None:
             if ranks and len(ranks) != size:
                 raise RuntimeError("the reduction_server backend's first group must be the default group")
-            pg = ReductionServerProcessGroup(_communicator_for(rank, size), owns_communicator=True,
-                                             timeout=options.timeout)
+            pg = ReductionServerProcessGroup(
+                _communicator_for(rank, size), owns_communicator=True, timeout=options.timeout
+            )
             _groups[id(pg)] = pg
             return pg
         if not ranks or len(ranks) == world.size():

@@ -6,6 +6,7 @@ RANK/WORLD_SIZE or the package's discovery (RS_RANK, CLUSTER_SPEC, TF_CONFIG, ..
 group a process-local store: this backend needs no store, and a backend that does (gloo) fails
 with an error saying to set MASTER_ADDR/MASTER_PORT instead of hanging.
 """
+
 import os
 import sys
 from datetime import timedelta
@@ -31,7 +32,8 @@ class _LocalStore(dist.Store):
         return RuntimeError(
             f"no rendezvous store: init_process_group ran without MASTER_ADDR/MASTER_PORT, which only the "
             f"reduction_server backend can do (key {key!r} is another process's). Set MASTER_ADDR and "
-            f"MASTER_PORT (or pass init_method/store) for gloo, nccl and new_group()")
+            f"MASTER_PORT (or pass init_method/store) for gloo, nccl and new_group()"
+        )
 
     def set(self, key, value) -> None:
         self._data[key] = value if isinstance(value, bytes) else str(value).encode()
@@ -92,8 +94,10 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     rank = int(query.get("rank", os.environ.get("RANK") or (place.rank if place else -1)))
     world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE") or (place.world_size if place else -1)))
     if rank < 0 or world_size < 1:
-        raise ValueError("init_process_group: no rank and world size (pass rank= and world_size=, or set "
-                         "RS_RANK/RS_WORLD_SIZE or RANK/WORLD_SIZE)")
+        raise ValueError(
+            "init_process_group: no rank and world size (pass rank= and world_size=, or set "
+            "RS_RANK/RS_WORLD_SIZE or RANK/WORLD_SIZE)"
+        )
     store = _LocalStore()
     _stores.append(store)  # the Python object must outlive torch's C++ references to it
     yield store, rank, world_size

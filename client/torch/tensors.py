@@ -6,6 +6,7 @@ producing stream's work) and back, on the completing thread's current stream, be
 completes (the Future then orders its consumers after that copy). An output that is not loaded
 first is copied back after the work its caller had queued when the collective started.
 """
+
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch  # the real torch: imports are absolute
@@ -14,12 +15,19 @@ import torch.distributed as dist
 from reduction_server.wire.protocol import ReduceOp
 
 # torch's ReduceOp names (its numbering differs from NCCL's, so never by number).
-_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
-        "MAX": ReduceOp.MAX}
+_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}
 
 # torch dtypes the wire carries as themselves.
-_NATIVE = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
-           torch.float64}
+_NATIVE = {
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+}
 for _name in ("uint32", "uint64"):
     if hasattr(torch, _name):
         _NATIVE.add(getattr(torch, _name))
@@ -38,23 +46,27 @@ def torch_reduce_op(op: Any) -> ReduceOp:
 def reduction(op: Any) -> Tuple[ReduceOp, Optional[Union[float, torch.Tensor]]]:
     """The protocol op for a torch ReduceOp and its premultiplier: PREMUL_SUM(f) is a SUM of
     f x each input (f a number or a one-element tensor); None for the other ops."""
-    if not isinstance(op, (dist.ReduceOp.RedOpType, str)) and isinstance(getattr(op, "op", None),
-                                                                        dist.ReduceOp.RedOpType):
+    if not isinstance(op, (dist.ReduceOp.RedOpType, str)) and isinstance(
+        getattr(op, "op", None), dist.ReduceOp.RedOpType
+    ):
         if op.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
             return ReduceOp.SUM, op.factor
         op = op.op  # a ReduceOp instance (AllreduceOptions.reduceOp)
     name = op.name if isinstance(op, dist.ReduceOp.RedOpType) else str(op).strip().upper()
     name = {"PROD": "PRODUCT", "MEAN": "AVG"}.get(name, name)
     if name not in _OPS:
-        raise ValueError(f"the reduction_server backend does not support ReduceOp.{name}; "
-                         f"supported: {', '.join(_OPS)}, PREMUL_SUM")
+        raise ValueError(
+            f"the reduction_server backend does not support ReduceOp.{name}; supported: {', '.join(_OPS)}, PREMUL_SUM"
+        )
     return _OPS[name], None
 
 
 def _require_cuda(tensor: torch.Tensor) -> None:
     if not torch.cuda.is_available():
-        raise RuntimeError(f"a tensor on {tensor.device} was passed to reduction_server, but CUDA is not "
-                           "available in this process (torch.cuda.is_available() is False)")
+        raise RuntimeError(
+            f"a tensor on {tensor.device} was passed to reduction_server, but CUDA is not "
+            "available in this process (torch.cuda.is_available() is False)"
+        )
 
 
 def check_device(tensor: Any, what: str) -> str:
@@ -90,7 +102,9 @@ class Staged:
         elif tensor.is_contiguous():
             self.host = tensor.detach()
         else:
-            self.host = tensor.detach().contiguous() if load else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            self.host = (
+                tensor.detach().contiguous() if load else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            )
         self.copy_back = self.cuda or self.host.data_ptr() != tensor.data_ptr()
 
     def finish(self) -> None:
@@ -119,9 +133,11 @@ def as_wire(host: torch.Tensor, op: Optional[ReduceOp]) -> Any:
         return torch.view_as_real(host)
     if dtype == torch.bool and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
         return host.view(torch.uint8)  # 0/1: max is or, min and product are and
-    raise TypeError(f"the reduction_server backend cannot reduce {dtype} with {op.name}; dtypes: "
-                    + ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE))
-                    + " (complex: sum and avg; bool: min, max, product)")
+    raise TypeError(
+        f"the reduction_server backend cannot reduce {dtype} with {op.name}; dtypes: "
+        + ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE))
+        + " (complex: sum and avg; bool: min, max, product)"
+    )
 
 
 def future_for(tensors: Sequence[torch.Tensor]) -> torch.futures.Future:

@@ -1,4 +1,5 @@
 """The Work the backend hands torch for each collective: it completes with the collective's Future."""
+
 import time
 from datetime import timedelta
 from typing import Optional
@@ -44,4 +45,3 @@ class FutureWork(dist.Work):
         except Exception:  # noqa: BLE001 - the question is only whether it failed
             return False
         return True
-

@@ -8,6 +8,7 @@ The worker pools come from custom_job.json (one source of truth), in order: work
 primary replica, workerpool1 the workers, workerpool2 the reducers (this repository's image:
 `reduction-server serve`), workerpool3 empty (no evaluators). Sizing: docs/deployment.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,10 @@ def main() -> None:
     from google.cloud import aiplatform  # only needed to submit
 
     aiplatform.init(project=args.project, location=args.region, staging_bucket=args.staging_bucket)
-    job = aiplatform.CustomJob(display_name=json.loads(SPEC.read_text())["displayName"],
-                               worker_pool_specs=worker_pool_specs(args.project, args.token))
+    job = aiplatform.CustomJob(
+        display_name=json.loads(SPEC.read_text())["displayName"],
+        worker_pool_specs=worker_pool_specs(args.project, args.token),
+    )
     if args.no_wait:
         job.submit()
     else:

@@ -6,6 +6,7 @@ worker hosts, the reducers' addresses, and this process's task.
 In a cluster spec the primary replica (workerpool0, chief or master) is host 0 and the workers
 follow it; the reducer pool (workerpool2 or ps) holds the reducers; evaluators take no part.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,8 +88,9 @@ def parse_cluster(variable: str, text: str) -> Cluster:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{variable} is not valid JSON: {error.msg} at line {error.lineno} "
-                          f"column {error.colno}") from None
+        raise ConfigError(
+            f"{variable} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
     if not isinstance(document, dict):
         raise ConfigError(f'{variable} must be a JSON object with "cluster" and "task" keys')
     cluster = document.get("cluster")
@@ -104,7 +106,7 @@ def parse_cluster(variable: str, text: str) -> Cluster:
         raise ConfigError(f'{variable}: "task" must be an object with "type" and "index"')
     task_type = raw_task.get("type") if raw_task is not None else None
     if raw_task is not None and (not isinstance(task_type, str) or not task_type):
-        raise ConfigError(f'{variable}: task.type must be a non-empty string, got {task_type!r}')
+        raise ConfigError(f"{variable}: task.type must be a non-empty string, got {task_type!r}")
 
     # AI Platform's CLUSTER_SPEC for custom containers uses TF_CONFIG's names; Vertex AI's
     # uses workerpoolN. Which one this is shows in any pool or task name.
@@ -116,16 +118,19 @@ def parse_cluster(variable: str, text: str) -> Cluster:
             raise ConfigError(f"{variable}: unknown pool {name!r} in cluster (expected {', '.join(known)})")
     if vertex:
         if len(pools.get("workerpool0", ())) != 1:
-            raise ConfigError(f"{variable}: cluster.workerpool0 must hold exactly one primary replica, "
-                              f"found {len(pools.get('workerpool0', ()))}")
+            raise ConfigError(
+                f"{variable}: cluster.workerpool0 must hold exactly one primary replica, "
+                f"found {len(pools.get('workerpool0', ()))}"
+            )
         worker_pools, reducer_pool, evaluator_pool = ("workerpool0", "workerpool1"), "workerpool2", "workerpool3"
     else:
         heads = [name for name in ("chief", "master") if pools.get(name)]
         if len(heads) == 2:
             raise ConfigError(f"{variable}: cluster has both chief and master; the primary replica is one or the other")
         if heads and len(pools[heads[0]]) > 1:
-            raise ConfigError(f"{variable}: cluster.{heads[0]} lists {len(pools[heads[0]])} entries; "
-                              f"a job has one {heads[0]}")
+            raise ConfigError(
+                f"{variable}: cluster.{heads[0]} lists {len(pools[heads[0]])} entries; a job has one {heads[0]}"
+            )
         worker_pools, reducer_pool, evaluator_pool = (*heads, "worker"), "ps", "evaluator"
     offsets: dict[str, int] = {}
     hosts = 0
@@ -143,17 +148,24 @@ def parse_cluster(variable: str, text: str) -> Cluster:
         listed = pools.get(task_type, ())
         # TF_CONFIG never lists evaluators in "cluster", so an evaluator's index has nothing to check.
         if index >= len(listed) and not (task_type == evaluator_pool and task_type not in pools):
-            raise ConfigError(f"{variable}: task {task_type}[{index}] is beyond cluster.{task_type}, "
-                              f"which lists {len(listed)} entries")
+            raise ConfigError(
+                f"{variable}: task {task_type}[{index}] is beyond cluster.{task_type}, "
+                f"which lists {len(listed)} entries"
+            )
         if task_type == reducer_pool:
             task = Task(task_type, index, "reducer", index)
         elif task_type == evaluator_pool:
             task = Task(task_type, index, "evaluator", index)
         else:
             task = Task(task_type, index, "worker", offsets[task_type] + index)
-    return Cluster(variable=variable, hosts=hosts, reducer_pool=reducer_pool,
-                    reducers=pools.get(reducer_pool, ()), task=task,
-                    job=document.get("job") if variable == "CLUSTER_SPEC" else None)
+    return Cluster(
+        variable=variable,
+        hosts=hosts,
+        reducer_pool=reducer_pool,
+        reducers=pools.get(reducer_pool, ()),
+        task=task,
+        job=document.get("job") if variable == "CLUSTER_SPEC" else None,
+    )
 
 
 def _task_index(variable: str, index: Any) -> int:

@@ -24,6 +24,7 @@ The cluster specs are parsed in cluster_spec.py. Anything malformed or contradic
 missing that is needed, is a ConfigError naming the variable: a wrong guess here would hang or
 silently corrupt a whole job.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,27 +35,38 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping, Optional
 
-from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
-from . import settings
 from ..errors import ConfigError
+from . import settings
+from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
 
-__all__ = ["ReducerPlace", "WorkerPlace", "discover_reducer", "discover_reducers", "discover_worker",
-           "job_id_from", "parse_address"]
+__all__ = [
+    "ReducerPlace",
+    "WorkerPlace",
+    "discover_reducer",
+    "discover_reducers",
+    "discover_worker",
+    "job_id_from",
+    "parse_address",
+]
 
 # (local rank, its sizes: the first set counts), highest priority first. A launcher's local size
 # is read only beside its own local rank: under `sbatch`, Lightning's LOCAL_RANK must not meet
 # Slurm's counts of another launch.
-_LOCAL_VARIABLES = (("LOCAL_RANK", ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")),
-                    ("OMPI_COMM_WORLD_LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
-                    ("HOROVOD_LOCAL_RANK", ("HOROVOD_LOCAL_SIZE",)),
-                    ("MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
-                    ("SLURM_LOCALID", ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")))
+_LOCAL_VARIABLES = (
+    ("LOCAL_RANK", ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("HOROVOD_LOCAL_RANK", ("HOROVOD_LOCAL_SIZE",)),
+    ("MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
+    ("SLURM_LOCALID", ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")),
+)
 # (rank, size) pairs, highest priority first.
-_LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"),
-                       ("HOROVOD_RANK", "HOROVOD_SIZE"),
-                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                       ("PMI_RANK", "PMI_SIZE"),
-                       ("SLURM_PROCID", "SLURM_NTASKS"))
+_LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE"),
+    ("HOROVOD_RANK", "HOROVOD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+)
 #: srun sets it in every task of a job step; an sbatch script's own process has SLURM_PROCID=0 and
 #: the whole job's SLURM_NTASKS too, and is no rank of anything: SLURM_* count only in a step
 _SLURM_STEP = "SLURM_STEP_ID"
@@ -93,8 +105,9 @@ class ReducerPlace:
     source: str  # the variable that decided the index
 
 
-def discover_worker(environ: Optional[Mapping[str, str]] = None, *, rank: Optional[int] = None,
-                    world_size: Optional[int] = None) -> WorkerPlace:
+def discover_worker(
+    environ: Optional[Mapping[str, str]] = None, *, rank: Optional[int] = None, world_size: Optional[int] = None
+) -> WorkerPlace:
     """This worker's rank, world size and reducers, from `environ` (default os.environ).
     `rank` and `world_size`: what a framework knows already (torch hands them to the backend);
     they win over every variable, as RS_RANK/RS_WORLD_SIZE do, and source is then "argument"."""
@@ -116,9 +129,17 @@ def discover_worker(environ: Optional[Mapping[str, str]] = None, *, rank: Option
     # A worker group that torchrun's agent (or `run --max-restarts`) started again is a new
     # generation: the reducers then drop the rounds and lost ranks of the one before.
     generation += env.integer("TORCHELASTIC_RESTART_COUNT") or 0
-    return WorkerPlace(rank=rank, world_size=world_size, reducers=tuple(join_address(h, p) for h, p in reducers),
-                       local_rank=local_rank, local_world_size=local_world_size, job_token=token,
-                       job_id=job_id, generation=generation, source=source)
+    return WorkerPlace(
+        rank=rank,
+        world_size=world_size,
+        reducers=tuple(join_address(h, p) for h, p in reducers),
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        job_token=token,
+        job_id=job_id,
+        generation=generation,
+        source=source,
+    )
 
 
 def discover_reducers(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
@@ -150,9 +171,17 @@ def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[Re
     if index >= len(reducers):
         raise ConfigError(f"{index_name}={index} is out of range: {where} lists {len(reducers)} reducer(s)")
     token, job_id, generation = _identity(env)
-    return ReducerPlace(index=index, num_reducers=len(reducers), host=env.text("RS_BIND_HOST") or "0.0.0.0",
-                        port=reducers[index][1], world_size=_reducer_world_size(env), job_token=token,
-                        job_id=job_id, generation=generation, source=source)
+    return ReducerPlace(
+        index=index,
+        num_reducers=len(reducers),
+        host=env.text("RS_BIND_HOST") or "0.0.0.0",
+        port=reducers[index][1],
+        world_size=_reducer_world_size(env),
+        job_token=token,
+        job_id=job_id,
+        generation=generation,
+        source=source,
+    )
 
 
 class _Environment:
@@ -223,12 +252,16 @@ class _Local:
                 return 0, 1
             if self.size_name == "RS_PROCS_PER_HOST":
                 names = ", ".join(rank for rank, _ in _LOCAL_VARIABLES)
-                raise ConfigError(f"RS_PROCS_PER_HOST={self.size} puts several processes on this host, but none "
-                                  f"of {names} says which one this is")
+                raise ConfigError(
+                    f"RS_PROCS_PER_HOST={self.size} puts several processes on this host, but none "
+                    f"of {names} says which one this is"
+                )
             raise ConfigError(f"{self.size_name} is set but {self.rank_name} is not set; set both")
         if self.size is None:
-            raise ConfigError(f"{self.rank_name} is set but {self.size_name} is not set; set {self.size_name} "
-                              f"or RS_PROCS_PER_HOST to the number of processes on this host")
+            raise ConfigError(
+                f"{self.rank_name} is set but {self.size_name} is not set; set {self.size_name} "
+                f"or RS_PROCS_PER_HOST to the number of processes on this host"
+            )
         return self.rank, self.size
 
 
@@ -284,19 +317,25 @@ def _slurm_tasks_here(env: _Environment) -> Optional[int]:
         if node < nodes:
             return tasks
         node -= nodes
-    raise ConfigError(f"SLURM_NODEID={env.integer('SLURM_NODEID')} is out of range: SLURM_TASKS_PER_NODE={text} "
-                      f"lists {sum(nodes for _, nodes in runs)} node(s)")
+    raise ConfigError(
+        f"SLURM_NODEID={env.integer('SLURM_NODEID')} is out of range: SLURM_TASKS_PER_NODE={text} "
+        f"lists {sum(nodes for _, nodes in runs)} node(s)"
+    )
 
 
 def _worker_task(spec: Cluster) -> Task:
     """This process's task in the spec; an error if it is a reducer or an evaluator."""
     task = spec.require_task()
     if task.role == "reducer":
-        raise ConfigError(f"{spec.variable}: task type {task.type!r} is a reducer (the {spec.reducer_pool} "
-                          f"pool), not a worker; run `reduction-server serve` there")
+        raise ConfigError(
+            f"{spec.variable}: task type {task.type!r} is a reducer (the {spec.reducer_pool} "
+            f"pool), not a worker; run `reduction-server serve` there"
+        )
     if task.role == "evaluator":
-        raise ConfigError(f"{spec.variable}: task type {task.type!r} is an evaluator, not a worker; "
-                          f"evaluators take no part in the all-reduce")
+        raise ConfigError(
+            f"{spec.variable}: task type {task.type!r} is an evaluator, not a worker; "
+            f"evaluators take no part in the all-reduce"
+        )
     return task
 
 
@@ -310,8 +349,12 @@ def _worker_rank(env: _Environment, local: _Local) -> tuple[int, int, str, tuple
         task = _worker_task(spec)
         # Specs list hosts; each process on a host is its own rank, numbered host by host.
         local_rank, local_size = local.for_cluster_spec()
-        return (task.position * local_size + local_rank, spec.hosts * local_size, spec.variable,
-                (local_rank, local_size))
+        return (
+            task.position * local_size + local_rank,
+            spec.hosts * local_size,
+            spec.variable,
+            (local_rank, local_size),
+        )
     in_step = env.text(_SLURM_STEP) is not None
     for rank_name, size_name in _LAUNCHER_VARIABLES:
         if rank_name.startswith("SLURM_") and not in_step:
@@ -319,10 +362,12 @@ def _worker_rank(env: _Environment, local: _Local) -> tuple[int, int, str, tuple
         pair = _rank_pair(env, rank_name, size_name)
         if pair is not None:
             return pair[0], pair[1], rank_name, (local.rank, local.size)
-    raise ConfigError("no rank for this worker: set RS_RANK and RS_WORLD_SIZE, or run it where CLUSTER_SPEC, "
-                      "TF_CONFIG, RANK/WORLD_SIZE, HOROVOD_RANK/HOROVOD_SIZE, "
-                      "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, PMI_RANK/PMI_SIZE or (in an srun step) "
-                      "SLURM_PROCID/SLURM_NTASKS is set")
+    raise ConfigError(
+        "no rank for this worker: set RS_RANK and RS_WORLD_SIZE, or run it where CLUSTER_SPEC, "
+        "TF_CONFIG, RANK/WORLD_SIZE, HOROVOD_RANK/HOROVOD_SIZE, "
+        "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, PMI_RANK/PMI_SIZE or (in an srun step) "
+        "SLURM_PROCID/SLURM_NTASKS is set"
+    )
 
 
 def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], ...]]:
@@ -332,11 +377,15 @@ def _reducer_addresses(env: _Environment) -> tuple[str, tuple[tuple[str, int], .
         return "RS_REDUCERS", address_list("RS_REDUCERS", text.split(","))
     spec = env.spec
     if spec is None:
-        raise ConfigError("RS_REDUCERS is not set and neither CLUSTER_SPEC nor TF_CONFIG is, so there are "
-                          "no reducer addresses; set RS_REDUCERS to host:port,host:port,...")
+        raise ConfigError(
+            "RS_REDUCERS is not set and neither CLUSTER_SPEC nor TF_CONFIG is, so there are "
+            "no reducer addresses; set RS_REDUCERS to host:port,host:port,..."
+        )
     if not spec.reducers:
-        raise ConfigError(f"RS_REDUCERS is not set and {spec.variable} has no {spec.reducer_pool} pool "
-                          f"(the reducers); add that pool to the job or set RS_REDUCERS")
+        raise ConfigError(
+            f"RS_REDUCERS is not set and {spec.variable} has no {spec.reducer_pool} pool "
+            f"(the reducers); add that pool to the job or set RS_REDUCERS"
+        )
     where = f"{spec.variable} cluster.{spec.reducer_pool}"
     return where, address_list(where, spec.reducers)
 

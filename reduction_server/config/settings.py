@@ -5,6 +5,7 @@ A value that is not of its type, or out of its range, is a ConfigError naming th
 The table of variables in docs/configuration.md and each subcommand's --help are made from this registry. Why a
 default is what it is: the comments here, and the figures in bench/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import operator
@@ -106,138 +107,392 @@ def _seconds(value: float) -> str:
 
 VARIABLES: Tuple[Variable, ...] = (
     # where each process sits (discovery.py)
-    Variable("RS_REDUCERS", (WORKERS,), "from the cluster spec",
-             "reducer addresses, `host:port,...`; reducer i is the i-th"),
+    Variable(
+        "RS_REDUCERS", (WORKERS,), "from the cluster spec", "reducer addresses, `host:port,...`; reducer i is the i-th"
+    ),
     Variable("RS_RANK", (WORKERS,), "from the spec or launcher", "this worker's rank", int, least=0),
     Variable("RS_WORLD_SIZE", _BOTH, "from the spec or launcher", "number of worker ranks W", int, least=1),
-    Variable("RS_REDUCER_INDEX", (REDUCERS,), "from the spec", "this reducer's index: its position in `RS_REDUCERS`",
-             int, least=0),
+    Variable(
+        "RS_REDUCER_INDEX",
+        (REDUCERS,),
+        "from the spec",
+        "this reducer's index: its position in `RS_REDUCERS`",
+        int,
+        least=0,
+    ),
     Variable("RS_BIND_HOST", (REDUCERS,), "`0.0.0.0`", "address a discovered reducer binds", value="0.0.0.0"),
     Variable("RS_PROCS_PER_HOST", _BOTH, "1", "processes per worker host under a cluster spec", int, least=1),
-    Variable("RS_JOB_TOKEN", (*_BOTH, LAUNCHER), "none (`run`: a random one)",
-             "the job's shared secret, random (`openssl rand -hex 16`): every worker and every reducer proves it "
-             "to the other before any data moves", value="", exact=True),
+    Variable(
+        "RS_JOB_TOKEN",
+        (*_BOTH, LAUNCHER),
+        "none (`run`: a random one)",
+        "the job's shared secret, random (`openssl rand -hex 16`): every worker and every reducer proves it "
+        "to the other before any data moves",
+        value="",
+        exact=True,
+    ),
     Variable("RS_JOB_ID", _BOTH, "from the job", "job identity; a reducer serves one job at a time"),
-    Variable("RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int,
-             least=0),
-    Variable("TORCHELASTIC_RESTART_COUNT", (WORKERS,), "0", "how many times torchrun's agent (or `run "
-             "--max-restarts`) restarted the workers: added to a worker's `RS_GENERATION`", int, least=0),
+    Variable(
+        "RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int, least=0
+    ),
+    Variable(
+        "TORCHELASTIC_RESTART_COUNT",
+        (WORKERS,),
+        "0",
+        "how many times torchrun's agent (or `run "
+        "--max-restarts`) restarted the workers: added to a worker's `RS_GENERATION`",
+        int,
+        least=0,
+    ),
     # the launchers' variables a worker honours, in this order of precedence (after RS_RANK / RS_WORLD_SIZE)
-    Variable("RS_RENDEZVOUS", (WORKERS,), "none (`run --min-np/--max-np`: the launcher's)",
-             "host:port of an elastic job's rendezvous: Horovod's init() takes its rank, size and generation there",
-             value=""),
-    Variable("RS_WORKER_ID", (WORKERS,), "from `run --min-np/--max-np`", "an elastic job's id of this worker "
-             "process, for its whole life", int, 0, 0),
+    Variable(
+        "RS_RENDEZVOUS",
+        (WORKERS,),
+        "none (`run --min-np/--max-np`: the launcher's)",
+        "host:port of an elastic job's rendezvous: Horovod's init() takes its rank, size and generation there",
+        value="",
+    ),
+    Variable(
+        "RS_WORKER_ID",
+        (WORKERS,),
+        "from `run --min-np/--max-np`",
+        "an elastic job's id of this worker process, for its whole life",
+        int,
+        0,
+        0,
+    ),
     Variable("RANK", (WORKERS,), "-", "torchrun's (and a PyTorchJob's) rank", int, least=0),
     Variable("WORLD_SIZE", (WORKERS,), "-", "torchrun's world size", int, least=1),
     Variable("HOROVOD_RANK", (WORKERS,), "-", "horovodrun's rank", int, least=0),
     Variable("HOROVOD_SIZE", (WORKERS,), "-", "horovodrun's world size", int, least=1),
     Variable("OMPI_COMM_WORLD_RANK", (WORKERS,), "-", "mpirun's rank", int, least=0),
     Variable("OMPI_COMM_WORLD_SIZE", (WORKERS,), "-", "mpirun's world size", int, least=1),
-    Variable("LOCAL_RANK", (WORKERS,), "-", "this process's index on its host (torchrun); with a cluster spec, several "
-             "processes per host", int, least=0),
+    Variable(
+        "LOCAL_RANK",
+        (WORKERS,),
+        "-",
+        "this process's index on its host (torchrun); with a cluster spec, several processes per host",
+        int,
+        least=0,
+    ),
     Variable("LOCAL_WORLD_SIZE", (WORKERS,), "-", "processes on this host (torchrun)", int, least=1),
     Variable("OMPI_COMM_WORLD_LOCAL_RANK", (WORKERS,), "-", "mpirun's LOCAL_RANK", int, least=0),
     Variable("OMPI_COMM_WORLD_LOCAL_SIZE", (WORKERS,), "-", "mpirun's LOCAL_WORLD_SIZE", int, least=1),
     Variable("HOROVOD_LOCAL_RANK", (WORKERS,), "-", "horovodrun's LOCAL_RANK", int, least=0),
     Variable("HOROVOD_LOCAL_SIZE", (WORKERS,), "-", "horovodrun's LOCAL_WORLD_SIZE", int, least=1),
-    Variable("LOCAL_SIZE", (WORKERS,), "-", "DeepSpeed's launcher's LOCAL_WORLD_SIZE (after `LOCAL_WORLD_SIZE`)", int,
-             least=1),
+    Variable(
+        "LOCAL_SIZE",
+        (WORKERS,),
+        "-",
+        "DeepSpeed's launcher's LOCAL_WORLD_SIZE (after `LOCAL_WORLD_SIZE`)",
+        int,
+        least=1,
+    ),
     Variable("PMI_RANK", (WORKERS,), "-", "MPICH's and Intel MPI's rank (mpiexec)", int, least=0),
     Variable("PMI_SIZE", (WORKERS,), "-", "MPICH's and Intel MPI's world size", int, least=1),
     Variable("MPI_LOCALRANKID", (WORKERS,), "-", "MPICH's and Intel MPI's LOCAL_RANK", int, least=0),
     Variable("MPI_LOCALNRANKS", (WORKERS,), "-", "MPICH's and Intel MPI's LOCAL_WORLD_SIZE", int, least=1),
-    Variable("SLURM_STEP_ID", (WORKERS,), "-", "set by srun in each task of a job step: the `SLURM_*` below count "
-             "only there (an sbatch script has SLURM_PROCID=0 and the whole job's SLURM_NTASKS too)"),
+    Variable(
+        "SLURM_STEP_ID",
+        (WORKERS,),
+        "-",
+        "set by srun in each task of a job step: the `SLURM_*` below count "
+        "only there (an sbatch script has SLURM_PROCID=0 and the whole job's SLURM_NTASKS too)",
+    ),
     Variable("SLURM_PROCID", (WORKERS,), "-", "srun's rank", int, least=0),
     Variable("SLURM_NTASKS", (WORKERS,), "-", "srun's world size", int, least=1),
     Variable("SLURM_LOCALID", (WORKERS,), "-", "srun's LOCAL_RANK", int, least=0),
-    Variable("SLURM_NODEID", (WORKERS,), "-", "srun's index of this node: picks its entry of `SLURM_TASKS_PER_NODE`",
-             int, least=0),
-    Variable("SLURM_TASKS_PER_NODE", (WORKERS,), "-", "srun's tasks on each node, `2(x3),1`: this node's entry is "
-             "its LOCAL_WORLD_SIZE"),
-    Variable("SLURM_NTASKS_PER_NODE", (WORKERS,), "-", "`--ntasks-per-node`: LOCAL_WORLD_SIZE where "
-             "`SLURM_TASKS_PER_NODE` does not say", int, least=1),
+    Variable(
+        "SLURM_NODEID",
+        (WORKERS,),
+        "-",
+        "srun's index of this node: picks its entry of `SLURM_TASKS_PER_NODE`",
+        int,
+        least=0,
+    ),
+    Variable(
+        "SLURM_TASKS_PER_NODE",
+        (WORKERS,),
+        "-",
+        "srun's tasks on each node, `2(x3),1`: this node's entry is its LOCAL_WORLD_SIZE",
+    ),
+    Variable(
+        "SLURM_NTASKS_PER_NODE",
+        (WORKERS,),
+        "-",
+        "`--ntasks-per-node`: LOCAL_WORLD_SIZE where `SLURM_TASKS_PER_NODE` does not say",
+        int,
+        least=1,
+    ),
     Variable("CLUSTER_SPEC", _BOTH, "-", "Vertex AI's job layout (JSON): pools, and this process's task"),
     Variable("TF_CONFIG", _BOTH, "-", "TensorFlow's job layout (JSON): chief, worker, ps, and this task"),
     # how a collective moves
-    Variable("RS_CHUNK_BYTES", (WORKERS, BENCH), _bytes(DEFAULT_CHUNK_BYTES),
-             "largest chunk a collective is cut into (the same on every rank)", int, DEFAULT_CHUNK_BYTES, 64),
-    Variable("RS_WINDOW", (WORKERS, BENCH), str(DEFAULT_WINDOW), "chunks in flight per reducer (and group)", int, DEFAULT_WINDOW,
-             1, MAX_WINDOW),
-    Variable("RS_PIPELINE_DEPTH", (WORKERS, LAUNCHER, BENCH),
-             f"{DEFAULT_PIPELINE_DEPTH} ({ONE_HOST_PIPELINE_DEPTH} under `reduction-server run`)",
-             "chunks per reducer a collective is cut into at least (the same on every rank); deeper runs links "
-             "better and costs CPU per chunk (bench/RESULTS.md)", int, DEFAULT_PIPELINE_DEPTH, 1, MAX_PIPELINE_DEPTH),
-    Variable("RS_SHM", _BOTH, "1", "chunks between a worker and a reducer on one host go through shared memory; "
-             "0 turns it off on either side", bool, True),
-    Variable("RS_SNDBUF", (*_BOTH, BENCH), "`auto`: each connection's, from its segment size, round trip and "
-             "delivery rate", "kernel send buffer (SO_SNDBUF) of each connection: `auto`, 0 (the kernel's "
-             "autotuning), or bytes, 4096 and up (a fixed 16384 keeps flows in step on a shaped cloud link, and "
-             "slows loopback; bench/RESULTS.md)", int, SNDBUF_AUTO, SNDBUF_AUTO, MAX_SNDBUF),  # see socket_send_buffer
+    Variable(
+        "RS_CHUNK_BYTES",
+        (WORKERS, BENCH),
+        _bytes(DEFAULT_CHUNK_BYTES),
+        "largest chunk a collective is cut into (the same on every rank)",
+        int,
+        DEFAULT_CHUNK_BYTES,
+        64,
+    ),
+    Variable(
+        "RS_WINDOW",
+        (WORKERS, BENCH),
+        str(DEFAULT_WINDOW),
+        "chunks in flight per reducer (and group)",
+        int,
+        DEFAULT_WINDOW,
+        1,
+        MAX_WINDOW,
+    ),
+    Variable(
+        "RS_PIPELINE_DEPTH",
+        (WORKERS, LAUNCHER, BENCH),
+        f"{DEFAULT_PIPELINE_DEPTH} ({ONE_HOST_PIPELINE_DEPTH} under `reduction-server run`)",
+        "chunks per reducer a collective is cut into at least (the same on every rank); deeper runs links "
+        "better and costs CPU per chunk (bench/RESULTS.md)",
+        int,
+        DEFAULT_PIPELINE_DEPTH,
+        1,
+        MAX_PIPELINE_DEPTH,
+    ),
+    Variable(
+        "RS_SHM",
+        _BOTH,
+        "1",
+        "chunks between a worker and a reducer on one host go through shared memory; 0 turns it off on either side",
+        bool,
+        True,
+    ),
+    Variable(
+        "RS_SNDBUF",
+        (*_BOTH, BENCH),
+        "`auto`: each connection's, from its segment size, round trip and delivery rate",
+        "kernel send buffer (SO_SNDBUF) of each connection: `auto`, 0 (the kernel's "
+        "autotuning), or bytes, 4096 and up (a fixed 16384 keeps flows in step on a shaped cloud link, and "
+        "slows loopback; bench/RESULTS.md)",
+        int,
+        SNDBUF_AUTO,
+        SNDBUF_AUTO,
+        MAX_SNDBUF,
+    ),  # see socket_send_buffer
     Variable("RS_IO_THREADS", (WORKERS,), "1", "libzmq I/O threads", int, 1, 1),
     # time limits
-    Variable("RS_TIMEOUT", _BOTH, _seconds(DEFAULT_TIMEOUT),
-             "a collective waiting longer fails on every rank, naming who had and had not contributed", float,
-             DEFAULT_TIMEOUT, 0.01),
-    Variable("RS_HEARTBEAT_INTERVAL", _BOTH, _seconds(DEFAULT_HEARTBEAT_INTERVAL),
-             "how often workers and reducers ping each other", float, DEFAULT_HEARTBEAT_INTERVAL, 0.01),
-    Variable("RS_LIVENESS_TIMEOUT", _BOTH, _seconds(DEFAULT_LIVENESS_TIMEOUT),
-             "silence after which a peer is lost (a closed connection is seen at once)", float,
-             DEFAULT_LIVENESS_TIMEOUT, 0.05),
-    Variable("RS_FAILOVER", (WORKERS,), "1", "a lost reducer's chunks move to the reducers left and collectives "
-             "complete (each rank keeps a copy of its last results per reducer); 0: they fail, naming it", bool, True),
-    Variable("RS_SPARE_REDUCERS", (WORKERS,), "0", "how many of `RS_REDUCERS`, the last ones, are spares: unused "
-             "until a reducer is lost, then they take its chunks from a collective every rank agrees on", int, 0, 0),
-    Variable("RS_CONNECT_TIMEOUT", (WORKERS,), _seconds(DEFAULT_CONNECT_TIMEOUT),
-             "how long a worker waits for every reducer to admit it (it says what it waits for every few seconds)",
-             float, DEFAULT_CONNECT_TIMEOUT, 0.01),
+    Variable(
+        "RS_TIMEOUT",
+        _BOTH,
+        _seconds(DEFAULT_TIMEOUT),
+        "a collective waiting longer fails on every rank, naming who had and had not contributed",
+        float,
+        DEFAULT_TIMEOUT,
+        0.01,
+    ),
+    Variable(
+        "RS_HEARTBEAT_INTERVAL",
+        _BOTH,
+        _seconds(DEFAULT_HEARTBEAT_INTERVAL),
+        "how often workers and reducers ping each other",
+        float,
+        DEFAULT_HEARTBEAT_INTERVAL,
+        0.01,
+    ),
+    Variable(
+        "RS_LIVENESS_TIMEOUT",
+        _BOTH,
+        _seconds(DEFAULT_LIVENESS_TIMEOUT),
+        "silence after which a peer is lost (a closed connection is seen at once)",
+        float,
+        DEFAULT_LIVENESS_TIMEOUT,
+        0.05,
+    ),
+    Variable(
+        "RS_FAILOVER",
+        (WORKERS,),
+        "1",
+        "a lost reducer's chunks move to the reducers left and collectives "
+        "complete (each rank keeps a copy of its last results per reducer); 0: they fail, naming it",
+        bool,
+        True,
+    ),
+    Variable(
+        "RS_SPARE_REDUCERS",
+        (WORKERS,),
+        "0",
+        "how many of `RS_REDUCERS`, the last ones, are spares: unused "
+        "until a reducer is lost, then they take its chunks from a collective every rank agrees on",
+        int,
+        0,
+        0,
+    ),
+    Variable(
+        "RS_CONNECT_TIMEOUT",
+        (WORKERS,),
+        _seconds(DEFAULT_CONNECT_TIMEOUT),
+        "how long a worker waits for every reducer to admit it (it says what it waits for every few seconds)",
+        float,
+        DEFAULT_CONNECT_TIMEOUT,
+        0.01,
+    ),
     # security
-    Variable("RS_ENCRYPT", _BOTH, "0", "1: every connection encrypted with CurveZMQ, keys derived from `RS_JOB_TOKEN`",
-             bool, False),
-    Variable("RS_ALLOW_NO_TOKEN", (REDUCERS,), "0", "1: a reducer without `RS_JOB_TOKEN` starts on an address "
-             "other than the loopback, where anyone who reaches it may send it data (as `serve --insecure-no-token`); "
-             "0: it refuses to start", bool, False),
+    Variable(
+        "RS_ENCRYPT",
+        _BOTH,
+        "0",
+        "1: every connection encrypted with CurveZMQ, keys derived from `RS_JOB_TOKEN`",
+        bool,
+        False,
+    ),
+    Variable(
+        "RS_ALLOW_NO_TOKEN",
+        (REDUCERS,),
+        "0",
+        "1: a reducer without `RS_JOB_TOKEN` starts on an address "
+        "other than the loopback, where anyone who reaches it may send it data (as `serve --insecure-no-token`); "
+        "0: it refuses to start",
+        bool,
+        False,
+    ),
     # the client's adapters
-    Variable("RS_TORCH_AUTOLOAD", (WORKERS,), "1", "`import torch` registers the `reduction_server` backend (a "
-             "`torch.backends` entry point; nothing more until a process asks for it); 0 turns it off, as "
-             "`TORCH_DEVICE_BACKEND_AUTOLOAD=0` does for every such entry point", bool, True),
-    Variable("RS_FUSION_THRESHOLD", (WORKERS,), f"{_bytes(DEFAULT_FUSION_THRESHOLD)} (or `HOROVOD_FUSION_THRESHOLD`)",
-             "bytes per fused bucket; 0 turns fusion off", int, DEFAULT_FUSION_THRESHOLD, 0),
-    Variable("HOROVOD_FUSION_THRESHOLD", (WORKERS,), _bytes(DEFAULT_FUSION_THRESHOLD),
-             "Horovod's name for `RS_FUSION_THRESHOLD` (which wins)", int, DEFAULT_FUSION_THRESHOLD, 0),
-    Variable("RS_CYCLE_TIME", (WORKERS,), f"{DEFAULT_CYCLE_TIME_MS:g} ms (or `HOROVOD_CYCLE_TIME`)",
-             "Horovod API: milliseconds between negotiation cycles", float, DEFAULT_CYCLE_TIME_MS, 0.0, 10_000.0),
-    Variable("HOROVOD_CYCLE_TIME", (WORKERS,), f"{DEFAULT_CYCLE_TIME_MS:g} ms",
-             "Horovod's name for `RS_CYCLE_TIME` (which wins)", float, DEFAULT_CYCLE_TIME_MS, 0.0, 10_000.0),
+    Variable(
+        "RS_TORCH_AUTOLOAD",
+        (WORKERS,),
+        "1",
+        "`import torch` registers the `reduction_server` backend (a "
+        "`torch.backends` entry point; nothing more until a process asks for it); 0 turns it off, as "
+        "`TORCH_DEVICE_BACKEND_AUTOLOAD=0` does for every such entry point",
+        bool,
+        True,
+    ),
+    Variable(
+        "RS_FUSION_THRESHOLD",
+        (WORKERS,),
+        f"{_bytes(DEFAULT_FUSION_THRESHOLD)} (or `HOROVOD_FUSION_THRESHOLD`)",
+        "bytes per fused bucket; 0 turns fusion off",
+        int,
+        DEFAULT_FUSION_THRESHOLD,
+        0,
+    ),
+    Variable(
+        "HOROVOD_FUSION_THRESHOLD",
+        (WORKERS,),
+        _bytes(DEFAULT_FUSION_THRESHOLD),
+        "Horovod's name for `RS_FUSION_THRESHOLD` (which wins)",
+        int,
+        DEFAULT_FUSION_THRESHOLD,
+        0,
+    ),
+    Variable(
+        "RS_CYCLE_TIME",
+        (WORKERS,),
+        f"{DEFAULT_CYCLE_TIME_MS:g} ms (or `HOROVOD_CYCLE_TIME`)",
+        "Horovod API: milliseconds between negotiation cycles",
+        float,
+        DEFAULT_CYCLE_TIME_MS,
+        0.0,
+        10_000.0,
+    ),
+    Variable(
+        "HOROVOD_CYCLE_TIME",
+        (WORKERS,),
+        f"{DEFAULT_CYCLE_TIME_MS:g} ms",
+        "Horovod's name for `RS_CYCLE_TIME` (which wins)",
+        float,
+        DEFAULT_CYCLE_TIME_MS,
+        0.0,
+        10_000.0,
+    ),
     Variable("RS_TIMELINE", (WORKERS,), "off", "path of a Chrome trace of each rank's collectives", value=""),
-    Variable("HOROVOD_TIMELINE", (WORKERS,), "off", "Horovod API: a timeline path (rank 0 writes it, the others "
-             "beside it, `.rank<N>`), or DYNAMIC: none until `hvd.start_timeline()`", value=""),
-    Variable("HOROVOD_TIMELINE_MARK_CYCLES", (WORKERS,), "0", "Horovod API: 1 marks each negotiation cycle "
-             "(CYCLE_START) on the timeline", bool, False),
+    Variable(
+        "HOROVOD_TIMELINE",
+        (WORKERS,),
+        "off",
+        "Horovod API: a timeline path (rank 0 writes it, the others "
+        "beside it, `.rank<N>`), or DYNAMIC: none until `hvd.start_timeline()`",
+        value="",
+    ),
+    Variable(
+        "HOROVOD_TIMELINE_MARK_CYCLES",
+        (WORKERS,),
+        "0",
+        "Horovod API: 1 marks each negotiation cycle (CYCLE_START) on the timeline",
+        bool,
+        False,
+    ),
     # the reducer
-    Variable("RS_SHARDS", (REDUCERS,), "`auto`: the cores it may use (`run`'s reducers: 1)",
-             "reducer processes one `serve` runs, on ports `port` .. `port`+N-1, each a share of every "
-             "worker's chunks; `auto` or a count", value="auto"),
-    Variable("RS_DETERMINISTIC", (REDUCERS,), "0", "1: sum in rank order, so results are bitwise reproducible",
-             bool, False),
-    Variable("RS_MAX_CHUNK_BYTES", (REDUCERS,), _bytes(DEFAULT_MAX_CHUNK_BYTES),
-             "largest chunk accepted; larger claims are refused, not allocated", int, DEFAULT_MAX_CHUNK_BYTES, 1024),
-    Variable("RS_MAX_ACCUMULATOR_BYTES", (REDUCERS,), _bytes(DEFAULT_MAX_ACCUMULATOR_BYTES),
-             "accumulator memory a reducer may hold", int, DEFAULT_MAX_ACCUMULATOR_BYTES, 1024),
-    Variable("RS_MAX_PEER_BYTES", (REDUCERS,), _bytes(DEFAULT_MAX_PEER_BYTES),
-             "reducer memory one rank may account for", int, DEFAULT_MAX_PEER_BYTES, 1024),
-    Variable("RS_MAX_ROUNDS", (REDUCERS,), str(DEFAULT_MAX_ROUNDS), "collective chunks in flight on a reducer",
-             int, DEFAULT_MAX_ROUNDS, 1),
+    Variable(
+        "RS_SHARDS",
+        (REDUCERS,),
+        "`auto`: the cores it may use (`run`'s reducers: 1)",
+        "reducer processes one `serve` runs, on ports `port` .. `port`+N-1, each a share of every "
+        "worker's chunks; `auto` or a count",
+        value="auto",
+    ),
+    Variable(
+        "RS_DETERMINISTIC", (REDUCERS,), "0", "1: sum in rank order, so results are bitwise reproducible", bool, False
+    ),
+    Variable(
+        "RS_MAX_CHUNK_BYTES",
+        (REDUCERS,),
+        _bytes(DEFAULT_MAX_CHUNK_BYTES),
+        "largest chunk accepted; larger claims are refused, not allocated",
+        int,
+        DEFAULT_MAX_CHUNK_BYTES,
+        1024,
+    ),
+    Variable(
+        "RS_MAX_ACCUMULATOR_BYTES",
+        (REDUCERS,),
+        _bytes(DEFAULT_MAX_ACCUMULATOR_BYTES),
+        "accumulator memory a reducer may hold",
+        int,
+        DEFAULT_MAX_ACCUMULATOR_BYTES,
+        1024,
+    ),
+    Variable(
+        "RS_MAX_PEER_BYTES",
+        (REDUCERS,),
+        _bytes(DEFAULT_MAX_PEER_BYTES),
+        "reducer memory one rank may account for",
+        int,
+        DEFAULT_MAX_PEER_BYTES,
+        1024,
+    ),
+    Variable(
+        "RS_MAX_ROUNDS",
+        (REDUCERS,),
+        str(DEFAULT_MAX_ROUNDS),
+        "collective chunks in flight on a reducer",
+        int,
+        DEFAULT_MAX_ROUNDS,
+        1,
+    ),
     Variable("RS_METRICS_PORT", (REDUCERS,), "off", "serve Prometheus metrics on this port", int, 0, 0, 65535),
-    Variable("RS_HEALTHCHECK_PORT", (REDUCERS,), "the discovered port",
-             "the image's healthcheck: the port to probe when `--port` was given on the command line", int, None, 1,
-             65535),
+    Variable(
+        "RS_HEALTHCHECK_PORT",
+        (REDUCERS,),
+        "the discovered port",
+        "the image's healthcheck: the port to probe when `--port` was given on the command line",
+        int,
+        None,
+        1,
+        65535,
+    ),
     # logs and benchmarks
-    Variable("RS_LOG_LEVEL", _BOTH, "`NOTICE`", ", ".join(f"`{level}`" for level in LOG_LEVELS)
-             + "; one `event key=value` line each", value="NOTICE"),
-    Variable("RS_BENCH_KERNEL_MIB", (BENCH,), "4,64", "`bench kernels`: accumulator sizes, MiB, comma-separated",
-             value="4,64"),
+    Variable(
+        "RS_LOG_LEVEL",
+        _BOTH,
+        "`NOTICE`",
+        ", ".join(f"`{level}`" for level in LOG_LEVELS) + "; one `event key=value` line each",
+        value="NOTICE",
+    ),
+    Variable(
+        "RS_BENCH_KERNEL_MIB",
+        (BENCH,),
+        "4,64",
+        "`bench kernels`: accumulator sizes, MiB, comma-separated",
+        value="4,64",
+    ),
 )
 BY_NAME: Dict[str, Variable] = {v.name: v for v in VARIABLES}
 
@@ -326,8 +581,9 @@ def socket_send_buffer(value: Union[int, str, None] = None, environ: Optional[Ma
         except TypeError:
             raise ConfigError(f"send_buffer={value!r} is neither `auto` nor an integer number of bytes") from None
     if value != 0 and not MIN_SNDBUF <= value <= MAX_SNDBUF:
-        raise ConfigError(f"{name}={value} must be `auto`, 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} "
-                          "bytes")
+        raise ConfigError(
+            f"{name}={value} must be `auto`, 0 (the kernel's autotuning) or {MIN_SNDBUF}..{MAX_SNDBUF} bytes"
+        )
     return value
 
 

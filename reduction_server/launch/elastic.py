@@ -10,6 +10,7 @@ launcher starts workers up to min(B, slots): the others take them in at their ne
 local launcher runs every worker on this machine, so only this machine's names count as slots.
 The reducers are told no fixed world size: each round of the job has its own.
 """
+
 from __future__ import annotations
 
 import socket
@@ -66,8 +67,11 @@ class Elastic:
         if slots is None:
             return 0
         if slots < live:
-            self._say_once("fewer", f"the discovery script reports {slots} slot(s) for {live} running workers; "
-                                    "the local launcher does not stop workers for it")
+            self._say_once(
+                "fewer",
+                f"the discovery script reports {slots} slot(s) for {live} running workers; "
+                "the local launcher does not stop workers for it",
+            )
         return max(0, min(self.max_np, slots) - live)
 
     def _slots(self) -> Optional[int]:
@@ -77,16 +81,21 @@ class Elastic:
             self._say_once("run", f"cannot run the host discovery script {self.discovery}: {exc}")
             return None
         if done.returncode != 0:
-            self._say_once("exit", f"the host discovery script {self.discovery} exited {done.returncode}: "
-                                   f"{done.stderr.strip()[-300:]}")
+            self._say_once(
+                "exit",
+                f"the host discovery script {self.discovery} exited {done.returncode}: {done.stderr.strip()[-300:]}",
+            )
             return None
         slots = 0
         local = _LOCAL_NAMES | {socket.gethostname()}
         for line in done.stdout.split():
             host, _, count = line.partition(":")
             if host not in local:
-                self._say_once(f"host {host}", f"host {host} from the discovery script is not this machine: "
-                                               "the local launcher runs workers here only")
+                self._say_once(
+                    f"host {host}",
+                    f"host {host} from the discovery script is not this machine: "
+                    "the local launcher runs workers here only",
+                )
                 continue
             try:
                 slots += int(count) if count else 1

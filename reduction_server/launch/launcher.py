@@ -10,6 +10,7 @@ other workers and starts the whole group again, up to N times, with TORCHELASTIC
 one higher: the workers add it to RS_GENERATION, so the same reducers serve the new group as the
 next generation, and the script knows which attempt it is (so it resumes from its checkpoint).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from ..children import AWAY_FROM_SOURCE, POLL_S, Child, close_all, copy_output, describe, die_with_parent_hook, exit_code, peek_exit, signal_name, stop_all, wait_briefly
+from ..children import (
+    AWAY_FROM_SOURCE,
+    POLL_S,
+    Child,
+    close_all,
+    copy_output,
+    describe,
+    die_with_parent_hook,
+    exit_code,
+    peek_exit,
+    signal_name,
+    stop_all,
+    wait_briefly,
+)
 from .elastic import Elastic
 from .local_layout import Layout, busy_port, check_arguments, job_environment, plan_layout, worker_environment
 
@@ -67,9 +81,11 @@ class _Job:
             self.reducer_readers = self._start_readers(self.reducers)
         if failure is not None:
             return failure
-        _say(f"started {self.np} worker(s) and {len(self.reducers)} reducer(s) at "
-             f"{','.join(self.layout.reducer_addresses())}; "
-             f"MASTER_ADDR={self.layout.connect_host} MASTER_PORT={self.layout.master_port}")
+        _say(
+            f"started {self.np} worker(s) and {len(self.reducers)} reducer(s) at "
+            f"{','.join(self.layout.reducer_addresses())}; "
+            f"MASTER_ADDR={self.layout.connect_host} MASTER_PORT={self.layout.master_port}"
+        )
         while True:
             code = self._outcome()
             if code is None:
@@ -98,8 +114,20 @@ class _Job:
             for index, port in enumerate(self.layout.reducer_ports):
                 ready_r, ready_w = os.pipe()
                 ready.append(ready_r)
-                argv = [sys.executable, "-m", "reduction_server", "serve", "--host", self.layout.bind_host,
-                        "--port", str(port), "--index", str(index), "--ready-fd", str(ready_w)]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "reduction_server",
+                    "serve",
+                    "--host",
+                    self.layout.bind_host,
+                    "--port",
+                    str(port),
+                    "--index",
+                    str(index),
+                    "--ready-fd",
+                    str(ready_w),
+                ]
                 # One process each: the workers share this host's cores, and --reducers sets how many.
                 argv += ["--shards", "1"]
                 if self.elastic is None:  # an elastic job's rounds each have a world size of their own
@@ -112,8 +140,15 @@ class _Job:
                 # From the root directory: `-m` puts the working directory first on sys.path, and in a
                 # source checkout that is the uncompiled tree, not the installed package.
                 try:
-                    failure = self._spawn(self.reducers, f"reducer {index}", argv, child_env, die_with_parent,
-                                          cwd=AWAY_FROM_SOURCE, pass_fds=(ready_w,))
+                    failure = self._spawn(
+                        self.reducers,
+                        f"reducer {index}",
+                        argv,
+                        child_env,
+                        die_with_parent,
+                        cwd=AWAY_FROM_SOURCE,
+                        pass_fds=(ready_w,),
+                    )
                 finally:
                     os.close(ready_w)
                 if failure is not None:
@@ -137,12 +172,15 @@ class _Job:
                 return failure
         return None
 
-    def _spawn_worker(self, env: Dict[str, str], rank: int, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+    def _spawn_worker(
+        self, env: Dict[str, str], rank: int, die_with_parent: Optional[Callable[[], None]]
+    ) -> Optional[int]:
         """Worker `rank` (in an elastic job, worker id `rank`: its rank comes from the rendezvous)."""
         env = worker_environment(env, self.layout, rank, self.np)
         if self.elastic is not None:
-            return self._spawn(self.workers, f"worker {rank}", self.command, self.elastic.worker_env(env, rank),
-                               die_with_parent)
+            return self._spawn(
+                self.workers, f"worker {rank}", self.command, self.elastic.worker_env(env, rank), die_with_parent
+            )
         return self._spawn(self.workers, f"rank {rank}", self.command, env, die_with_parent)
 
     def _restart_workers(self) -> Optional[int]:
@@ -160,8 +198,9 @@ class _Job:
         """Wait until every reducer says, on its `ready` pipe, that it listens at its planned port;
         the job's exit code if one cannot. A stop signal ends the wait (the caller acts on it)."""
         deadline = time.monotonic() + _READY_S
-        for child, port, address, fd in zip(self.reducers, self.layout.reducer_ports,
-                                            self.layout.reducer_addresses(), ready):
+        for child, port, address, fd in zip(
+            self.reducers, self.layout.reducer_ports, self.layout.reducer_addresses(), ready
+        ):
             said = b""
             while not said.endswith(b"\n"):
                 if self.signum is not None:
@@ -174,26 +213,43 @@ class _Job:
                 chunk = os.read(fd, 64)
                 if not chunk:  # it exited, or closed the pipe, before listening: its output says why
                     status = wait_briefly(child.proc)
-                    _say(f"{child.label} exited before it listened at {address}"
-                         + (f" ({describe(status)})" if status is not None else "") + "; stopping the job")
+                    _say(
+                        f"{child.label} exited before it listened at {address}"
+                        + (f" ({describe(status)})" if status is not None else "")
+                        + "; stopping the job"
+                    )
                     return exit_code(status) if status else 1
                 said += chunk
             if said.strip() != str(port).encode():
-                _say(f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
-                     "stopping the job")
+                _say(
+                    f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
+                    "stopping the job"
+                )
                 return 1
         return None
 
     @staticmethod
-    def _spawn(children: List[Child], label: str, argv: List[str], env: Dict[str, str],
-               die_with_parent: Optional[Callable[[], None]], cwd: Optional[str] = None,
-               pass_fds: Sequence[int] = ()) -> Optional[int]:
+    def _spawn(
+        children: List[Child],
+        label: str,
+        argv: List[str],
+        env: Dict[str, str],
+        die_with_parent: Optional[Callable[[], None]],
+        cwd: Optional[str] = None,
+        pass_fds: Sequence[int] = (),
+    ) -> Optional[int]:
         try:
             proc = subprocess.Popen(
-                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,  # W processes must not fight over the terminal
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one killpg reaches its descendants
-                preexec_fn=die_with_parent, pass_fds=pass_fds)
+                preexec_fn=die_with_parent,
+                pass_fds=pass_fds,
+            )
         except OSError as exc:
             _say(f"cannot start {label} ({' '.join(argv)}): {exc}")
             return 127 if isinstance(exc, FileNotFoundError) else 126  # the shell's codes
@@ -204,8 +260,12 @@ class _Job:
         """One started thread per child, copying its output."""
         readers = []
         for child in children:
-            reader = threading.Thread(target=copy_output, args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
-                                      name=f"output of {child.label}", daemon=True)
+            reader = threading.Thread(
+                target=copy_output,
+                args=(child.proc.stdout, f"[{child.label}] ", self.output_lock),
+                name=f"output of {child.label}",
+                daemon=True,
+            )
             reader.start()
             readers.append(reader)
         return readers
@@ -249,8 +309,10 @@ class _Job:
                 self.elastic.lose(worker)
                 failed = (child, status)
         if failed is not None and len(running) + finished < self.elastic.min_np:
-            _say(f"{failed[0].label} {describe(failed[1])}; {len(running)} worker(s) left, fewer than --min-np "
-                 f"{self.elastic.min_np}: stopping the job")
+            _say(
+                f"{failed[0].label} {describe(failed[1])}; {len(running)} worker(s) left, fewer than --min-np "
+                f"{self.elastic.min_np}: stopping the job"
+            )
             return exit_code(failed[1])
         if failed is not None:
             _say(f"{failed[0].label} {describe(failed[1])}; going on with {len(running)} worker(s)")
@@ -276,9 +338,18 @@ class _Job:
         return None
 
 
-def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[int] = None,
-            host: str = "127.0.0.1", metrics_port: Optional[int] = None, max_restarts: int = 0,
-            min_np: Optional[int] = None, max_np: Optional[int] = None, discovery: Optional[str] = None) -> int:
+def run_job(
+    np: int,
+    reducers: int,
+    command: Sequence[str],
+    port_base: Optional[int] = None,
+    host: str = "127.0.0.1",
+    metrics_port: Optional[int] = None,
+    max_restarts: int = 0,
+    min_np: Optional[int] = None,
+    max_np: Optional[int] = None,
+    discovery: Optional[str] = None,
+) -> int:
     """Run `reducers` reducer processes and `np` copies of `command` on this machine; a failing
     worker starts the worker group again up to `max_restarts` times. With `min_np`/`max_np` the
     job is elastic (elastic.py): it goes on without failed workers while `min_np` run,
@@ -297,8 +368,10 @@ def run_job(np: int, reducers: int, command: Sequence[str], port_base: Optional[
         if not 1 <= low <= np <= high:
             return _usage_error(f"an elastic job needs 1 <= --min-np <= -np <= --max-np (got {low}, {np}, {high})")
         if max_restarts:
-            return _usage_error("--max-restarts restarts the whole group; an elastic job (--min-np/--max-np) "
-                                "goes on without the failed worker: choose one")
+            return _usage_error(
+                "--max-restarts restarts the whole group; an elastic job (--min-np/--max-np) "
+                "goes on without the failed worker: choose one"
+            )
         elastic = Elastic(low, high, _say, discovery)
     problem = check_arguments(np, reducers, command, port_base, metrics_port)
     if problem is not None:

@@ -1,6 +1,7 @@
 """Where a local job's processes listen and what each one is told: the reducers' ports, the
 rendezvous port torch.distributed-style ranks meet on, and the environment of the reducers and of
 each worker rank (`reduction-server run`, launcher.py)."""
+
 from __future__ import annotations
 
 import errno
@@ -31,24 +32,35 @@ class Layout:
         return [join_address(self.connect_host, port) for port in self.reducer_ports]
 
 
-def check_arguments(np: int, reducers: int, command: Sequence[str], port_base: Optional[int],
-                    metrics_port: Optional[int] = None) -> Optional[str]:
+def check_arguments(
+    np: int, reducers: int, command: Sequence[str], port_base: Optional[int], metrics_port: Optional[int] = None
+) -> Optional[str]:
     """What is wrong with `reduction-server run`'s arguments, or None."""
     if np < 1:
         return f"-np must be at least 1 (got {np})"
     if reducers < 1:
         return f"--reducers must be at least 1 (got {reducers})"
     if port_base is not None and not (1 <= port_base and port_base + reducers - 1 <= 65535):
-        return (f"--port-base {port_base} with {reducers} reducer(s) needs ports "
-                f"{port_base}-{port_base + reducers - 1}, outside 1-65535")
+        return (
+            f"--port-base {port_base} with {reducers} reducer(s) needs ports "
+            f"{port_base}-{port_base + reducers - 1}, outside 1-65535"
+        )
     if metrics_port and not (1 <= metrics_port and metrics_port + reducers - 1 <= 65535):
-        return (f"--metrics-port {metrics_port} with {reducers} reducer(s) needs ports "
-                f"{metrics_port}-{metrics_port + reducers - 1}, outside 1-65535")
-    if port_base is not None and metrics_port and metrics_port < port_base + reducers \
-            and port_base < metrics_port + reducers:
-        return (f"--port-base {port_base} and --metrics-port {metrics_port} with {reducers} reducer(s) overlap: the "
-                f"reducers listen on {_span(port_base, reducers)} and serve metrics on "
-                f"{_span(metrics_port, reducers)}; choose ranges apart (e.g. --metrics-port {port_base + reducers})")
+        return (
+            f"--metrics-port {metrics_port} with {reducers} reducer(s) needs ports "
+            f"{metrics_port}-{metrics_port + reducers - 1}, outside 1-65535"
+        )
+    if (
+        port_base is not None
+        and metrics_port
+        and metrics_port < port_base + reducers
+        and port_base < metrics_port + reducers
+    ):
+        return (
+            f"--port-base {port_base} and --metrics-port {metrics_port} with {reducers} reducer(s) overlap: the "
+            f"reducers listen on {_span(port_base, reducers)} and serve metrics on "
+            f"{_span(metrics_port, reducers)}; choose ranges apart (e.g. --metrics-port {port_base + reducers})"
+        )
     if not command:
         return "no command given (usage: reduction-server run -np W --reducers R -- CMD ...)"
     return None
@@ -78,8 +90,9 @@ def busy_port(layout: Layout, metrics_port: Optional[int] = None) -> Optional[st
     what to do; None when all are free. Checked before any process starts."""
     wanted = [(port, f"reducer {i}'s port (--port-base)") for i, port in enumerate(layout.reducer_ports)]
     if metrics_port:
-        wanted += [(metrics_port + i, f"reducer {i}'s metrics port (--metrics-port)")
-                   for i in range(len(layout.reducer_ports))]
+        wanted += [
+            (metrics_port + i, f"reducer {i}'s metrics port (--metrics-port)") for i in range(len(layout.reducer_ports))
+        ]
     family = socket.getaddrinfo(layout.bind_host, 0, type=socket.SOCK_STREAM)[0][0]
     for port, whose in wanted:
         with socket.socket(family) as probe:
@@ -90,10 +103,12 @@ def busy_port(layout: Layout, metrics_port: Optional[int] = None) -> Optional[st
                 if exc.errno != errno.EADDRINUSE:
                     return None  # not a matter of ports: the reducers say what it is
                 holder = port_holder(port)
-                return (f"cannot use {layout.bind_host}:{port}, {whose}: it is already in use "
-                        f"({f'by {holder}' if holder else 'another reducer or program listens there'}); stop it, "
-                        "or choose other ports (--port-base, --metrics-port; without --port-base the reducers "
-                        "take free ones)")
+                return (
+                    f"cannot use {layout.bind_host}:{port}, {whose}: it is already in use "
+                    f"({f'by {holder}' if holder else 'another reducer or program listens there'}); stop it, "
+                    "or choose other ports (--port-base, --metrics-port; without --port-base the reducers "
+                    "take free ones)"
+                )
     return None
 
 
@@ -140,6 +155,13 @@ def job_environment(layout: Layout, np: int) -> Dict[str, str]:
 
 def worker_environment(env: Dict[str, str], layout: Layout, rank: int, np: int) -> Dict[str, str]:
     """`env` plus what worker `rank` of `np` is told (one machine: the local rank is the rank)."""
-    ranks = dict(RS_RANK=rank, RANK=rank, WORLD_SIZE=np, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=np,
-                 MASTER_ADDR=layout.connect_host, MASTER_PORT=layout.master_port)
+    ranks = dict(
+        RS_RANK=rank,
+        RANK=rank,
+        WORLD_SIZE=np,
+        LOCAL_RANK=rank,
+        LOCAL_WORLD_SIZE=np,
+        MASTER_ADDR=layout.connect_host,
+        MASTER_PORT=layout.master_port,
+    )
     return dict(env, **{name: str(value) for name, value in ranks.items()})

@@ -13,6 +13,7 @@ at its next commit that workers were added or removed.
 Every request carries HMAC-SHA256(RS_JOB_TOKEN, body) in X-RS-Proof; a request without the
 right proof is refused (403) and changes nothing.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,13 @@ class Seat:
 class Rendezvous:
     """The membership (live worker ids), its version, and the rounds formed from it."""
 
-    def __init__(self, token: str, host: str = "127.0.0.1", join_timeout: float = JOIN_TIMEOUT_S,
-                 on_round: Optional[Callable[[int, List[int]], None]] = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        host: str = "127.0.0.1",
+        join_timeout: float = JOIN_TIMEOUT_S,
+        on_round: Optional[Callable[[int, List[int]], None]] = None,
+    ) -> None:
         self.token = token
         self.on_round = on_round  # told each round formed: its number, and the worker ids by rank
         self.join_timeout = join_timeout
@@ -106,8 +112,9 @@ class Rendezvous:
             self.asking.add(worker)
             asked_at = self.round
             self._form()
-            if not self.changed.wait_for(lambda: self.round > asked_at or worker not in self.members,
-                                         self.join_timeout):
+            if not self.changed.wait_for(
+                lambda: self.round > asked_at or worker not in self.members, self.join_timeout
+            ):
                 missing = sorted(self.members - self.asking)
                 self.asking.discard(worker)
                 raise TimeoutError(f"workers {missing} did not rejoin within {self.join_timeout:g} s")
@@ -138,8 +145,9 @@ def _handler(rendezvous: Rendezvous) -> type:
                 request = json.loads(body)
                 if self.path == "/join":
                     seat = rendezvous.join(int(request["worker"]))
-                    return self._answer(200, {"rank": seat.rank, "size": seat.size, "round": seat.round,
-                                              "version": seat.version})
+                    return self._answer(
+                        200, {"rank": seat.rank, "size": seat.size, "round": seat.round, "version": seat.version}
+                    )
                 if self.path == "/version":
                     return self._answer(200, {"version": rendezvous.version})
                 return self._answer(404, {"error": f"no such request: {self.path}"})
@@ -167,8 +175,12 @@ def ask(address: str, token: str, path: str, document: dict, timeout: float = JO
     """A worker's request to the rendezvous at `address`; its answer, proved by the same token.
     CollectiveError naming the rendezvous and the reason when it refuses or cannot be reached."""
     body = json.dumps(document).encode()
-    request = urllib.request.Request(f"http://{address}{path}", data=body, method="POST",
-                                     headers={_PROOF: proof(token, body), "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{address}{path}",
+        data=body,
+        method="POST",
+        headers={_PROOF: proof(token, body), "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             answer, status, signed = response.read(), response.status, response.headers.get(_PROOF, "")
@@ -177,8 +189,10 @@ def ask(address: str, token: str, path: str, document: dict, timeout: float = JO
     except OSError as exc:
         raise CollectiveError(f"the elastic rendezvous at {address} (RS_RENDEZVOUS) cannot be reached: {exc}") from None
     if not hmac.compare_digest(signed, proof(token, answer)):
-        raise CollectiveError(f"the elastic rendezvous at {address} did not prove the job token (RS_JOB_TOKEN): "
-                              "its token is not this worker's")
+        raise CollectiveError(
+            f"the elastic rendezvous at {address} did not prove the job token (RS_JOB_TOKEN): "
+            "its token is not this worker's"
+        )
     result = json.loads(answer)
     if status != 200:
         raise CollectiveError(f"the elastic rendezvous at {address} refused {path}: {result.get('error')}")

@@ -12,6 +12,7 @@ own: each accumulator is charged to the rank whose contribution was loaded into 
 arrive; rank 0 in deterministic mode), each held frame to its sender, so one misbehaving rank
 runs out of its budget long before it can starve the others.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -54,7 +55,7 @@ class AccumulatorPool:
             self._trim(self.max_bytes - self.in_use_bytes - self.held_bytes - nbytes)
             raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
             start = (-raw.ctypes.data) % _ALIGN
-            buf = raw[start:start + nbytes]
+            buf = raw[start : start + nbytes]
         self.in_use_bytes += nbytes
         if rank is not None:
             self.by_rank[rank] = self.by_rank.get(rank, 0) + nbytes
@@ -87,7 +88,8 @@ class AccumulatorPool:
                 f"rank {rank} would hold {used + nbytes} bytes of reducer memory, over the per-rank budget of "
                 f"{self.max_rank_bytes} bytes (RS_MAX_PEER_BYTES): the accumulators its contributions were "
                 "loaded into (it reached those chunks first) and its contributions held for their turn "
-                "(deterministic mode)")
+                "(deterministic mode)"
+            )
 
     def _check(self, nbytes: int) -> None:
         """Raise PoolExhausted if nbytes more would exceed the budget."""
@@ -96,10 +98,10 @@ class AccumulatorPool:
             if self.in_use_bytes + self.held_bytes + nbytes > self.max_bytes:
                 raise PoolExhausted(
                     f"accumulator memory budget of {self.max_bytes} bytes (RS_MAX_ACCUMULATOR_BYTES) "
-                    f"exhausted ({self.in_use_bytes} in use, {self.held_bytes} held, {nbytes} requested)")
+                    f"exhausted ({self.in_use_bytes} in use, {self.held_bytes} held, {nbytes} requested)"
+                )
 
-    def release(self, buffers: List[np.ndarray], tracker: Optional[zmq.MessageTracker] = None,
-                held: int = 0) -> None:
+    def release(self, buffers: List[np.ndarray], tracker: Optional[zmq.MessageTracker] = None, held: int = 0) -> None:
         """Give buffers back, and stop counting `held` bytes of a kept frame (one adopted as an
         accumulator, whose sum went out as the result); with a tracker, only once libzmq is done
         sending them."""

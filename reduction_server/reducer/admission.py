@@ -10,6 +10,7 @@ serves now. A peer that sends MAX_STRIKES malformed frames or failed handshakes 
 then on; a HELLO costs the reducer a few hundred bytes until AUTH follows, and at most
 MAX_PENDING_HELLOS of them are kept, whatever the rate of new connections.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import zmq
 
-from ..wire import auth, protocol, shared_memory
-from ..log import event, get_logger
-from ..wire.protocol import ErrorCode, Header, MsgType
 from ..config.settings import MAX_WINDOW
+from ..log import event, get_logger
+from ..wire import auth, protocol, shared_memory
+from ..wire.protocol import ErrorCode, Header, MsgType
 from .clock import Clock
 from .membership import Membership, Peer
 from .outbox import Outbox
@@ -61,9 +62,21 @@ def _facts(info: object) -> dict:
 class Admission:
     """The handshake and the strangers of one reducer."""
 
-    def __init__(self, outbox: Outbox, members: Membership, rounds: Rounds, clock: Clock, *, job_token: str,
-                 encrypt: bool, shared: bool, results: Optional[SharedResults] = None, shard: int = 0,
-                 shards: int = 1, read_events: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        members: Membership,
+        rounds: Rounds,
+        clock: Clock,
+        *,
+        job_token: str,
+        encrypt: bool,
+        shared: bool,
+        results: Optional[SharedResults] = None,
+        shard: int = 0,
+        shards: int = 1,
+        read_events: Callable[[], None] = lambda: None,
+    ) -> None:
         self.outbox = outbox
         self.members = members
         self.rounds = rounds
@@ -99,13 +112,21 @@ class Admission:
         if not 0 < h.world <= protocol.MAX_WORLD_SIZE or h.rank >= h.world:
             return self._refuse(identity, f"rank {h.rank} / world size {h.world} is out of range")
         if self.members.fixed_world is not None and h.world != self.members.fixed_world:
-            return self._refuse(identity, (
-                f"{self.name} serves {self.members.fixed_world} workers (--workers / RS_WORLD_SIZE) "
-                f"but rank {h.rank} says the world size is {h.world}"))
+            return self._refuse(
+                identity,
+                (
+                    f"{self.name} serves {self.members.fixed_world} workers (--workers / RS_WORLD_SIZE) "
+                    f"but rank {h.rank} says the world size is {h.world}"
+                ),
+            )
         if job is not None and h.job == job[0] and h.generation < job[1]:
-            return self._refuse(identity, (
-                f"rank {h.rank} belongs to generation {h.generation} of job {h.job:#x}, "
-                f"but {self.name} already serves generation {job[1]}"))
+            return self._refuse(
+                identity,
+                (
+                    f"rank {h.rank} belongs to generation {h.generation} of job {h.job:#x}, "
+                    f"but {self.name} already serves generation {job[1]}"
+                ),
+            )
         try:
             info = json.loads(payload.bytes) if payload is not None else {}
         except ValueError as exc:
@@ -113,28 +134,57 @@ class Admission:
         if isinstance(info, dict) and info.get("rejoin") and job is not None and (h.job, h.generation) != job:
             # A worker reconnecting after losing this reducer never replaces the job it serves now;
             # which job that is, is not told to a peer that has proved nothing.
-            return self._refuse(identity, (
-                f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
-                f"{self.name} serves another job or generation now"))
+            return self._refuse(
+                identity,
+                (
+                    f"rank {h.rank} of job {h.job:#x} generation {h.generation} tried to rejoin, but "
+                    f"{self.name} serves another job or generation now"
+                ),
+            )
         try:
             theirs = bytes.fromhex(info["nonce"]) if isinstance(info, dict) else b""
         except (KeyError, TypeError, ValueError):
             theirs = b""
         if len(theirs) != auth.NONCE_BYTES:
-            return self._refuse(identity, f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
-                                          "(\"nonce\", hex) for this reducer to prove the job token against")
+            return self._refuse(
+                identity,
+                f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
+                '("nonce", hex) for this reducer to prove the job token against',
+            )
         # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
-        proof = auth.reducer_proof(self.job_token, theirs, index=self.index, job=h.job, generation=h.generation,
-                                   shard=self.shard)
+        proof = auth.reducer_proof(
+            self.job_token, theirs, index=self.index, job=h.job, generation=h.generation, shard=self.shard
+        )
         nonce = auth.new_nonce()
-        self.members.peers[identity] = Peer(identity, h.rank, h.world, h.job, h.generation, nonce=nonce,
-                                            info=_facts(info), hello_at=self.clock.now,
-                                            heartbeats=isinstance(info, dict) and info.get("heartbeats") is True)
+        self.members.peers[identity] = Peer(
+            identity,
+            h.rank,
+            h.world,
+            h.job,
+            h.generation,
+            nonce=nonce,
+            info=_facts(info),
+            hello_at=self.clock.now,
+            heartbeats=isinstance(info, dict) and info.get("heartbeats") is True,
+        )
         self._pend(identity)
         payload = auth.challenge(nonce, proof)
-        self.outbox.send(identity, [protocol.text_header(MsgType.CHALLENGE, payload, rank=self.index, world=h.world,
-                                                         job=h.job, generation=h.generation,
-                                                         aux=int(bool(self.job_token)), chunk=self.shard), payload])
+        self.outbox.send(
+            identity,
+            [
+                protocol.text_header(
+                    MsgType.CHALLENGE,
+                    payload,
+                    rank=self.index,
+                    world=h.world,
+                    job=h.job,
+                    generation=h.generation,
+                    aux=int(bool(self.job_token)),
+                    chunk=self.shard,
+                ),
+                payload,
+            ],
+        )
 
     def auth(self, identity: bytes, payload: Optional[zmq.Frame]) -> None:
         members = self.members
@@ -143,15 +193,31 @@ class Admission:
             return self.malformed(identity, "AUTH without a HELLO before it")
         self.pending.pop(identity, None)
         claimed, rest = auth.split_auth(payload.bytes if payload is not None else b"")
-        if self.job_token and not auth.verify_worker(self.job_token, peer.nonce, claimed, job=peer.job,
-                                                     generation=peer.generation, rank=peer.rank, world=peer.world):
+        if self.job_token and not auth.verify_worker(
+            self.job_token,
+            peer.nonce,
+            claimed,
+            job=peer.job,
+            generation=peer.generation,
+            rank=peer.rank,
+            world=peer.world,
+        ):
             del members.peers[identity]
             self.auth_failures += 1
-            self.outbox.throttle.event(logging.WARNING, "auth_failed", reducer=self.index, rank=peer.rank,
-                                       job=hex(peer.job), reason="proof does not match RS_JOB_TOKEN",
-                                       failures=self.auth_failures)
-            return self._refuse(identity, f"rank {peer.rank}: authentication failed: wrong or missing job token "
-                                          "(RS_JOB_TOKEN)", logged=False)
+            self.outbox.throttle.event(
+                logging.WARNING,
+                "auth_failed",
+                reducer=self.index,
+                rank=peer.rank,
+                job=hex(peer.job),
+                reason="proof does not match RS_JOB_TOKEN",
+                failures=self.auth_failures,
+            )
+            return self._refuse(
+                identity,
+                f"rank {peer.rank}: authentication failed: wrong or missing job token (RS_JOB_TOKEN)",
+                logged=False,
+            )
         try:
             facts = json.loads(rest) if rest else {}
         except ValueError as exc:
@@ -163,9 +229,13 @@ class Admission:
             self._start_job(peer, over)
         elif members.world != peer.world:
             del members.peers[identity]
-            return self.outbox.reject(identity, (
-                f"rank {peer.rank} says the world size is {peer.world} but the other ranks of job "
-                f"{peer.job:#x} said {members.world}"))
+            return self.outbox.reject(
+                identity,
+                (
+                    f"rank {peer.rank} says the world size is {peer.world} but the other ranks of job "
+                    f"{peer.job:#x} said {members.world}"
+                ),
+            )
         members.admit(peer)
         if self.results is not None:
             self.results.forget(peer.rank)
@@ -173,24 +243,46 @@ class Admission:
         offer = facts.get("shared_memory") if isinstance(facts, dict) else None
         if offer is not None and self.shared:
             try:
-                peer.segment = shared_memory.Segment.attach(offer, max_slots=MAX_WINDOW,
-                                                            max_slot_bytes=self.rounds.max_chunk_bytes)
+                peer.segment = shared_memory.Segment.attach(
+                    offer, max_slots=MAX_WINDOW, max_slot_bytes=self.rounds.max_chunk_bytes
+                )
             except shared_memory.Unavailable as exc:
                 event(log, logging.INFO, "shared_memory_declined", reducer=self.index, rank=peer.rank, reason=exc)
         # The monitor named this worker's connection as it was accepted, before its HELLO: reading
         # it now sets the connection's send buffer (RS_SNDBUF=auto) before the worker sends a chunk.
         self.read_events()
-        said = {"index": self.index, "shard": self.shard, "shards": self.shards, "world_size": members.world,
-                 "max_chunk_bytes": self.rounds.max_chunk_bytes,
-                 "deterministic": self.rounds.folder.deterministic, "encrypted": self.encrypt,
-                 "shared_memory": peer.segment is not None}
+        said = {
+            "index": self.index,
+            "shard": self.shard,
+            "shards": self.shards,
+            "world_size": members.world,
+            "max_chunk_bytes": self.rounds.max_chunk_bytes,
+            "deterministic": self.rounds.folder.deterministic,
+            "encrypted": self.encrypt,
+            "shared_memory": peer.segment is not None,
+        }
         if peer.segment is not None and self.results is not None and self.results.offer is not None:
             said["shared_results"] = self.results.offer
         welcome = json.dumps(said).encode()
-        self.outbox.send(identity, [protocol.text_header(MsgType.WELCOME, welcome, world=members.world or 0,
-                                                         job=peer.job, generation=peer.generation), welcome])
-        event(log, logging.INFO, "admitted", reducer=self.index, rank=peer.rank, world=peer.world,
-              job=hex(peer.job), generation=peer.generation)
+        self.outbox.send(
+            identity,
+            [
+                protocol.text_header(
+                    MsgType.WELCOME, welcome, world=members.world or 0, job=peer.job, generation=peer.generation
+                ),
+                welcome,
+            ],
+        )
+        event(
+            log,
+            logging.INFO,
+            "admitted",
+            reducer=self.index,
+            rank=peer.rank,
+            world=peer.world,
+            job=hex(peer.job),
+            generation=peer.generation,
+        )
 
     def _start_job(self, peer: Peer, run_over: Optional[str] = None) -> None:
         """A new job or generation replaces the old one, or a new run of the job replaces the one
@@ -200,11 +292,28 @@ class Admission:
         if self.results is not None:
             self.results.renew()
         if run_over is not None:
-            event(log, logging.INFO, "run_over", reducer=self.index, job=hex(peer.job), generation=peer.generation,
-                  reason=run_over, dropped_rounds=dropped)
+            event(
+                log,
+                logging.INFO,
+                "run_over",
+                reducer=self.index,
+                job=hex(peer.job),
+                generation=peer.generation,
+                reason=run_over,
+                dropped_rounds=dropped,
+            )
         elif old is not None:
-            event(log, logging.WARNING, "job_replaced", reducer=self.index, old_job=hex(old[0]),
-                  old_generation=old[1], job=hex(peer.job), generation=peer.generation, dropped_rounds=dropped)
+            event(
+                log,
+                logging.WARNING,
+                "job_replaced",
+                reducer=self.index,
+                old_job=hex(old[0]),
+                old_generation=old[1],
+                job=hex(peer.job),
+                generation=peer.generation,
+                dropped_rounds=dropped,
+            )
         self.members.start_job((peer.job, peer.generation), peer.world)
 
     def ping(self, identity: bytes) -> None:
@@ -218,8 +327,9 @@ class Admission:
     def malformed(self, identity: bytes, reason: str) -> None:
         """A frame that could not be used: answered, counted, and the peer dropped at MAX_STRIKES."""
         strikes = self._strike(identity)
-        self.outbox.throttle.event(logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(),
-                                   reason=reason, strikes=strikes)
+        self.outbox.throttle.event(
+            logging.WARNING, "malformed_frame", reducer=self.index, peer=identity.hex(), reason=reason, strikes=strikes
+        )
         self.outbox.error(identity, ErrorCode.MALFORMED, f"{self.name}: malformed message: {reason}")
 
     def _refuse(self, identity: bytes, reason: str, logged: bool = True) -> None:
@@ -234,12 +344,19 @@ class Admission:
         strikes = self.strikes.get(identity, (0, 0.0))[0] + 1
         self.strikes[identity] = (strikes, self.clock.now)
         if strikes >= MAX_STRIKES:
-            self.outbox.throttle.event(logging.WARNING, "peer_dropped", reducer=self.index, peer=identity.hex(),
-                                       reason=f"{MAX_STRIKES} malformed messages or failed handshakes")
+            self.outbox.throttle.event(
+                logging.WARNING,
+                "peer_dropped",
+                reducer=self.index,
+                peer=identity.hex(),
+                reason=f"{MAX_STRIKES} malformed messages or failed handshakes",
+            )
             peer = self.members.holder(identity)
             if peer is not None:
                 # its later messages are ignored: the other ranks must not wait for its contributions
-                self.members.lose_rank(peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on")
+                self.members.lose_rank(
+                    peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on"
+                )
             self.members.peers.pop(identity, None)
         return strikes
 
@@ -265,7 +382,7 @@ class Admission:
             del self.strikes[identity]
         if len(self.strikes) > MAX_STRIKE_ENTRIES:
             oldest = sorted(self.strikes, key=lambda i: self.strikes[i][1])
-            for identity in oldest[:len(self.strikes) - MAX_STRIKE_ENTRIES]:
+            for identity in oldest[: len(self.strikes) - MAX_STRIKE_ENTRIES]:
                 del self.strikes[identity]
         while self.pending:
             identity = next(iter(self.pending))

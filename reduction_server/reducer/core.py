@@ -4,6 +4,7 @@ Every message gets an answer: a RESULT, or an ERROR that names the ranks involve
 client sends can take the reducer down (an exception while handling one is reported to its
 sender as INTERNAL).
 """
+
 from __future__ import annotations
 
 import time
@@ -12,14 +13,22 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import zmq
 
-from ..wire import gate, protocol
-from .accumulator import AccumulatorPool
+from ..config.settings import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_LIVENESS_TIMEOUT,
+    DEFAULT_MAX_ACCUMULATOR_BYTES,
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_PEER_BYTES,
+    DEFAULT_MAX_ROUNDS,
+    DEFAULT_TIMEOUT,
+)
 from ..errors import ProtocolError
 from ..log import Throttle, get_logger
+from ..wire import gate, protocol
 from ..wire.protocol import MOVED_TYPES, MSG_DATA, MSG_DATA_SHM, ErrorCode, Header, MsgType
 from ..wire.send_buffers import AcceptedBuffers
-from ..config.settings import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LIVENESS_TIMEOUT, DEFAULT_MAX_ACCUMULATOR_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_PEER_BYTES, DEFAULT_MAX_ROUNDS, DEFAULT_TIMEOUT
 from ..wire.shared_memory import MAX_OFFERED_SLOT_BYTES
+from .accumulator import AccumulatorPool
 from .admission import Admission
 from .clock import Clock
 from .fold import Payload
@@ -57,38 +66,87 @@ def _recv(socket: zmq.Socket) -> List[zmq.Frame]:
 class Reducer:
     """One reducer: admission, membership, rounds and the outbox over one ROUTER socket."""
 
-    def __init__(self, socket: zmq.Socket, *, index: int = 0, address: str = "",
-                 world_size: Optional[int] = None, job_token: str = "",
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
-                 max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES, max_rounds: int = DEFAULT_MAX_ROUNDS,
-                 round_timeout: float = DEFAULT_TIMEOUT,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-                 liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, deterministic: bool = False,
-                 encrypt: bool = False, shared: bool = False, shard: int = 0, shards: int = 1,
-                 send_buffers: Optional[AcceptedBuffers] = None) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        *,
+        index: int = 0,
+        address: str = "",
+        world_size: Optional[int] = None,
+        job_token: str = "",
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_accumulator_bytes: int = DEFAULT_MAX_ACCUMULATOR_BYTES,
+        max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES,
+        max_rounds: int = DEFAULT_MAX_ROUNDS,
+        round_timeout: float = DEFAULT_TIMEOUT,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
+        deterministic: bool = False,
+        encrypt: bool = False,
+        shared: bool = False,
+        shard: int = 0,
+        shards: int = 1,
+        send_buffers: Optional[AcceptedBuffers] = None,
+    ) -> None:
         self.socket = socket
         self.index = index
-        self.name = f"reducer {index}" + (f" shard {shard}" if shards > 1 else "") + (f" ({address})" if address else "")
+        self.name = (
+            f"reducer {index}" + (f" shard {shard}" if shards > 1 else "") + (f" ({address})" if address else "")
+        )
         self.round_timeout = round_timeout
         self.heartbeat_interval = heartbeat_interval
         self.clock = Clock()
         self.clock.now = self.started = time.monotonic()
         self.pool = AccumulatorPool(max_accumulator_bytes, max_peer_bytes)
-        self.outbox = Outbox(socket, index, self.name, on_gone=self._gone, throttle=Throttle(log, lambda: self.clock.now))
-        self.members = Membership(self.outbox, self.clock, index, world_size, liveness_timeout,
-                                  loss_memory=round_timeout, on_lost=self._rank_lost)
+        self.outbox = Outbox(
+            socket, index, self.name, on_gone=self._gone, throttle=Throttle(log, lambda: self.clock.now)
+        )
+        self.members = Membership(
+            self.outbox,
+            self.clock,
+            index,
+            world_size,
+            liveness_timeout,
+            loss_memory=round_timeout,
+            on_lost=self._rank_lost,
+        )
         # ranks on this host read results written once for all of them from these (shared memory)
         self.results = SharedResults(min(max_chunk_bytes, MAX_OFFERED_SLOT_BYTES)) if shared else None
-        self.rounds = Rounds(self.outbox, self.members, self.pool, self.clock, index=index, name=self.name,
-                             max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds, round_timeout=round_timeout,
-                             deterministic=deterministic, results=self.results)
-        self.admission = Admission(self.outbox, self.members, self.rounds, self.clock, job_token=job_token,
-                                   encrypt=encrypt, shared=shared, results=self.results, shard=shard, shards=shards,
-                                   read_events=self._read_events)
-        self.events = SocketEvents(socket, self.clock, index=index, encrypt=encrypt,
-                                   gated=gate.applies(job_token, encrypt), send_buffers=send_buffers,
-                                   throttle=self.outbox.throttle)
+        self.rounds = Rounds(
+            self.outbox,
+            self.members,
+            self.pool,
+            self.clock,
+            index=index,
+            name=self.name,
+            max_chunk_bytes=max_chunk_bytes,
+            max_rounds=max_rounds,
+            round_timeout=round_timeout,
+            deterministic=deterministic,
+            results=self.results,
+        )
+        self.admission = Admission(
+            self.outbox,
+            self.members,
+            self.rounds,
+            self.clock,
+            job_token=job_token,
+            encrypt=encrypt,
+            shared=shared,
+            results=self.results,
+            shard=shard,
+            shards=shards,
+            read_events=self._read_events,
+        )
+        self.events = SocketEvents(
+            socket,
+            self.clock,
+            index=index,
+            encrypt=encrypt,
+            gated=gate.applies(job_token, encrypt),
+            send_buffers=send_buffers,
+            throttle=self.outbox.throttle,
+        )
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.bytes_in = 0
         self.bytes_shared_in = 0  # of bytes_in, those that came through shared memory
@@ -204,7 +262,8 @@ class Reducer:
     def _dispatch(self, identity: bytes, frames: List[zmq.Frame]) -> None:
         if len(frames) not in (2, 3):
             return self.admission.malformed(
-                identity, f"expected a header and at most one payload frame, got {len(frames) - 1} frames")
+                identity, f"expected a header and at most one payload frame, got {len(frames) - 1} frames"
+            )
         try:
             h = protocol.unpack(frames[1].buffer)
         except ProtocolError as exc:
@@ -243,8 +302,12 @@ class Reducer:
         does not parse is malformed, one the job's state refuses is answered MISMATCH."""
         peer = self.members.holder(identity)
         if peer is None:
-            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED, (
-                f"{self.name}: {h.type.name} from a peer that has not completed the handshake"), about=h)
+            return self.outbox.error(
+                identity,
+                ErrorCode.NOT_ADMITTED,
+                (f"{self.name}: {h.type.name} from a peer that has not completed the handshake"),
+                about=h,
+            )
         data = payload.bytes if payload is not None else b""
         try:
             if h.type is MsgType.GROUP:
@@ -277,19 +340,41 @@ class Reducer:
             self.bytes_shared_in += h.nbytes
         self._data(identity, peer, h, view, bad_payload=bad, slot=slot)
 
-    def _data(self, identity: bytes, peer: Optional[Peer], h: Header, payload: Payload,
-              bad_payload: Optional[str] = None, slot: Optional[int] = None) -> None:
+    def _data(
+        self,
+        identity: bytes,
+        peer: Optional[Peer],
+        h: Header,
+        payload: Payload,
+        bad_payload: Optional[str] = None,
+        slot: Optional[int] = None,
+    ) -> None:
         """A contribution from `peer` (the admitted peer at identity, or None)."""
         if peer is None:
-            return self.outbox.error(identity, ErrorCode.NOT_ADMITTED,
-                                     f"{self.name}: DATA for {h.describe()} from a peer that has not completed the "
-                                     "handshake", about=h)
+            return self.outbox.error(
+                identity,
+                ErrorCode.NOT_ADMITTED,
+                f"{self.name}: DATA for {h.describe()} from a peer that has not completed the handshake",
+                about=h,
+            )
         if (h.rank, h.job, h.generation) != (peer.rank, peer.job, peer.generation):
-            return self.outbox.error(identity, ErrorCode.STALE, (
-                f"{self.name}: rank {peer.rank} of job {peer.job:#x} generation {peer.generation} sent "
-                f"{h.describe()} claiming rank {h.rank}"), about=h)
+            return self.outbox.error(
+                identity,
+                ErrorCode.STALE,
+                (
+                    f"{self.name}: rank {peer.rank} of job {peer.job:#x} generation {peer.generation} sent "
+                    f"{h.describe()} claiming rank {h.rank}"
+                ),
+                about=h,
+            )
         if h.world != peer.world:  # the round's ranks, and an average's divisor, are the job's
-            return self.outbox.error(identity, ErrorCode.MISMATCH, (
-                f"{self.name}: rank {peer.rank} of a job of {peer.world} ranks sent {h.describe()} saying the "
-                f"world size is {h.world}"), about=h)
+            return self.outbox.error(
+                identity,
+                ErrorCode.MISMATCH,
+                (
+                    f"{self.name}: rank {peer.rank} of a job of {peer.world} ranks sent {h.describe()} saying the "
+                    f"world size is {h.world}"
+                ),
+                about=h,
+            )
         self.rounds.contribute(peer, h, payload, bad_payload, slot)

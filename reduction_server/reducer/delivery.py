@@ -2,6 +2,7 @@
 result slot that several ranks read (shared_results.py), or as one frame for all; and a settled
 moved round's (finals.py) to each rank as it asks. Counts the bytes sent (the metrics and the
 stop line read them)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,14 +10,14 @@ from typing import Dict, Optional, Tuple
 
 import zmq
 
-from ..wire import protocol
 from ..log import event, get_logger
+from ..wire import protocol
 from ..wire.protocol import OP_BROADCAST, Header, MsgType
-from .round import Round
 from ..wire.shared_memory import Segment
 from .fold import Folder, Result
 from .membership import Membership
 from .outbox import Outbox
+from .round import Round
 from .shared_results import SharedResults
 
 log = get_logger("reducer")
@@ -25,8 +26,9 @@ log = get_logger("reducer")
 class Delivery:
     """Sends results to the ranks of a round."""
 
-    def __init__(self, outbox: Outbox, members: Membership, folder: Folder, index: int,
-                 shared: Optional[SharedResults] = None) -> None:
+    def __init__(
+        self, outbox: Outbox, members: Membership, folder: Folder, index: int, shared: Optional[SharedResults] = None
+    ) -> None:
         self.outbox = outbox
         self.shared = shared  # the result slots, where ranks on this host may read results
         self.members = members
@@ -51,13 +53,22 @@ class Delivery:
         for rank in order:
             identity = members.rank_identity.get(rank)
             if identity is None:
-                event(log, logging.INFO if rank in members.lost else logging.ERROR, "result_undeliverable",
-                      reducer=self.index, rank=rank, key=h.describe(), reason="rank is no longer connected")
+                event(
+                    log,
+                    logging.INFO if rank in members.lost else logging.ERROR,
+                    "result_undeliverable",
+                    reducer=self.index,
+                    rank=rank,
+                    key=h.describe(),
+                    reason="rank is no longer connected",
+                )
                 continue
             live = self._live_slot(rnd, rank)
             if live is not None and rank in rnd.readers:  # the fold wrote it into the result slot
                 aux = self.shared.aux(rnd.result_slot)
-                if self.outbox.send(identity, [protocol.pack_as(h, MsgType.RESULT_SHARED, self.index, nbytes, aux=aux)]):
+                if self.outbox.send(
+                    identity, [protocol.pack_as(h, MsgType.RESULT_SHARED, self.index, nbytes, aux=aux)]
+                ):
                     self.shared.hand(rnd.result_slot, rank, live[0])  # told: it releases it now
                     self.bytes_out += nbytes
                     self.bytes_shared_out += nbytes
@@ -103,8 +114,9 @@ class Delivery:
                 targets[rank] = view
         return targets
 
-    def _live_slot(self, rnd: Round, rank: int, slot: Optional[Tuple[Segment, int]] = None
-                   ) -> Optional[Tuple[Segment, int]]:
+    def _live_slot(
+        self, rnd: Round, rank: int, slot: Optional[Tuple[Segment, int]] = None
+    ) -> Optional[Tuple[Segment, int]]:
         """rank's slot for rnd's result (`slot`, or the one it contributed through), if it is on
         the segment of the rank's connection now: else its result goes as a frame."""
         segment, index = slot or rnd.slots.get(rank, (None, 0))

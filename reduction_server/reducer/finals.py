@@ -10,16 +10,17 @@ bytes (they are one reducer's one result); two that differ fail the round. A set
 forgotten once every rank has arrived, or quietly at RS_TIMEOUT: everyone who asked has been
 answered, and ranks that already had the result may never ask.
 """
+
 from __future__ import annotations
 
 import time
 from typing import Optional, Tuple
 
-from .accumulator import AccumulatorPool, PoolExhausted
 from ..wire.protocol import BATCHED_RECV_BYTES, ErrorCode, Header, MsgType
-from .round import Round
+from .accumulator import AccumulatorPool, PoolExhausted
 from .delivery import Delivery
 from .fold import Folder, Payload
+from .round import Round
 
 
 class Finals:
@@ -45,8 +46,10 @@ class Finals:
                 except ValueError as exc:
                     return ErrorCode.BAD_PAYLOAD, f"rank {h.rank}: {exc}"
             elif not self._same(rnd, payload):
-                return ErrorCode.MISMATCH, (f"ranks {rnd.final_owner} and {h.rank} received different results for "
-                                            f"{h.describe()} from the reducer that was lost")
+                return ErrorCode.MISMATCH, (
+                    f"ranks {rnd.final_owner} and {h.rank} received different results for "
+                    f"{h.describe()} from the reducer that was lost"
+                )
         rnd.contributed[h.rank] = h
         self.delivery.settled(rnd, h)
         return None

@@ -11,6 +11,7 @@ fold, of the last rank, writes the result into the slots then). Every byte
 kept is charged to the pool's budget and to a rank's (accumulator.py); the reducer's result slots
 are bounded apart (shared_results.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -19,8 +20,8 @@ import numpy as np
 import zmq
 
 from .. import _native
-from .accumulator import AccumulatorPool
 from ..wire.protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
+from .accumulator import AccumulatorPool
 from .round import Round
 
 Payload = Union[zmq.Frame, memoryview, None]
@@ -90,8 +91,15 @@ class Folder:
         for i, (rank, held) in enumerate(ready):  # the first is this very contribution: adoptable
             self._fold_one(rnd, h, rank, held, payload if i == 0 else None, copies if i == last else None)
 
-    def _fold_one(self, rnd: Round, h: Header, rank: int, data: Union[bytes, memoryview],
-                  payload: Payload = None, copies: Copies = None) -> None:
+    def _fold_one(
+        self,
+        rnd: Round,
+        h: Header,
+        rank: int,
+        data: Union[bytes, memoryview],
+        payload: Payload = None,
+        copies: Copies = None,
+    ) -> None:
         """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
         if rnd.accumulator is not None:
             targets = copies() if copies is not None else None

@@ -8,6 +8,7 @@ all its processes, and 3.5 % of the reducers' CPU (bench/RESULTS.md, "Changes th
 A reducer's memory is bounded anyway (RS_MAX_ACCUMULATOR_BYTES, each peer's window), so it keeps
 its peak instead: its resident memory does not fall after a burst (docs/reliability.md, "Bounds").
 """
+
 from __future__ import annotations
 
 import ctypes

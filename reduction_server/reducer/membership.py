@@ -11,19 +11,20 @@ ranks is connected, when a lost rank comes back from another process (the job wa
 under the same id and generation), or when none has been connected for the round timeout. Each
 reducer (each shard) judges this from the ranks that reach it, in the order they come.
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..wire import protocol, shared_memory
 from ..log import event, get_logger
+from ..wire import protocol, shared_memory
 from ..wire.protocol import MsgType
-from .round import format_ranks
 from .clock import Clock
 from .outbox import Outbox
 from .rejoin import Rejoin
+from .round import format_ranks
 
 log = get_logger("reducer")
 
@@ -63,8 +64,16 @@ class Peer:
 class Membership:
     """The peers of the job served, by identity and by rank."""
 
-    def __init__(self, outbox: Outbox, clock: Clock, index: int, fixed_world: Optional[int], liveness_timeout: float,
-                 loss_memory: float, on_lost: Callable[[int, str], Dict[str, int]]) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        clock: Clock,
+        index: int,
+        fixed_world: Optional[int],
+        liveness_timeout: float,
+        loss_memory: float,
+        on_lost: Callable[[int, str], Dict[str, int]],
+    ) -> None:
         self.outbox = outbox
         self.clock = clock
         self.index = index
@@ -156,8 +165,15 @@ class Membership:
         self.lost[rank] = text
         self.lost_process[rank] = peer.process() if peer is not None else None
         effects = self.on_lost(rank, text)
-        event(log, logging.INFO if quiet else logging.WARNING, "rank_lost", reducer=self.index, rank=rank,
-              reason=reason, **effects)
+        event(
+            log,
+            logging.INFO if quiet else logging.WARNING,
+            "rank_lost",
+            reducer=self.index,
+            rank=rank,
+            reason=reason,
+            **effects,
+        )
         if not self.rank_identity and self.world is not None and len(self.came) >= self.world:
             # Every rank came and all have gone: the job is over (or all of it failed). Ranks that
             # connect again with the same job and generation (a second communicator) start afresh.
@@ -178,8 +194,19 @@ class Membership:
         fails at once (EHOSTUNREACH), which is how a closed connection is tied to its rank."""
         for identity, peer in list(self.peers.items()):
             if peer.admitted and peer.heartbeats:
-                self.outbox.send(identity, [protocol.text_header(MsgType.PING, b"", rank=self.index, world=peer.world,
-                                                                 job=peer.job, generation=peer.generation)])
+                self.outbox.send(
+                    identity,
+                    [
+                        protocol.text_header(
+                            MsgType.PING,
+                            b"",
+                            rank=self.index,
+                            world=peer.world,
+                            job=peer.job,
+                            generation=peer.generation,
+                        )
+                    ],
+                )
 
     def check_unreachable(self) -> None:
         """Judge the connections sends found gone: an admitted rank's is a loss."""
@@ -187,9 +214,13 @@ class Membership:
         for identity in gone:
             peer = self.holder(identity)
             if peer is not None:
-                self.lose_rank(peer.rank, (
-                    "its connection closed (the process exited, stopped answering heartbeats for "
-                    f"RS_LIVENESS_TIMEOUT={self.liveness_timeout:g} s, or the network dropped it)"))
+                self.lose_rank(
+                    peer.rank,
+                    (
+                        "its connection closed (the process exited, stopped answering heartbeats for "
+                        f"RS_LIVENESS_TIMEOUT={self.liveness_timeout:g} s, or the network dropped it)"
+                    ),
+                )
             else:  # one that never completed the handshake, or a connection its rank replaced
                 self.peers.pop(identity, None)
 
@@ -211,13 +242,17 @@ class Membership:
         known = self.groups.get(group)
         if known is None:
             if len(self.groups) >= MAX_GROUPS or self.group_ranks + len(ranks) > MAX_GROUP_RANKS:
-                return (f"rank {peer.rank} announced group {group:#x}, but this reducer keeps at most {MAX_GROUPS} "
-                        f"groups and {MAX_GROUP_RANKS} of their ranks per job")
+                return (
+                    f"rank {peer.rank} announced group {group:#x}, but this reducer keeps at most {MAX_GROUPS} "
+                    f"groups and {MAX_GROUP_RANKS} of their ranks per job"
+                )
             self.groups[group] = ranks
             self.group_ranks += len(ranks)
         elif known != ranks and group not in self.group_errors:
-            self.group_errors[group] = (f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
-                                        f"another member as ranks {format_ranks(known)}")
+            self.group_errors[group] = (
+                f"rank {peer.rank} announced group {group:#x} as ranks {format_ranks(ranks)}, "
+                f"another member as ranks {format_ranks(known)}"
+            )
         return None
 
     def forget_groups(self) -> None:
@@ -230,11 +265,17 @@ class Membership:
 
     def progress(self, peer: Peer, progress: Dict[int, int]) -> Optional[str]:
         """A PROGRESS from an admitted member (rejoin.py); why it cannot count, if it cannot."""
+
         def ranks_of(group: int) -> Sequence[int]:
             return range(self.world or 0) if group == 0 else self.groups.get(group, ())
 
-        return self.rejoin.report(peer.rank, progress, ranks_of, self.rank_identity.get,
-                                  {"world": self.world or 0, "job": peer.job, "generation": peer.generation})
+        return self.rejoin.report(
+            peer.rank,
+            progress,
+            ranks_of,
+            self.rank_identity.get,
+            {"world": self.world or 0, "job": peer.job, "generation": peer.generation},
+        )
 
     def ranks_of(self, h: protocol.Header) -> Tuple[Sequence[int], Optional[str]]:
         """The ranks of h's group, and why h cannot be one of its contributions (None: it can)."""

@@ -10,6 +10,7 @@ and summaries at scrape time: about a microsecond per contribution.
 Every reducer has its own CollectorRegistry (never the process-global one), so several reducers
 in one process, and tests, do not clash; every series carries a `reducer` label with its index.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,13 @@ from typing import Any, Iterator, List, Optional, Tuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
-                                    SummaryMetricFamily)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.process_collector import ProcessCollector
 
 from ..errors import ConfigError
@@ -29,8 +35,26 @@ PREFIX = "reduction_server"
 # One contribution folded into an accumulator: 64 KiB takes microseconds, 64 MiB about 10 ms.
 KERNEL_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 # A round, first contribution to result sent: from sub-millisecond to RS_TIMEOUT.
-LATENCY_BUCKETS = (2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0, 300.0)
+LATENCY_BUCKETS = (
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 
 
 class _ReducerCollector:
@@ -51,43 +75,69 @@ class _ReducerCollector:
             family.add_metric(label, value)
             return family
 
-        def gauge(name: str, doc: str, samples: List[Tuple[List[str], float]],
-                  extra: Tuple[str, ...] = ()) -> GaugeMetricFamily:
+        def gauge(
+            name: str, doc: str, samples: List[Tuple[List[str], float]], extra: Tuple[str, ...] = ()
+        ) -> GaugeMetricFamily:
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["reducer", *extra])
             for values, value in samples:
                 family.add_metric(label + values, value)
             return family
 
-        yield counter("received_bytes", "Payload bytes of chunk contributions (DATA) received from workers.",
-                      r.bytes_in)
+        yield counter(
+            "received_bytes", "Payload bytes of chunk contributions (DATA) received from workers.", r.bytes_in
+        )
         yield counter("sent_bytes", "Payload bytes of reduced chunks (RESULT) sent to workers.", r.rounds.bytes_out)
-        yield counter("shared_memory_bytes", "Of the received and sent bytes, those that went through "
-                      "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM, RESULT_SHARED).",
-                      r.bytes_shared)
-        yield counter("shared_results", "Results sent to workers on this host as one result slot that several of "
-                      "them read, written once (RESULT_SHARED): one per worker told.", r.rounds.delivery.results_shared)
-        yield counter("rounds_completed", "Rounds completed: one chunk of one collective, summed over every "
-                      "rank and sent back to all of them.", r.rounds.completed)
-        failed = CounterMetricFamily(f"{PREFIX}_rounds_failed", "Rounds failed, by error code (every rank "
-                                     "of a failed round gets an ERROR naming the cause).", labels=["reducer", "code"])
+        yield counter(
+            "shared_memory_bytes",
+            "Of the received and sent bytes, those that went through "
+            "shared-memory slots of workers on this host (DATA_SHM, RESULT_SHM, RESULT_SHARED).",
+            r.bytes_shared,
+        )
+        yield counter(
+            "shared_results",
+            "Results sent to workers on this host as one result slot that several of "
+            "them read, written once (RESULT_SHARED): one per worker told.",
+            r.rounds.delivery.results_shared,
+        )
+        yield counter(
+            "rounds_completed",
+            "Rounds completed: one chunk of one collective, summed over every rank and sent back to all of them.",
+            r.rounds.completed,
+        )
+        failed = CounterMetricFamily(
+            f"{PREFIX}_rounds_failed",
+            "Rounds failed, by error code (every rank of a failed round gets an ERROR naming the cause).",
+            labels=["reducer", "code"],
+        )
         for code, count in sorted(r.rounds.failed_codes.items()):
             failed.add_metric([self.label, code], count)
         yield failed
         rounds = list(r.rounds.rounds.values())
-        yield gauge("rounds_in_flight", "Rounds that have contributions but not yet all of them.",
-                    [([], sum(1 for rnd in rounds if rnd.error is None))])
+        yield gauge(
+            "rounds_in_flight",
+            "Rounds that have contributions but not yet all of them.",
+            [([], sum(1 for rnd in rounds if rnd.error is None))],
+        )
         pool = r.pool
-        yield gauge("accumulator_bytes", "Accumulator memory: in_use (lent to rounds or being sent), held "
-                    "(received frames kept: adopted as accumulators, or for a rank-ordered fold), "
-                    "free (kept for reuse).",
-                    [(["in_use"], pool.in_use_bytes), (["held"], pool.held_bytes), (["free"], pool.free_bytes)],
-                    extra=("state",))
-        yield gauge("accumulator_budget_bytes", "Accumulator memory limit (RS_MAX_ACCUMULATOR_BYTES).",
-                    [([], pool.max_bytes)])
-        yield gauge("peers_connected", "Workers admitted and connected now.",
-                    [([], sum(1 for peer in list(r.peers.values()) if peer.admitted))])
-        yield counter("peers_admitted", "Handshakes completed (a worker that reconnects counts again).",
-                      r.admission.admissions)
+        yield gauge(
+            "accumulator_bytes",
+            "Accumulator memory: in_use (lent to rounds or being sent), held "
+            "(received frames kept: adopted as accumulators, or for a rank-ordered fold), "
+            "free (kept for reuse).",
+            [(["in_use"], pool.in_use_bytes), (["held"], pool.held_bytes), (["free"], pool.free_bytes)],
+            extra=("state",),
+        )
+        yield gauge(
+            "accumulator_budget_bytes", "Accumulator memory limit (RS_MAX_ACCUMULATOR_BYTES).", [([], pool.max_bytes)]
+        )
+        yield gauge(
+            "peers_connected",
+            "Workers admitted and connected now.",
+            [([], sum(1 for peer in list(r.peers.values()) if peer.admitted))],
+        )
+        yield counter(
+            "peers_admitted", "Handshakes completed (a worker that reconnects counts again).", r.admission.admissions
+        )
 
 
 class _Histogram:
@@ -126,8 +176,9 @@ class MetricsServer:
         try:
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): "
-                              f"{exc}") from None
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): {exc}"
+            ) from None
         return self._server.server_port
 
     def stop(self) -> None:
@@ -167,13 +218,21 @@ class ReducerMetrics(MetricsServer):
         self.latency.observe(time.monotonic() - started)
 
     def collect(self) -> Iterator[Metric]:
-        yield self.kernel.family("reduce_seconds", "Time in the native kernel per contribution "
-                                 "(loading the first unless it is adopted, summing the others).", self._label)
-        yield self.latency.family("round_latency_seconds", "Round latency: first contribution received "
-                                  "to result sent.", self._label)
-        lag = SummaryMetricFamily(f"{PREFIX}_arrival_lag_seconds", "How long after a round's first "
-                                  "contribution each rank's contribution arrived (a straggler has the "
-                                  "largest mean).", labels=["reducer", "rank"])
+        yield self.kernel.family(
+            "reduce_seconds",
+            "Time in the native kernel per contribution (loading the first unless it is adopted, summing the others).",
+            self._label,
+        )
+        yield self.latency.family(
+            "round_latency_seconds", "Round latency: first contribution received to result sent.", self._label
+        )
+        lag = SummaryMetricFamily(
+            f"{PREFIX}_arrival_lag_seconds",
+            "How long after a round's first "
+            "contribution each rank's contribution arrived (a straggler has the "
+            "largest mean).",
+            labels=["reducer", "rank"],
+        )
         for rank, (count, total) in enumerate(zip(list(self.lag_count), list(self.lag_sum))):
             if count:
                 lag.add_metric([self._label, str(rank)], count_value=count, sum_value=total)

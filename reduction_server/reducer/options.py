@@ -7,6 +7,7 @@ spec or RS_REDUCER_INDEX (config/discovery.py, for the host, port, index and wor
 environment (config/settings.py), its default. Every setting is read and checked here, in one
 place, so that a bad one is one ConfigError before anything binds and before any shard starts.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -54,10 +55,19 @@ class ReducerConfig:
         return self.shard or 0
 
     @classmethod
-    def resolve(cls, *, host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
-                index: Optional[int] = None, deterministic: Optional[bool] = None,
-                metrics_port: Optional[int] = None, shards: Union[str, int, None] = None,
-                shard: Optional[int] = None, insecure_no_token: Optional[bool] = None) -> "ReducerConfig":
+    def resolve(
+        cls,
+        *,
+        host: Optional[str] = None,
+        port: Optional[int] = None,
+        workers: Optional[int] = None,
+        index: Optional[int] = None,
+        deterministic: Optional[bool] = None,
+        metrics_port: Optional[int] = None,
+        shards: Union[str, int, None] = None,
+        shard: Optional[int] = None,
+        insecure_no_token: Optional[bool] = None,
+    ) -> "ReducerConfig":
         """The settings `serve` runs with: each argument that is not None wins over the discovered
         place and the environment (deterministic: RS_DETERMINISTIC; metrics_port: RS_METRICS_PORT;
         shards: RS_SHARDS; insecure_no_token: RS_ALLOW_NO_TOKEN). A ConfigError names the first
@@ -82,15 +92,32 @@ class ReducerConfig:
         max_peer, max_rounds = settings.read("RS_MAX_PEER_BYTES"), settings.read("RS_MAX_ROUNDS")
         round_timeout = settings.read("RS_TIMEOUT")
         _check_budget(budget, max_chunk, count)
-        return cls(host=host, port=port, index=index, workers=workers, token=token, deterministic=deterministic,
-                   encrypt=encrypt, metrics_port=metrics_port, shards=count, shard=shard, max_chunk_bytes=max_chunk,
-                   heartbeat_interval=heartbeat, liveness_timeout=liveness, sndbuf=sndbuf,
-                   max_accumulator_bytes=budget, max_peer_bytes=max_peer, max_rounds=max_rounds,
-                   round_timeout=round_timeout, shared=shared_memory.enabled())
+        return cls(
+            host=host,
+            port=port,
+            index=index,
+            workers=workers,
+            token=token,
+            deterministic=deterministic,
+            encrypt=encrypt,
+            metrics_port=metrics_port,
+            shards=count,
+            shard=shard,
+            max_chunk_bytes=max_chunk,
+            heartbeat_interval=heartbeat,
+            liveness_timeout=liveness,
+            sndbuf=sndbuf,
+            max_accumulator_bytes=budget,
+            max_peer_bytes=max_peer,
+            max_rounds=max_rounds,
+            round_timeout=round_timeout,
+            shared=shared_memory.enabled(),
+        )
 
 
-def _place(host: Optional[str], port: Optional[int], index: Optional[int],
-           workers: Optional[int]) -> Tuple[str, int, int, Optional[int]]:
+def _place(
+    host: Optional[str], port: Optional[int], index: Optional[int], workers: Optional[int]
+) -> Tuple[str, int, int, Optional[int]]:
     """Host, port, index and world size: each argument, else the discovered place's, else the
     default (the world size: RS_WORLD_SIZE, else None)."""
     from ..config.discovery import discover_reducer
@@ -128,10 +155,12 @@ def _check_token(host: str, token: str, insecure_no_token: Optional[bool]) -> No
     if insecure_no_token is None:
         insecure_no_token = settings.read("RS_ALLOW_NO_TOKEN")
     if not insecure_no_token:
-        raise ConfigError(f"refusing to listen on {host} without a job token: anyone who reaches the port could "
-                          "join the job, send it data and read its sums; set RS_JOB_TOKEN to a random secret "
-                          "shared with the workers (openssl rand -hex 16), or bind the loopback (--host 127.0.0.1), "
-                          "or accept the risk with --insecure-no-token (RS_ALLOW_NO_TOKEN=1)")
+        raise ConfigError(
+            f"refusing to listen on {host} without a job token: anyone who reaches the port could "
+            "join the job, send it data and read its sums; set RS_JOB_TOKEN to a random secret "
+            "shared with the workers (openssl rand -hex 16), or bind the loopback (--host 127.0.0.1), "
+            "or accept the risk with --insecure-no-token (RS_ALLOW_NO_TOKEN=1)"
+        )
 
 
 def _metrics_port(metrics_port: Optional[int]) -> int:
@@ -145,8 +174,9 @@ def _metrics_port(metrics_port: Optional[int]) -> int:
 
 def _shards(shards: Union[str, int, None], shard: Optional[int]) -> int:
     """How many shards (the argument, else RS_SHARDS), with `shard` checked to be one of them."""
-    count = shard_count(settings.read("RS_SHARDS") if shards is None else shards,
-                        "RS_SHARDS" if shards is None else "--shards")
+    count = shard_count(
+        settings.read("RS_SHARDS") if shards is None else shards, "RS_SHARDS" if shards is None else "--shards"
+    )
     if shard is not None and not 0 <= shard < count:
         raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")
     return count
@@ -156,6 +186,8 @@ def _check_budget(budget: int, max_chunk: int, count: int) -> None:
     """A ConfigError when sharding alone leaves each shard less accumulator memory than one chunk
     (one process with too small a budget is left to refuse each chunk, naming the setting)."""
     if count > 1 and budget < max_chunk <= budget * count:
-        raise ConfigError(f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
-                          f"{budget} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
-                          f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)")
+        raise ConfigError(
+            f"RS_MAX_ACCUMULATOR_BYTES shared by {count} shards leaves each "
+            f"{budget} bytes, less than one chunk (RS_MAX_CHUNK_BYTES="
+            f"{max_chunk}): raise it, or run fewer shards (--shards, RS_SHARDS)"
+        )

@@ -6,6 +6,7 @@ non-blocking: a worker never has more than its window of answers outstanding, so
 peer, or one that is gone, loses messages here. A send to a peer whose connection has closed
 fails at once (EHOSTUNREACH): that is how the reducer ties a closed connection to its rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,8 @@ from typing import Callable, Dict, Optional
 
 import zmq
 
-from ..wire import protocol
 from ..log import Throttle, get_logger
+from ..wire import protocol
 from ..wire.protocol import ErrorCode, Header, MsgType
 
 log = get_logger("reducer")
@@ -33,18 +34,25 @@ def clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
     if len(text.encode()) <= limit:
         return text
     marker = " ... [truncated]"
-    return text.encode()[:limit - len(marker)].decode(errors="ignore") + marker
+    return text.encode()[: limit - len(marker)].decode(errors="ignore") + marker
 
 
 class Outbox:
     """The reducer's sending side of its ROUTER socket."""
 
-    def __init__(self, socket: zmq.Socket, index: int, name: str, on_gone: Callable[[bytes], None],
-                 throttle: Optional[Throttle] = None) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        index: int,
+        name: str,
+        on_gone: Callable[[bytes], None],
+        throttle: Optional[Throttle] = None,
+    ) -> None:
         # A real socket's frames go through pyzmq's backend method: the Python wrapper above it
         # adds only draft-API options, at ~0.5 us a frame.
-        self._send_part = (MethodType(zmq.backend.Socket.send, socket) if isinstance(socket, zmq.backend.Socket)
-                           else socket.send)
+        self._send_part = (
+            MethodType(zmq.backend.Socket.send, socket) if isinstance(socket, zmq.backend.Socket) else socket.send
+        )
         self.index = index
         self.name = name
         self.on_gone = on_gone  # told of each identity whose connection a send found closed
@@ -75,8 +83,9 @@ class Outbox:
                 reason = "its send queue is full (it does not read)" if isinstance(exc, zmq.Again) else str(exc)
                 # A peer that is gone is no news: its loss, if it matters, is logged as rank_lost.
                 level = logging.DEBUG if exc.errno == zmq.EHOSTUNREACH else logging.WARNING
-                self.throttle.event(level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason,
-                                    unsent=unsent)
+                self.throttle.event(
+                    level, "send_failed", reducer=self.index, peer=identity.hex(), reason=reason, unsent=unsent
+                )
             return False
 
     def error(self, identity: bytes, code: ErrorCode, text: str, about: Optional[Header] = None) -> None:

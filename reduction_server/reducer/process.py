@@ -6,6 +6,7 @@ stdout in one short line (and to a launcher's --ready-fd), logs its configuratio
 until SIGTERM or SIGINT, and logs a summary when it stops (NOTICE, shown by default). With
 shards it supervises them instead (shards.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,11 +74,18 @@ def _say_ready(ready_fd: Optional[int], port: int, metrics_port: Optional[int] =
             pass  # the launcher gave up on this reducer already, and stops it
 
 
-def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optional[int] = None,
-          index: Optional[int] = None, deterministic: Optional[bool] = None,
-          metrics_port: Optional[int] = None, ready_fd: Optional[int] = None,
-          shards: Union[str, int, None] = None, shard: Optional[int] = None,
-          insecure_no_token: Optional[bool] = None) -> int:
+def serve(
+    host: Optional[str] = None,
+    port: Optional[int] = None,
+    workers: Optional[int] = None,
+    index: Optional[int] = None,
+    deterministic: Optional[bool] = None,
+    metrics_port: Optional[int] = None,
+    ready_fd: Optional[int] = None,
+    shards: Union[str, int, None] = None,
+    shard: Optional[int] = None,
+    insecure_no_token: Optional[bool] = None,
+) -> int:
     """Run one reducer until SIGTERM or SIGINT; arguments override the discovered place and
     the environment (deterministic=None: RS_DETERMINISTIC; metrics_port=None: RS_METRICS_PORT,
     0 or unset: no metrics; shards=None: RS_SHARDS). With more than one shard this process
@@ -88,9 +96,17 @@ def serve(host: Optional[str] = None, port: Optional[int] = None, workers: Optio
     (None: RS_ALLOW_NO_TOKEN) says so (options.py)."""
     _check_ready_fd(ready_fd)
     # Every setting is read (and checked) here, before any shard starts: a bad one is one message.
-    config = ReducerConfig.resolve(host=host, port=port, workers=workers, index=index, deterministic=deterministic,
-                                   metrics_port=metrics_port, shards=shards, shard=shard,
-                                   insecure_no_token=insecure_no_token)
+    config = ReducerConfig.resolve(
+        host=host,
+        port=port,
+        workers=workers,
+        index=index,
+        deterministic=deterministic,
+        metrics_port=metrics_port,
+        shards=shards,
+        shard=shard,
+        insecure_no_token=insecure_no_token,
+    )
     if config.supervises:
         return _supervise(config, ready_fd)
     heap_kept = heap.keep_freed_memory()  # before libzmq's I/O thread starts
@@ -107,13 +123,24 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
         bound = _listen(socket, config, zap)
         send_buffers = AcceptedBuffers(bound) if config.sndbuf == settings.SNDBUF_AUTO else None
         reducer = Reducer(
-            socket, index=config.index, address=f"{config.host}:{bound}", world_size=config.workers,
-            job_token=config.token, max_chunk_bytes=config.max_chunk_bytes,
-            max_accumulator_bytes=config.max_accumulator_bytes, max_peer_bytes=config.max_peer_bytes,
-            max_rounds=config.max_rounds, round_timeout=config.round_timeout,
-            heartbeat_interval=config.heartbeat_interval, liveness_timeout=config.liveness_timeout,
-            deterministic=config.deterministic, encrypt=config.encrypt, shared=config.shared,
-            shard=config.shard_number, shards=config.shards, send_buffers=send_buffers,
+            socket,
+            index=config.index,
+            address=f"{config.host}:{bound}",
+            world_size=config.workers,
+            job_token=config.token,
+            max_chunk_bytes=config.max_chunk_bytes,
+            max_accumulator_bytes=config.max_accumulator_bytes,
+            max_peer_bytes=config.max_peer_bytes,
+            max_rounds=config.max_rounds,
+            round_timeout=config.round_timeout,
+            heartbeat_interval=config.heartbeat_interval,
+            liveness_timeout=config.liveness_timeout,
+            deterministic=config.deterministic,
+            encrypt=config.encrypt,
+            shared=config.shared,
+            shard=config.shard_number,
+            shards=config.shards,
+            send_buffers=send_buffers,
         )
         try:
             metrics_at = _serve_metrics(config, reducer)
@@ -172,51 +199,88 @@ def _which_shard(config: ReducerConfig) -> Dict[str, int]:
     return {"shard": config.shard_number} if config.shards > 1 else {}
 
 
-def _announce(config: ReducerConfig, reducer: Reducer, bound: int, metrics_at: Optional[Tuple[str, int]],
-              heap_kept: bool) -> None:
+def _announce(
+    config: ReducerConfig, reducer: Reducer, bound: int, metrics_at: Optional[Tuple[str, int]], heap_kept: bool
+) -> None:
     """The short `listening` line on stdout (what a user or a launcher reads), and the `started`
     event with every setting in force at INFO."""
     address = f"{config.host}:{bound}"
     token, encrypt, deterministic = config.token, config.encrypt, config.deterministic
-    print(f"{reducer.name.split(' (')[0]} listening on tcp://{address}"
-          f"{_settings_in_short(config.workers, token, encrypt, deterministic)}", flush=True)
-    event(log, logging.INFO, "started", reducer=config.index, **_which_shard(config),
-          address=address, workers=config.workers or "from_hello",
-          auth="token" if token else "none", encrypt=encrypt, deterministic=deterministic,
-          max_chunk_bytes=config.max_chunk_bytes, max_accumulator_bytes=reducer.pool.max_bytes,
-          max_peer_bytes=reducer.pool.max_rank_bytes, max_rounds=reducer.rounds.max_rounds,
-          heap="kept" if heap_kept else "default",
-          timeout_s=reducer.round_timeout, heartbeat_interval_s=config.heartbeat_interval,
-          liveness_timeout_s=config.liveness_timeout,
-          sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(config.sndbuf, config.sndbuf),
-          metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
-          pid=os.getpid())
+    print(
+        f"{reducer.name.split(' (')[0]} listening on tcp://{address}"
+        f"{_settings_in_short(config.workers, token, encrypt, deterministic)}",
+        flush=True,
+    )
+    event(
+        log,
+        logging.INFO,
+        "started",
+        reducer=config.index,
+        **_which_shard(config),
+        address=address,
+        workers=config.workers or "from_hello",
+        auth="token" if token else "none",
+        encrypt=encrypt,
+        deterministic=deterministic,
+        max_chunk_bytes=config.max_chunk_bytes,
+        max_accumulator_bytes=reducer.pool.max_bytes,
+        max_peer_bytes=reducer.pool.max_rank_bytes,
+        max_rounds=reducer.rounds.max_rounds,
+        heap="kept" if heap_kept else "default",
+        timeout_s=reducer.round_timeout,
+        heartbeat_interval_s=config.heartbeat_interval,
+        liveness_timeout_s=config.liveness_timeout,
+        sndbuf={0: "kernel", settings.SNDBUF_AUTO: "auto"}.get(config.sndbuf, config.sndbuf),
+        metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else "off",
+        pid=os.getpid(),
+    )
 
 
 def _settings_in_short(workers: Optional[int], token: str, encrypt: bool, deterministic: bool) -> str:
     """The start line's settings: the world size and the authentication always, the others only
     when on (the `started` event at INFO has them all)."""
-    return (f" workers={workers or 'from HELLO'} auth={'token' if token else 'none'}"
-            + (" encrypt=curve" if encrypt else "") + (" deterministic=on" if deterministic else ""))
+    return (
+        f" workers={workers or 'from HELLO'} auth={'token' if token else 'none'}"
+        + (" encrypt=curve" if encrypt else "")
+        + (" deterministic=on" if deterministic else "")
+    )
 
 
 def _summarise(config: ReducerConfig, reducer: Reducer) -> None:
     """The `stopped` event: what the reducer did, and what it still held when it stopped."""
     rounds = reducer.rounds
     failed = ",".join(f"{code}:{n}" for code, n in sorted(rounds.failed_codes.items()))
-    event(log, NOTICE, "stopped", reducer=config.index, **_which_shard(config), completed=rounds.completed,
-          failed=rounds.failed, failed_by_code=failed or "none", bytes_in=reducer.bytes_in,
-          bytes_out=rounds.bytes_out, bytes_shared_memory=reducer.bytes_shared,
-          shared_results=rounds.delivery.results_shared, peers_admitted=reducer.admission.admissions,
-          uptime_s=f"{time.monotonic() - reducer.started:.1f}", open_rounds=len(rounds.rounds),
-          accumulator_bytes_in_use=reducer.pool.in_use_bytes)
+    event(
+        log,
+        NOTICE,
+        "stopped",
+        reducer=config.index,
+        **_which_shard(config),
+        completed=rounds.completed,
+        failed=rounds.failed,
+        failed_by_code=failed or "none",
+        bytes_in=reducer.bytes_in,
+        bytes_out=rounds.bytes_out,
+        bytes_shared_memory=reducer.bytes_shared,
+        shared_results=rounds.delivery.results_shared,
+        peers_admitted=reducer.admission.admissions,
+        uptime_s=f"{time.monotonic() - reducer.started:.1f}",
+        open_rounds=len(rounds.rounds),
+        accumulator_bytes_in_use=reducer.pool.in_use_bytes,
+    )
 
 
 def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
     """Run the shards of one reducer until SIGTERM or SIGINT (shards.py)."""
-    supervisor = Supervisor(host=config.host, port=config.port, index=config.index, shards=config.shards,
-                            workers=config.workers, deterministic=config.deterministic,
-                            metrics_port=config.metrics_port)
+    supervisor = Supervisor(
+        host=config.host,
+        port=config.port,
+        index=config.index,
+        shards=config.shards,
+        workers=config.workers,
+        deterministic=config.deterministic,
+        metrics_port=config.metrics_port,
+    )
     token, encrypt = config.token, config.encrypt
     stopping = _stopping()
     index, count = supervisor.index, supervisor.count
@@ -229,16 +293,28 @@ def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
             metrics.serve(supervisor.host, supervisor.metrics_port)
         base = supervisor.start()
         address = f"{supervisor.host}:{base}"
-        print(f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1})"
-              f"{_settings_in_short(supervisor.workers, token, encrypt, supervisor.deterministic)}", flush=True)
-        event(log, logging.INFO, "started", reducer=index, address=address, shards=count,
-              ports=f"{base}-{base + count - 1}", pid=os.getpid())
+        print(
+            f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1})"
+            f"{_settings_in_short(supervisor.workers, token, encrypt, supervisor.deterministic)}",
+            flush=True,
+        )
+        event(
+            log,
+            logging.INFO,
+            "started",
+            reducer=index,
+            address=address,
+            shards=count,
+            ports=f"{base}-{base + count - 1}",
+            pid=os.getpid(),
+        )
         _say_ready(ready_fd, base)
         supervisor.watch(lambda: bool(stopping))
     finally:
         supervisor.stop()
         if metrics is not None:
             metrics.stop()
-    event(log, NOTICE, "stopped", reducer=index, shards=count,
-          shard_restarts=sum(s.restarts for s in supervisor.shards))
+    event(
+        log, NOTICE, "stopped", reducer=index, shards=count, shard_restarts=sum(s.restarts for s in supervisor.shards)
+    )
     return 0

@@ -9,6 +9,7 @@ seq on, every member sends the group's chunks that belong to this reducer here a
 that reports again (it reconnected) hears the boundary already chosen, unless it reports a seq
 past it: it used this reducer from the boundary and lost it again, so the group agrees anew.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
@@ -29,8 +30,14 @@ class Rejoin:
         self.reports: Dict[int, Dict[int, int]] = {}  # group -> rank -> the next seq it will start
         self.boundaries: Dict[int, int] = {}  # group -> the seq from which it uses this reducer
 
-    def report(self, rank: int, progress: Dict[int, int], ranks_of: Callable[[int], Sequence[int]],
-               identity_of: Callable[[int], Optional[bytes]], ident: dict) -> Optional[str]:
+    def report(
+        self,
+        rank: int,
+        progress: Dict[int, int],
+        ranks_of: Callable[[int], Sequence[int]],
+        identity_of: Callable[[int], Optional[bytes]],
+        ident: dict,
+    ) -> Optional[str]:
         """A PROGRESS from `rank`; JOINs to every member of each group whose boundary is now
         known (to `rank` alone for a group decided before). Why it cannot count, if it cannot."""
         for group, seq in progress.items():

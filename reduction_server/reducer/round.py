@@ -12,6 +12,7 @@ their arrival order: rank k is folded once ranks 0..k have arrived, and a contri
 arrives before its turn is held (a view of its received frame or of its shared-memory slot, or
 a copy of a small frame, which may share libzmq's receive buffer) until then.
 """
+
 from __future__ import annotations
 
 import operator
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
-from ..wire.protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
 from ..config.settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
+from ..wire.protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
 
 if TYPE_CHECKING:
     from ..wire.shared_memory import Segment
@@ -44,7 +45,7 @@ def format_ranks(ranks, limit: int = 24) -> str:
             parts.append(str(first) if first == last else f"{first}-{last}")
             start = i
     if len(parts) > limit:
-        parts = parts[:limit - 4] + ["..."] + parts[-3:]
+        parts = parts[: limit - 4] + ["..."] + parts[-3:]
     return "[" + ", ".join(parts) + f"] ({len(ranks)} ranks)"
 
 
@@ -74,7 +75,9 @@ class Round:
     code: ErrorCode = ErrorCode.MISMATCH  # why the round failed, once it has
     started: float = 0.0  # monotonic time of its first contribution
     failed_at: float = 0.0  # monotonic time it failed
-    held: Dict[int, Any] = field(default_factory=dict)  # deterministic mode: rank -> payload (a view of its frame or slot)
+    held: Dict[int, Any] = field(
+        default_factory=dict
+    )  # deterministic mode: rank -> payload (a view of its frame or slot)
     slots: Dict[int, Tuple["Segment", int]] = field(default_factory=dict)  # rank -> (segment, slot) its result goes to
     next_position: int = 0  # deterministic mode: the position in `ranks` of the rank folded next
     owner: int = 0  # the rank whose contribution was loaded into the accumulator: it is charged for it
@@ -102,20 +105,27 @@ class Round:
         if h.rank in self.contributed:
             return f"rank {h.rank} contributed twice to {self.first.describe()}"
         if (h.type in MOVED_TYPES) != self.moved:
-            return (f"rank {h.rank} sent {h.describe()} as {'not ' if self.moved else ''}moved from a lost reducer "
-                    f"and ranks {format_ranks(self.contributed)} did the opposite: the ranks disagree on which "
-                    "reducers are lost")
+            return (
+                f"rank {h.rank} sent {h.describe()} as {'not ' if self.moved else ''}moved from a lost reducer "
+                f"and ranks {format_ranks(self.contributed)} did the opposite: the ranks disagree on which "
+                "reducers are lost"
+            )
         if _agreed(h) != _agreed(self.first):
             groups: Dict[str, List[int]] = {}
             for other in [*self.contributed.values(), h]:
                 groups.setdefault(describe_fields(other), []).append(other.rank)
             detail = "; ".join(f"ranks {format_ranks(ranks)} sent {desc}" for desc, ranks in groups.items())
             first = self.first
-            if (h.dtype, h.total) == (first.dtype, first.total) and (h.count, h.nchunks) != (first.count, first.nchunks):
+            if (h.dtype, h.total) == (first.dtype, first.total) and (h.count, h.nchunks) != (
+                first.count,
+                first.nchunks,
+            ):
                 # The same buffer cut into other chunks: a setting differs between the ranks.
-                detail += ("; the ranks cut the same buffer differently: every rank must use the same "
-                           "RS_CHUNK_BYTES and RS_PIPELINE_DEPTH (reduction-server run sets the depth to "
-                           f"{ONE_HOST_PIPELINE_DEPTH} for its ranks, {DEFAULT_PIPELINE_DEPTH} is the default elsewhere)")
+                detail += (
+                    "; the ranks cut the same buffer differently: every rank must use the same "
+                    "RS_CHUNK_BYTES and RS_PIPELINE_DEPTH (reduction-server run sets the depth to "
+                    f"{ONE_HOST_PIPELINE_DEPTH} for its ranks, {DEFAULT_PIPELINE_DEPTH} is the default elsewhere)"
+                )
             return f"contributions to {self.first.describe()} disagree: {detail}"
         return None
 

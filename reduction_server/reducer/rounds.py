@@ -12,6 +12,7 @@ once with the same ERROR, including ranks that contribute after it failed; it is
 every rank has been answered or is lost, or after RETAIN_FAILED_S + 2 x RS_TIMEOUT. Rounds reach
 the workers only through the Outbox.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,16 +20,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-from .accumulator import AccumulatorPool, PoolExhausted
 from ..log import event, get_logger
 from ..wire.protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
-from .round import Round, format_ranks
+from .accumulator import AccumulatorPool, PoolExhausted
 from .clock import Clock
 from .delivery import Delivery
 from .finals import Finals
 from .fold import Folder, Payload
 from .membership import Membership, Peer
 from .outbox import Outbox, clip
+from .round import Round, format_ranks
 from .shared_results import SharedResults
 
 if TYPE_CHECKING:
@@ -45,9 +46,21 @@ RETAIN_FAILED_S = 60.0
 class Rounds:
     """Every open or failed round of the job served, by key."""
 
-    def __init__(self, outbox: Outbox, members: Membership, pool: AccumulatorPool, clock: Clock, *, index: int,
-                 name: str, max_chunk_bytes: int, max_rounds: int, round_timeout: float, deterministic: bool,
-                 results: Optional[SharedResults] = None) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        members: Membership,
+        pool: AccumulatorPool,
+        clock: Clock,
+        *,
+        index: int,
+        name: str,
+        max_chunk_bytes: int,
+        max_rounds: int,
+        round_timeout: float,
+        deterministic: bool,
+        results: Optional[SharedResults] = None,
+    ) -> None:
         self.outbox = outbox
         self.members = members
         self.clock = clock
@@ -83,22 +96,33 @@ class Rounds:
         return len(self.rounds) - self.failed_kept
 
     # -- OPEN: contributions ---------------------------------------------------------------
-    def contribute(self, peer: Peer, h: Header, payload: Payload, bad_payload: Optional[str] = None,
-                   slot: Optional[int] = None) -> None:
+    def contribute(
+        self, peer: Peer, h: Header, payload: Payload, bad_payload: Optional[str] = None, slot: Optional[int] = None
+    ) -> None:
         """An admitted peer's contribution h to its key (its rank, job and generation checked)."""
         if h.count * ACCUMULATOR_ITEMSIZE[h.dtype] > self.max_chunk_bytes:
-            return self._fail_contribution(h, ErrorCode.TOO_LARGE, (
-                f"rank {h.rank} sent a chunk of {h.count} x {DTYPES[h.dtype].name.lower()}, over this reducer's "
-                f"limit of {self.max_chunk_bytes} bytes per chunk"))
+            return self._fail_contribution(
+                h,
+                ErrorCode.TOO_LARGE,
+                (
+                    f"rank {h.rank} sent a chunk of {h.count} x {DTYPES[h.dtype].name.lower()}, over this reducer's "
+                    f"limit of {self.max_chunk_bytes} bytes per chunk"
+                ),
+            )
         if bad_payload is not None:
             return self._fail_contribution(h, ErrorCode.BAD_PAYLOAD, bad_payload)
         if h.key not in self.rounds and len(self.rounds) >= self.max_rounds:
             in_flight = self.open_count
             if in_flight >= self.max_rounds:
-                return self._fail_contribution(h, ErrorCode.TOO_LARGE, (
-                    f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
-                    f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
-                    "collectives in the same order stay within their window (RS_WINDOW) of each other"))
+                return self._fail_contribution(
+                    h,
+                    ErrorCode.TOO_LARGE,
+                    (
+                        f"rank {h.rank} started {h.describe()} while {in_flight} chunks of collectives were in "
+                        f"flight on this reducer, its cap (RS_MAX_ROUNDS={self.max_rounds}); ranks that issue "
+                        "collectives in the same order stay within their window (RS_WINDOW) of each other"
+                    ),
+                )
         rnd, problem = self._round_for(h)
         if rnd is None:  # not one of the group's ranks: it alone hears why, the group's round goes on
             return self.outbox.error(peer.identity, ErrorCode.MISMATCH, f"{self.name}: {problem}", about=h)
@@ -117,8 +141,12 @@ class Rounds:
         if lost:
             gone = [rank for rank in lost if rank not in rnd.contributed and rank in rnd.ranks]
             if gone:
-                return self.fail(rnd, ErrorCode.LOST, f"{rnd.first.describe()} cannot complete: "
-                                 + "; ".join(lost[rank] for rank in sorted(gone)[:8]), extra=h)
+                return self.fail(
+                    rnd,
+                    ErrorCode.LOST,
+                    f"{rnd.first.describe()} cannot complete: " + "; ".join(lost[rank] for rank in sorted(gone)[:8]),
+                    extra=h,
+                )
         reason = rnd.disagreement(h)
         if reason is not None:
             code = ErrorCode.DUPLICATE if h.rank in rnd.contributed else ErrorCode.MISMATCH
@@ -181,8 +209,7 @@ class Rounds:
             return None, problem
         rnd = self.rounds.get(h.key)
         if rnd is None:
-            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=self.clock.now,
-                                             moved=h.type in MOVED_TYPES)
+            rnd = self.rounds[h.key] = Round(first=h, ranks=ranks, started=self.clock.now, moved=h.type in MOVED_TYPES)
         return rnd, problem
 
     def fail(self, rnd: Round, code: ErrorCode, reason: str, extra: Optional[Header] = None) -> None:
@@ -196,8 +223,15 @@ class Rounds:
         rnd.failed_at = self.clock.now
         self.failed += 1
         self.failed_codes[code.name] = self.failed_codes.get(code.name, 0) + 1
-        event(log, logging.WARNING, "round_failed", reducer=self.index, key=rnd.first.describe(),
-              code=code.name, reason=reason)
+        event(
+            log,
+            logging.WARNING,
+            "round_failed",
+            reducer=self.index,
+            key=rnd.first.describe(),
+            code=code.name,
+            reason=reason,
+        )
         self.folder.free(rnd)
         self.finals.release(rnd)
         for rank, h in list(rnd.contributed.items()):
@@ -231,8 +265,11 @@ class Rounds:
                 failed += 1
             elif rnd.error is not None:
                 self._maybe_forget(rnd)
-        return {"failed_rounds": failed, "open_rounds": self.open_count,
-                "accumulator_bytes_in_use": self.folder.pool.in_use_bytes}
+        return {
+            "failed_rounds": failed,
+            "open_rounds": self.open_count,
+            "accumulator_bytes_in_use": self.folder.pool.in_use_bytes,
+        }
 
     def check_skipped(self) -> None:
         """A rank sends its collectives in seq order, so a rank that already contributed to a
@@ -243,10 +280,15 @@ class Rounds:
                 continue
             skipped = [rank for rank in rnd.missing if self.members.seq_of(rank, rnd.first.group) > rnd.first.seq]
             if skipped:
-                self.fail(rnd, ErrorCode.LOST, (
-                    f"{rnd.first.describe()} cannot complete: ranks {format_ranks(skipped)} went on to later "
-                    f"collectives without contributing (it failed on their side); ranks "
-                    f"{format_ranks(rnd.contributed)} contributed"))
+                self.fail(
+                    rnd,
+                    ErrorCode.LOST,
+                    (
+                        f"{rnd.first.describe()} cannot complete: ranks {format_ranks(skipped)} went on to later "
+                        f"collectives without contributing (it failed on their side); ranks "
+                        f"{format_ranks(rnd.contributed)} contributed"
+                    ),
+                )
 
     def expire(self, now: float) -> None:
         """Fail rounds that waited longer than the timeout for their last contributions. The
@@ -260,16 +302,21 @@ class Rounds:
                     self._forget(key)
             elif rnd.error is None:
                 if now - rnd.started >= self.round_timeout:
-                    self.fail(rnd, ErrorCode.STALE, (
-                        f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
-                        f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"))
+                    self.fail(
+                        rnd,
+                        ErrorCode.STALE,
+                        (
+                            f"{rnd.first.describe()} timed out after {self.round_timeout:g} s: ranks "
+                            f"{format_ranks(rnd.contributed)} contributed, ranks {format_ranks(rnd.missing)} did not"
+                        ),
+                    )
                     failed += 1
             elif now - rnd.failed_at >= retain:
                 self._forget(key)
             else:
                 failed += 1
         if failed > MAX_FAILED_ROUNDS:  # bounded: the oldest failed rounds go first
-            for key in [k for k, r in self.rounds.items() if r.error is not None][:failed - MAX_FAILED_ROUNDS]:
+            for key in [k for k, r in self.rounds.items() if r.error is not None][: failed - MAX_FAILED_ROUNDS]:
                 self._forget(key)
 
     def drop_all(self) -> int:

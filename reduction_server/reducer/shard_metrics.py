@@ -9,6 +9,7 @@ a sharded reducer is one scrape target, as one process is, and no shard's page i
 shard that is down, slow, or answers something that is not a metrics page only loses its own
 series for that scrape.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -60,8 +61,9 @@ class _ShardsCollector:
 
     def __init__(self, supervisor: Any) -> None:  # a shards.Supervisor: shards.py imports this module lazily
         self.supervisor = supervisor
-        self.readers = ThreadPoolExecutor(max_workers=max(1, min(_MAX_READERS, supervisor.count)),
-                                          thread_name_prefix="shard-metrics")
+        self.readers = ThreadPoolExecutor(
+            max_workers=max(1, min(_MAX_READERS, supervisor.count)), thread_name_prefix="shard-metrics"
+        )
         self.own = ProcessCollector(registry=None)
 
     def describe(self) -> List[Metric]:
@@ -71,14 +73,22 @@ class _ShardsCollector:
         index = str(self.supervisor.index)
         shards = list(self.supervisor.shards)
         # A running process's port: a dead one's may be another program's by now.
-        pages = [self.readers.submit(read_page, s.metrics_port if s.proc is not None and s.proc.poll() is None
-                                     else None) for s in shards]
+        pages = [
+            self.readers.submit(read_page, s.metrics_port if s.proc is not None and s.proc.poll() is None else None)
+            for s in shards
+        ]
         wait(pages, timeout=SCRAPE_TIMEOUT_S)
         families: Dict[str, Metric] = {}
-        up = GaugeMetricFamily(f"{PREFIX}_shard_up", "1 if the shard's process answered this scrape, else 0 "
-                               "(dead, restarting, or slower than 2 s).", labels=["reducer", "shard"])
-        restarts = CounterMetricFamily(f"{PREFIX}_shard_restarts", "Times the supervisor tried to start the "
-                                       "shard again after it died.", labels=["reducer", "shard"])
+        up = GaugeMetricFamily(
+            f"{PREFIX}_shard_up",
+            "1 if the shard's process answered this scrape, else 0 (dead, restarting, or slower than 2 s).",
+            labels=["reducer", "shard"],
+        )
+        restarts = CounterMetricFamily(
+            f"{PREFIX}_shard_restarts",
+            "Times the supervisor tried to start the shard again after it died.",
+            labels=["reducer", "shard"],
+        )
         for shard, page in zip(shards, pages):
             got = page.result() if page.done() and page.exception() is None else None
             number = str(shard.number)

@@ -14,6 +14,7 @@ them all on SIGTERM or SIGINT, and starts a shard that died again at its port (w
 a lost reducer and take it back once it is up: reliability.md). The shards die with it, even when
 it is killed with SIGKILL.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,11 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
-from ..config import settings
 from ..children import AWAY_FROM_SOURCE, die_with_parent_hook
-from ..ports import port_holder
+from ..config import settings
 from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
+from ..ports import port_holder
 
 log = get_logger("reducer")
 
@@ -112,9 +113,11 @@ def port_in_use(host: str, port: int, shard: int = 0) -> ListenError:
     if shard:
         where += f", shard {shard}'s port (--port + {shard})"
     holder = port_holder(port)
-    return ListenError(f"cannot listen on {where}: the port is already in use "
-                       f"({f'by {holder}' if holder else 'another reducer or program listens there'}); "
-                       "stop it, or choose another port (--port; 0 picks a free one)")
+    return ListenError(
+        f"cannot listen on {where}: the port is already in use "
+        f"({f'by {holder}' if holder else 'another reducer or program listens there'}); "
+        "stop it, or choose another port (--port; 0 picks a free one)"
+    )
 
 
 def check_free(host: str, base: int, n: int) -> None:
@@ -153,8 +156,17 @@ class Shard:
 class Supervisor:
     """The shards of one reducer: started, watched, started again, stopped."""
 
-    def __init__(self, *, host: str, port: int, index: int, shards: int, workers: Optional[int],
-                 deterministic: bool, metrics_port: int) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        index: int,
+        shards: int,
+        workers: Optional[int],
+        deterministic: bool,
+        metrics_port: int,
+    ) -> None:
         if port and port + shards - 1 > 65535:
             raise ConfigError(f"--port {port} with --shards {shards}: the shards' ports would pass 65535")
         self.host, self.index, self.count = host, index, shards
@@ -168,9 +180,24 @@ class Supervisor:
         self.env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
 
     def _command(self, shard: Shard, ready: int) -> List[str]:
-        cmd = [sys.executable, "-m", "reduction_server", "serve", "--host", self.host, "--port", str(shard.port),
-               "--index", str(self.index), "--shards", str(self.count), "--shard", str(shard.number),
-               "--ready-fd", str(ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(shard.port),
+            "--index",
+            str(self.index),
+            "--shards",
+            str(self.count),
+            "--shard",
+            str(shard.number),
+            "--ready-fd",
+            str(ready),
+        ]
         if self.workers is not None:
             cmd += ["--workers", str(self.workers)]
         if self.deterministic:
@@ -188,9 +215,15 @@ class Supervisor:
         shard.metrics_port = None  # until this process names its own: the old one's may be anyone's now
         ready_r, ready_w = os.pipe()
         try:
-            shard.proc = subprocess.Popen(self._command(shard, ready_w), pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, env=self.env, preexec_fn=self.hook,
-                                          cwd=AWAY_FROM_SOURCE)
+            shard.proc = subprocess.Popen(
+                self._command(shard, ready_w),
+                pass_fds=(ready_w,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=self.env,
+                preexec_fn=self.hook,
+                cwd=AWAY_FROM_SOURCE,
+            )
         except OSError as exc:  # fork or exec failed (no memory, too many processes)
             os.close(ready_r)
             shard.proc = None
@@ -214,8 +247,11 @@ class Supervisor:
             shard.metrics_port = int(metrics) if metrics.isdigit() else None
             return True, None
         if readable:  # it closed the pipe without a word: it exited
-            return True, f"{self._where(shard)} exited with status {shard.proc.wait()} before it listened " \
-                         "(its message is above)"
+            return (
+                True,
+                f"{self._where(shard)} exited with status {shard.proc.wait()} before it listened "
+                "(its message is above)",
+            )
         shard.proc.kill()
         shard.proc.wait()
         return True, f"{self._where(shard)} did not listen within {READY_TIMEOUT_S:g} s"
@@ -255,23 +291,45 @@ class Supervisor:
                 if shard.ready is not None:  # starting again
                     ended, failed = self._settle(shard, 0)
                     if ended:  # one that failed is dead now: the next turn backs off and starts it again
-                        event(log, NOTICE, "shard_restarted" if not failed else "shard_restart_failed",
-                              reducer=self.index, shard=shard.number, port=shard.port, restarts=shard.restarts,
-                              **({"reason": failed} if failed else {}))
+                        event(
+                            log,
+                            NOTICE,
+                            "shard_restarted" if not failed else "shard_restart_failed",
+                            reducer=self.index,
+                            shard=shard.number,
+                            port=shard.port,
+                            restarts=shard.restarts,
+                            **({"reason": failed} if failed else {}),
+                        )
                 elif shard.restart_at is None and (shard.proc is None or shard.proc.poll() is not None):
                     shard.failures = shard.failures + 1 if now - shard.started < STEADY_S else 0
                     backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** min(shard.failures, _MAX_DOUBLINGS))
                     shard.restart_at, shard.metrics_port = now + backoff, None
-                    event(log, NOTICE, "shard_died", reducer=self.index, shard=shard.number, port=shard.port,
-                          status=shard.proc.returncode if shard.proc is not None else "not started",
-                          restart_in_s=f"{backoff:g}")
+                    event(
+                        log,
+                        NOTICE,
+                        "shard_died",
+                        reducer=self.index,
+                        shard=shard.number,
+                        port=shard.port,
+                        status=shard.proc.returncode if shard.proc is not None else "not started",
+                        restart_in_s=f"{backoff:g}",
+                    )
                 elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
                     shard.restart_at = None
                     shard.restarts += 1
                     failed = self._launch(shard)
                     if failed:
-                        event(log, NOTICE, "shard_restart_failed", reducer=self.index, shard=shard.number,
-                              port=shard.port, restarts=shard.restarts, reason=failed)
+                        event(
+                            log,
+                            NOTICE,
+                            "shard_restart_failed",
+                            reducer=self.index,
+                            shard=shard.number,
+                            port=shard.port,
+                            restarts=shard.restarts,
+                            reason=failed,
+                        )
             time.sleep(_POLL_S)
 
     def stop(self) -> None:

@@ -14,6 +14,7 @@ Memory: the slots written, at most RESULT_SLOTS chunks, is not charged to the ac
 budget (RS_MAX_ACCUMULATOR_BYTES); slots are reused most recently released first, so only as
 many are touched as are held at once.
 """
+
 from __future__ import annotations
 
 from typing import Dict, FrozenSet, List, Optional, Tuple
@@ -104,8 +105,11 @@ class SharedResults:
     def _reclaim(self) -> None:
         """Free each slot in use that every rank it was handed to has released."""
         uses = self._uses
-        done = [slot for slot, holders in self._holders.items()
-                if all(segment.released(slot) == uses[slot] for _, segment in holders)]
+        done = [
+            slot
+            for slot, holders in self._holders.items()
+            if all(segment.released(slot) == uses[slot] for _, segment in holders)
+        ]
         for slot in done:
             del self._holders[slot]
             self._free.append(slot)

@@ -7,6 +7,7 @@
 - A failed security handshake is logged through the reducer's Throttle, once an interval for each
   reason: that peer was never admitted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,8 @@ from typing import Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..wire import encryption
 from ..log import Throttle, get_logger
+from ..wire import encryption
 from ..wire.send_buffers import AcceptedBuffers
 from .clock import Clock
 
@@ -26,8 +27,17 @@ log = get_logger("reducer")
 class SocketEvents:
     """The monitor of one reducer's socket, read from open() until close()."""
 
-    def __init__(self, socket: zmq.Socket, clock: Clock, *, index: int, encrypt: bool, gated: bool = False,
-                 send_buffers: Optional[AcceptedBuffers] = None, throttle: Optional[Throttle] = None) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        clock: Clock,
+        *,
+        index: int,
+        encrypt: bool,
+        gated: bool = False,
+        send_buffers: Optional[AcceptedBuffers] = None,
+        throttle: Optional[Throttle] = None,
+    ) -> None:
         self.socket = socket
         self.clock = clock
         self.index = index
@@ -68,6 +78,13 @@ class SocketEvents:
             # as a closed connection and is logged below the warning level.
             closed += -1 if certain else 1
             self.handshake_failures += 1
-            self.throttle.event(logging.WARNING if certain else logging.INFO, "handshake_failed", cause=reason,
-                                reducer=self.index, reason=reason, certain=certain, failures=self.handshake_failures)
+            self.throttle.event(
+                logging.WARNING if certain else logging.INFO,
+                "handshake_failed",
+                cause=reason,
+                reducer=self.index,
+                reason=reason,
+                certain=certain,
+                failures=self.handshake_failures,
+            )
         return closed > 0

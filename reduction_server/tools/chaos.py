@@ -6,11 +6,13 @@ does to a job (issue 17). Run it on the host of the process to hit:
 
 A target is found among this host's processes: a reducer by its index (`serve --index N`, or
 RS_REDUCER_INDEX), a worker by its rank (RS_RANK in its environment, the top of the rank's process
-tree); `--match NAME=VALUE` keeps only processes whose environment has it (one job of several on
-a host: its RS_REDUCERS, say). It is signalled as a whole: its process group when it leads one (the local launcher starts
-each process in a group of its own), else the process itself. `--signal stop` sends SIGSTOP and,
-after `--for` seconds, SIGCONT (a frozen host or VM), past RS_LIVENESS_TIMEOUT a lost peer.
+tree); `--match NAME=VALUE` keeps only processes whose environment has it (one job of several on a
+host: its RS_REDUCERS, say). It is signalled as a whole: its process group when it leads one (the
+local launcher starts each process in a group of its own), else the process itself. `--signal stop`
+sends SIGSTOP and, after `--for` seconds, SIGCONT (a frozen host or VM), past RS_LIVENESS_TIMEOUT a
+lost peer.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +75,11 @@ def find(target: Target, match: Optional[Tuple[str, str]] = None) -> List[psutil
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and identify(proc) == target.number and (
-                    match is None or proc.environ().get(match[0]) == match[1]):
+            if (
+                proc.pid != os.getpid()
+                and identify(proc) == target.number
+                and (match is None or proc.environ().get(match[0]) == match[1])
+            ):
                 found.append(proc)
         except (psutil.Error, ValueError):  # gone, a zombie, not ours to read
             continue
@@ -102,8 +107,9 @@ def when(at: Optional[float], between: Optional[Tuple[float, ...]], rng: random.
     """Seconds from now: `at`, or uniform in `between`, or now."""
     if between is not None:
         if len(between) != 2 or not 0 <= between[0] <= between[1]:
-            raise ConfigError(f"--between {','.join(f'{b:g}' for b in between)}: give FIRST,LAST seconds, "
-                              "0 <= FIRST <= LAST")
+            raise ConfigError(
+                f"--between {','.join(f'{b:g}' for b in between)}: give FIRST,LAST seconds, 0 <= FIRST <= LAST"
+            )
         return rng.uniform(*between)
     if at is not None and at < 0:
         raise ConfigError(f"--at {at:g}: give seconds from now, 0 or more")
@@ -120,9 +126,16 @@ def parse_match(text: Optional[str]) -> Optional[Tuple[str, str]]:
     return name, value
 
 
-def inject(target: Target, signal_name: str = "kill", at: Optional[float] = None,
-           between: Optional[Tuple[float, ...]] = None, hold: float = 0.0, wait: float = 60.0,
-           seed: Optional[int] = None, match: Optional[Tuple[str, str]] = None) -> int:
+def inject(
+    target: Target,
+    signal_name: str = "kill",
+    at: Optional[float] = None,
+    between: Optional[Tuple[float, ...]] = None,
+    hold: float = 0.0,
+    wait: float = 60.0,
+    seed: Optional[int] = None,
+    match: Optional[Tuple[str, str]] = None,
+) -> int:
     """Find `target` on this host (waiting up to `wait` s for it to appear), wait until the
     chosen moment, and signal it (`stop`: SIGCONT again after `hold` seconds). 0 when done; 1
     when the target is not found or is ambiguous."""
@@ -135,9 +148,12 @@ def inject(target: Target, signal_name: str = "kill", at: Optional[float] = None
     while not (found := find(target, match)) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     if len(found) != 1:
-        _say(f"no {target} on this host" if not found else
-             f"{len(found)} processes are {target} here (pids {[p.pid for p in found]}); pick the job with "
-             "--match NAME=VALUE")
+        _say(
+            f"no {target} on this host"
+            if not found
+            else f"{len(found)} processes are {target} here (pids {[p.pid for p in found]}); pick the job with "
+            "--match NAME=VALUE"
+        )
         return 1
     time.sleep(delay)
     if not found[0].is_running():

@@ -4,6 +4,7 @@ through sockets, as between hosts), and the CPU time each thread of the reducer'
 spent over the timed all-reduces (Linux's /proc). `reduction-server size --measure` and
 `reduction-server bench reducer` are built on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -116,14 +117,36 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
     float32 after a warm-up, and stop them all (they die with this process). RuntimeError if any
     of them fails or the whole takes longer than `timeout` seconds."""
     if world < 1 or mib <= 0 or iters < 1 or shards < 1:
-        raise ValueError(f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
-                         f"(got {world}, {mib}, {iters}, {shards})")
+        raise ValueError(
+            f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
+            f"(got {world}, {mib}, {iters}, {shards})"
+        )
     env = {**os.environ, "RS_SHM": "0", "RS_JOB_TOKEN": _TOKEN}
     hook = die_with_parent_hook()
     # From the root directory: `-m` puts the working directory first on sys.path (a checkout's tree).
-    reducer = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
-                                "0", "--index", "0", "--workers", str(world), "--shards", str(shards)],
-                               stdout=subprocess.PIPE, text=True, env=env, cwd=AWAY_FROM_SOURCE, preexec_fn=hook)
+    reducer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--index",
+            "0",
+            "--workers",
+            str(world),
+            "--shards",
+            str(shards),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=AWAY_FROM_SOURCE,
+        preexec_fn=hook,
+    )
     workers: List[subprocess.Popen] = []
     # A process that stops answering is killed after `timeout`: the reads below then end.
     watchdog = threading.Timer(timeout, lambda: [p.kill() for p in [reducer, *workers] if p.poll() is None])
@@ -134,11 +157,17 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
             raise RuntimeError("the reducer did not start")
         address = f"{match.group(1)}:{match.group(2)}"
         for rank in range(world):
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)], cwd=AWAY_FROM_SOURCE,
-                env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
-                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                preexec_fn=hook))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)],
+                    cwd=AWAY_FROM_SOURCE,
+                    env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
+                    stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=hook,
+                )
+            )
         lead = workers[0]
         if lead.stdout.readline().strip() != "READY":
             raise RuntimeError("the workers did not get ready")

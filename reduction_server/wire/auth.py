@@ -3,8 +3,9 @@
 Each side proves it knows the token with HMAC-SHA256 over a nonce the other side chose, so the
 token never crosses the wire and no proof can be replayed:
 - the reducer proves itself first, over the worker's nonce (sent in HELLO), bound to its index,
-  its shard (a `serve --shards N` process on port + shard), the job and the generation: a worker sends nothing more (no AUTH, no shared-memory offer, no
-  data) to a reducer whose proof does not match;
+  its shard (a `serve --shards N` process on port + shard), the job and the generation: a worker
+  sends nothing more (no AUTH, no shared-memory offer, no data) to a reducer whose proof does not
+  match;
 - the worker then proves itself over the reducer's nonce (sent in CHALLENGE), bound to its rank,
   the world size, the job and the generation.
 The two proofs carry different labels, so neither can stand for the other. An empty token on
@@ -15,6 +16,7 @@ then guess the token offline against that proof: so the HMAC key is the token st
 scrypt (about 30 ms and 16 MiB once per token and process), and a token should be random anyway
 (`reduction-server run` makes one of 128 bits).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,15 +61,17 @@ def reducer_proof(token: str, nonce: bytes, *, index: int, job: int, generation:
     return _digest(token, _REDUCER_LABEL + nonce + struct.pack("<QIII", job, generation, index, shard))
 
 
-def verify_worker(token: str, nonce: bytes, claimed: bytes, *, job: int, generation: int, rank: int,
-                  world: int) -> bool:
+def verify_worker(
+    token: str, nonce: bytes, claimed: bytes, *, job: int, generation: int, rank: int, world: int
+) -> bool:
     """Whether `claimed` is the worker proof for this nonce and identity (constant time)."""
     expected = worker_proof(token, nonce, job=job, generation=generation, rank=rank, world=world)
     return hmac.compare_digest(expected, claimed)
 
 
-def verify_reducer(token: str, nonce: bytes, claimed: bytes, *, index: int, job: int, generation: int,
-                   shard: int = 0) -> bool:
+def verify_reducer(
+    token: str, nonce: bytes, claimed: bytes, *, index: int, job: int, generation: int, shard: int = 0
+) -> bool:
     """Whether `claimed` is the reducer proof for this worker nonce and identity (constant time)."""
     expected = reducer_proof(token, nonce, index=index, job=job, generation=generation, shard=shard)
     return hmac.compare_digest(expected, claimed)
@@ -81,8 +85,9 @@ def challenge(nonce: bytes, proof: bytes) -> bytes:
 def parse_challenge(payload: bytes) -> Tuple[bytes, bytes]:
     """(reducer nonce, reducer proof) from a CHALLENGE payload."""
     if len(payload) != NONCE_BYTES + PROOF_BYTES:
-        raise ProtocolError(f"CHALLENGE payload is {len(payload)} bytes, expected {NONCE_BYTES + PROOF_BYTES} "
-                            "(a nonce and a proof)")
+        raise ProtocolError(
+            f"CHALLENGE payload is {len(payload)} bytes, expected {NONCE_BYTES + PROOF_BYTES} (a nonce and a proof)"
+        )
     return payload[:NONCE_BYTES], payload[NONCE_BYTES:]
 
 

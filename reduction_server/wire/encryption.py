@@ -9,6 +9,7 @@ reducer cannot decrypt its HELLO), and one without encryption fails ZMTP's mecha
 both cases no byte of theirs reaches the reducer's application. The HMAC proof of the job
 handshake (auth.py) still admits each rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,8 +26,9 @@ _REDUCER_LABEL = b"reduction-server CurveZMQ reducer key v1"
 _WORKER_LABEL = b"reduction-server CurveZMQ worker key v1"
 
 #: monitor events of a failed security handshake (each is followed by EVENT_DISCONNECTED)
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 #: a worker gives up on a reducer once its encrypted handshakes have failed in a row for this many
 #: seconds, at least MAX_HANDSHAKE_FAILURES times (one alone could be a reducer that died in the
 #: middle of it, or a proxy that accepts before the reducer is up; libzmq retries every 100 ms)
@@ -40,8 +42,10 @@ def check(token: str) -> None:
     if not token:
         raise ConfigError("RS_ENCRYPT=1 needs RS_JOB_TOKEN: the CurveZMQ keys are derived from the job token")
     if not zmq.has("curve"):
-        raise ConfigError(f"RS_ENCRYPT=1, but this libzmq ({zmq.zmq_version()}) was built without CURVE "
-                          "support (zmq.has('curve') is False); install a pyzmq wheel, which bundles libsodium")
+        raise ConfigError(
+            f"RS_ENCRYPT=1, but this libzmq ({zmq.zmq_version()}) was built without CURVE "
+            "support (zmq.has('curve') is False); install a pyzmq wheel, which bundles libsodium"
+        )
 
 
 def _keypair(token: str, label: bytes) -> Tuple[bytes, bytes]:
@@ -75,22 +79,37 @@ def handshake_failure(event: int, value: int, encrypt: bool, gated: bool = False
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         if encrypt:
-            return ("encryption mismatch: this side encrypts (RS_ENCRYPT=1) and the other does not; set RS_ENCRYPT "
-                    "the same on workers and reducers", True)
+            return (
+                "encryption mismatch: this side encrypts (RS_ENCRYPT=1) and the other does not; set RS_ENCRYPT "
+                "the same on workers and reducers",
+                True,
+            )
         # CURVE, PLAIN (a token) or NULL (none) on the other side: this side cannot tell which
-        mine, theirs = (("has a job token", "it has no job token (it was started without RS_JOB_TOKEN)") if gated
-                        else ("has no job token", "it requires a job token (RS_JOB_TOKEN) and this side has none"))
-        return (f"encryption mismatch, or one side has no job token: this side does not encrypt and {mine}; the "
-                f"other encrypts (RS_ENCRYPT=1), or {theirs}; set RS_ENCRYPT and RS_JOB_TOKEN the same on workers "
-                "and reducers", True)
+        mine, theirs = (
+            ("has a job token", "it has no job token (it was started without RS_JOB_TOKEN)")
+            if gated
+            else ("has no job token", "it requires a job token (RS_JOB_TOKEN) and this side has none")
+        )
+        return (
+            f"encryption mismatch, or one side has no job token: this side does not encrypt and {mine}; the "
+            f"other encrypts (RS_ENCRYPT=1), or {theirs}; set RS_ENCRYPT and RS_JOB_TOKEN the same on workers "
+            "and reducers",
+            True,
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and gated:
-        return ("the job tokens differ: the connection's credential did not prove the job token (RS_JOB_TOKEN) of "
-                "the reducer (another job's reducer, or a mistyped token), or the hosts' clocks differ by more than "
-                f"{gate.MAX_AGE_S} s", True)
+        return (
+            "the job tokens differ: the connection's credential did not prove the job token (RS_JOB_TOKEN) of "
+            "the reducer (another job's reducer, or a mistyped token), or the hosts' clocks differ by more than "
+            f"{gate.MAX_AGE_S} s",
+            True,
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "the encrypted (CurveZMQ) handshake failed: the peer's keys come from another RS_JOB_TOKEN", True
     if not encrypt:
         return None  # a plain connection dropped while greeting: libzmq retries, nothing to say
-    return ("the encrypted (CurveZMQ) handshake failed: the reducer does not encrypt (set RS_ENCRYPT the same "
-            "on workers and reducers) or its key is not the one derived from this worker's RS_JOB_TOKEN (the job "
-            "tokens differ)", False)
+    return (
+        "the encrypted (CurveZMQ) handshake failed: the reducer does not encrypt (set RS_ENCRYPT the same "
+        "on workers and reducers) or its key is not the one derived from this worker's RS_JOB_TOKEN (the job "
+        "tokens differ)",
+        False,
+    )

@@ -25,6 +25,7 @@ A worker presents a fresh credential on each connection (its sockets never recon
 own handshake (auth.py) proves the token again, both ways, over nonces: this gate only keeps
 strangers' bytes out of libzmq's routing table.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -84,8 +85,13 @@ class Gate:
     """The ZAP handler of one reducer's context: a thread answering libzmq's requests, from
     start() (before the reducer's socket binds) until close()."""
 
-    def __init__(self, context: zmq.Context, token: str, clock: Callable[[], float] = time.time,
-                 log: Optional[logging.Logger] = None) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        token: str,
+        clock: Callable[[], float] = time.time,
+        log: Optional[logging.Logger] = None,
+    ) -> None:
         self.token = token
         self.clock = clock
         self.log = log
@@ -146,8 +152,14 @@ class Gate:
             return [version, request_id, b"200", b"OK", b"", b""]
         self.refused[why] = self.refused.get(why, 0) + 1
         if self.throttle is not None:
-            self.throttle.event(logging.WARNING, "connection_refused", cause=why, reason=why,
-                                address=address.decode(errors="replace"), refused=self.refused[why])
+            self.throttle.event(
+                logging.WARNING,
+                "connection_refused",
+                cause=why,
+                reason=why,
+                address=address.decode(errors="replace"),
+                refused=self.refused[why],
+            )
         return [version, request_id, b"400", why.encode(), b"", b""]
 
     def _serve(self) -> None:

@@ -8,12 +8,13 @@ frame so that they are sent and received without copies.
 Codes for dtypes and reduction ops follow NCCL's numbering (ncclDataType_t, ncclRedOp_t), so
 the NCCL-style client passes them straight through.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import enum
 import operator
 import struct
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
@@ -172,8 +173,17 @@ OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 
 
 #: message types that carry (or point at) a chunk
-DATA_TYPES = frozenset((MsgType.DATA, MsgType.RESULT, MsgType.DATA_SHM, MsgType.RESULT_SHM, MsgType.MOVED,
-                        MsgType.FINAL, MsgType.RESULT_SHARED))
+DATA_TYPES = frozenset(
+    (
+        MsgType.DATA,
+        MsgType.RESULT,
+        MsgType.DATA_SHM,
+        MsgType.RESULT_SHM,
+        MsgType.MOVED,
+        MsgType.FINAL,
+        MsgType.RESULT_SHARED,
+    )
+)
 _FROM_WORKER = frozenset((MsgType.DATA, MsgType.DATA_SHM, MsgType.MOVED, MsgType.FINAL))
 #: contributions to a chunk moved off a lost reducer: exempt from the skipped-collective rule
 MOVED_TYPES = frozenset((MsgType.MOVED, MsgType.FINAL))
@@ -187,8 +197,16 @@ MAX_RESULT_USE = (1 << (32 - _RESULT_SLOT_BITS)) - 1
 #: by DType or by its code (an IntEnum hashes and compares as its int): the per-message paths look
 #: them up here rather than through the enum's properties
 ITEMSIZE: Dict[int, int] = {
-    DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.UINT32: 4, DType.INT64: 8,
-    DType.UINT64: 8, DType.FLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8, DType.BFLOAT16: 2,
+    DType.INT8: 1,
+    DType.UINT8: 1,
+    DType.INT32: 4,
+    DType.UINT32: 4,
+    DType.INT64: 8,
+    DType.UINT64: 8,
+    DType.FLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+    DType.BFLOAT16: 2,
 }
 ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DType}
 #: the members the per-message paths (here, reducer.py, client/engine.py) compare with, as module
@@ -241,8 +259,10 @@ class Header:
     def describe(self) -> str:
         """The collective and chunk in words, for error messages."""
         group = f" of group {self.group:#x}" if self.group else ""
-        return (f"collective seq={self.seq}{group} chunk={self.chunk}/{self.nchunks} (job={self.job:#x}, "
-                f"generation={self.generation})")
+        return (
+            f"collective seq={self.seq}{group} chunk={self.chunk}/{self.nchunks} (job={self.job:#x}, "
+            f"generation={self.generation})"
+        )
 
 
 def unpack(frame: Union[bytes, memoryview]) -> Header:
@@ -250,8 +270,26 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
     size = len(frame)
     if size != HEADER_SIZE:
         raise ProtocolError(f"header frame is {size} bytes, expected {HEADER_SIZE}")
-    (magic, version, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, group, seq,
-     offset, count, total, nbytes) = HEADER.unpack(frame)
+    (
+        magic,
+        version,
+        mtype,
+        dtype,
+        op,
+        rank,
+        world,
+        generation,
+        chunk,
+        nchunks,
+        aux,
+        job,
+        group,
+        seq,
+        offset,
+        count,
+        total,
+        nbytes,
+    ) = HEADER.unpack(frame)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic number {magic:#010x}, expected {MAGIC:#010x}")
     if version != VERSION:
@@ -260,8 +298,9 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
     if known is None:
         raise ProtocolError(f"unknown message type {mtype}")
     mtype = known
-    header = Header(mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, group, seq,
-                    offset, count, total, nbytes)
+    header = Header(
+        mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job, group, seq, offset, count, total, nbytes
+    )
     if mtype in DATA_TYPES:
         validate_data(header)
     elif nbytes > _PAYLOAD_LIMITS.get(mtype, MAX_TEXT_PAYLOAD):
@@ -288,33 +327,83 @@ def validate_data(h: Header) -> None:
     if h.nchunks == 0 or h.chunk >= h.nchunks:
         raise ProtocolError(f"chunk index {h.chunk} out of range for {h.nchunks} chunks")
     if h.count == 0 or h.offset + h.count > h.total:
-        raise ProtocolError(
-            f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
+        raise ProtocolError(f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
     expected = h.count * itemsize
     # A broadcast's non-root contributions carry no payload, nor does a RESULT to a rank that holds
     # the data already (a broadcast's root, a FINAL's sender).
-    if h.nbytes != expected and not (h.nbytes == 0 and (h.type is MSG_RESULT
-                                                        or broadcast and h.type in (MSG_DATA, MSG_MOVED))):
+    if h.nbytes != expected and not (
+        h.nbytes == 0 and (h.type is MSG_RESULT or broadcast and h.type in (MSG_DATA, MSG_MOVED))
+    ):
         raise ProtocolError(
-            f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}")
+            f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}"
+        )
 
 
 def data_header(
-    mtype: MsgType, *, dtype: DType, op: ReduceOp, rank: int, world: int, job: int,
-    generation: int, seq: int, chunk: int, nchunks: int, offset: int, count: int, total: int,
-    nbytes: int, aux: int = 0, group: int = 0,
+    mtype: MsgType,
+    *,
+    dtype: DType,
+    op: ReduceOp,
+    rank: int,
+    world: int,
+    job: int,
+    generation: int,
+    seq: int,
+    chunk: int,
+    nchunks: int,
+    offset: int,
+    count: int,
+    total: int,
+    nbytes: int,
+    aux: int = 0,
+    group: int = 0,
 ) -> bytes:
     # Packed directly (a worker packs one per chunk): the same bytes as Header(...).pack().
-    return HEADER.pack(MAGIC, VERSION, mtype, dtype, op, rank, world, generation, chunk, nchunks, aux, job,
-                       group, seq, offset, count, total, nbytes)
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        mtype,
+        dtype,
+        op,
+        rank,
+        world,
+        generation,
+        chunk,
+        nchunks,
+        aux,
+        job,
+        group,
+        seq,
+        offset,
+        count,
+        total,
+        nbytes,
+    )
 
 
 def pack_as(h: Header, mtype: MsgType, rank: int, nbytes: int, aux: Optional[int] = None) -> bytes:
     """h packed, with its type, rank, payload size (and aux, when given) replaced: a reducer's
     RESULT for a DATA, or its RESULT_SHM naming the rank's slot."""
-    return HEADER.pack(MAGIC, VERSION, int(mtype), h.dtype, h.op, rank, h.world, h.generation, h.chunk,
-                       h.nchunks, h.aux if aux is None else aux, h.job, h.group, h.seq, h.offset, h.count, h.total,
-                       nbytes)
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        int(mtype),
+        h.dtype,
+        h.op,
+        rank,
+        h.world,
+        h.generation,
+        h.chunk,
+        h.nchunks,
+        h.aux if aux is None else aux,
+        h.job,
+        h.group,
+        h.seq,
+        h.offset,
+        h.count,
+        h.total,
+        nbytes,
+    )
 
 
 def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -> bytes:
@@ -325,12 +414,31 @@ def error_header(code: ErrorCode, text: bytes, about: Optional[Header] = None) -
     return h.pack()
 
 
-def text_header(mtype: MsgType, payload: bytes, *, rank: int = 0, world: int = 0, job: int = 0,
-                generation: int = 0, aux: int = 0, group: int = 0, chunk: int = 0) -> bytes:
+def text_header(
+    mtype: MsgType,
+    payload: bytes,
+    *,
+    rank: int = 0,
+    world: int = 0,
+    job: int = 0,
+    generation: int = 0,
+    aux: int = 0,
+    group: int = 0,
+    chunk: int = 0,
+) -> bytes:
     """The header of a handshake, PING, BYE, REJECT or GROUP message (no chunk; a CHALLENGE's
     `chunk` is the reducer's shard)."""
-    return Header(mtype, rank=rank, world=world, job=job, generation=generation, aux=aux, group=group, chunk=chunk,
-                  nbytes=len(payload)).pack()
+    return Header(
+        mtype,
+        rank=rank,
+        world=world,
+        job=job,
+        generation=generation,
+        aux=aux,
+        group=group,
+        chunk=chunk,
+        nbytes=len(payload),
+    ).pack()
 
 
 def group_payload(ranks) -> bytes:

@@ -26,6 +26,7 @@ libzmq does not expose its TCP sockets: a worker finds each connection's among t
 file descriptors (Linux's /proc) by its peer address; a reducer's socket monitor names the
 descriptor of each connection it accepts (EVENT_ACCEPTED).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,8 @@ import time
 from collections import deque
 from typing import Deque, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from ..log import event, get_logger
 from ..config.settings import MAX_SNDBUF
+from ..log import event, get_logger
 
 log = get_logger("send_buffers")
 
@@ -133,8 +134,17 @@ class Buffers:
         if size != current:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
             self.locked[key] = size
-            event(log, logging.INFO, "send_buffer_set", connection=key, bytes=size, was=current,
-                  delivery_rate_Bps=int(rate), min_rtt_us=min_rtt, mss=mss)
+            event(
+                log,
+                logging.INFO,
+                "send_buffer_set",
+                connection=key,
+                bytes=size,
+                was=current,
+                delivery_rate_Bps=int(rate),
+                min_rtt_us=min_rtt,
+                mss=mss,
+            )
 
 
 class EndpointBuffers(Buffers):
@@ -245,9 +255,10 @@ def _route_mtu(peers: Optional[set]) -> Optional[int]:
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect((host, port))
-                return probe.getsockopt(socket.IPPROTO_IP if family == socket.AF_INET else socket.IPPROTO_IPV6,
-                                        getattr(socket, "IP_MTU", 14) if family == socket.AF_INET
-                                        else getattr(socket, "IPV6_MTU", 24))
+                return probe.getsockopt(
+                    socket.IPPROTO_IP if family == socket.AF_INET else socket.IPPROTO_IPV6,
+                    getattr(socket, "IP_MTU", 14) if family == socket.AF_INET else getattr(socket, "IPV6_MTU", 24),
+                )
         except OSError:
             continue
     return None

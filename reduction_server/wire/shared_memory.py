@@ -34,6 +34,7 @@ slots, after which results go into each rank's slot as before.
 Nothing is left behind: a memfd has no name, and its memory goes with the last process to close
 or unmap it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -155,9 +156,15 @@ class Segment:
             os.close(fd)
             raise
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        mapping[:len(_MAGIC) + _NONCE_BYTES] = _MAGIC + nonce
-        offer = {"pid": os.getpid(), "fd": fd, "slots": slots, "slot_bytes": slot_bytes,
-                 "nonce": nonce.hex(), **identity}
+        mapping[: len(_MAGIC) + _NONCE_BYTES] = _MAGIC + nonce
+        offer = {
+            "pid": os.getpid(),
+            "fd": fd,
+            "slots": slots,
+            "slot_bytes": slot_bytes,
+            "nonce": nonce.hex(),
+            **identity,
+        }
         segment = cls(mapping, slots, slot_bytes, offer)
         segment._fd = fd  # the reducer opens it through /proc/<pid>/fd/<fd>
         return segment
@@ -176,16 +183,19 @@ class Segment:
         except (KeyError, TypeError, ValueError) as exc:
             raise Unavailable(f"malformed offer: {exc!r}") from None
         if not (0 < slots <= max_slots and 0 < slot_bytes <= max_slot_bytes and len(nonce) == _NONCE_BYTES):
-            raise Unavailable(f"offer of {slots} slots of {slot_bytes} bytes is out of range (at most "
-                              f"{max_slots} slots of {max_slot_bytes} bytes, RS_MAX_CHUNK_BYTES)")
+            raise Unavailable(
+                f"offer of {slots} slots of {slot_bytes} bytes is out of range (at most "
+                f"{max_slots} slots of {max_slot_bytes} bytes, RS_MAX_CHUNK_BYTES)"
+            )
         try:
             return cls._map(pid, fd, slots, slot_bytes, nonce, offer, writable)
         except OSError as exc:  # /proc hidden, an address space or map count used up, ...
             raise Unavailable(f"cannot map {_whose(writable)} segment: {exc}") from None
 
     @classmethod
-    def _map(cls, pid: int, fd: int, slots: int, slot_bytes: int, nonce: bytes, offer: dict,
-             writable: bool) -> "Segment":
+    def _map(
+        cls, pid: int, fd: int, slots: int, slot_bytes: int, nonce: bytes, offer: dict, writable: bool
+    ) -> "Segment":
         for key, value in _host_identity().items():
             if offer.get(key) != value:
                 raise Unavailable(f"not the same host ({key.replace('_', ' ')} differs)")
@@ -213,7 +223,7 @@ class Segment:
             mapping = mmap.mmap(opened, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(opened)  # the mapping stays valid without it
-        if mapping[:len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
+        if mapping[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
             mapping.close()
             raise Unavailable("the segment's nonce does not match the offer (another process's descriptor)")
         return cls(mapping, slots, slot_bytes)
@@ -226,7 +236,7 @@ class Segment:
         if not 0 <= nbytes <= self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit a shared-memory slot of {self.slot_bytes}")
         start = _HEADER_BYTES + index * self._stride
-        return self._view[start:start + nbytes]
+        return self._view[start : start + nbytes]
 
     def accept_results(self) -> None:
         """Say in this (a worker's) segment that its rank reads results from the reducer's result

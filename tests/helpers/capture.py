@@ -2,6 +2,7 @@
 directly. The reducer sends each message part by part (`send` with SNDMORE on all but the last);
 this keeps every whole message as a list of bytes, and fails a send to an identity in `gone` as
 libzmq does (ROUTER_MANDATORY) for a peer whose connection has closed."""
+
 from __future__ import annotations
 
 from typing import List, Set

@@ -1,4 +1,5 @@
 """Test harness: real reducer processes and real worker processes on loopback."""
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,11 @@ class Reducers:
                 if "already in use" not in why or attempt == _START_TRIES - 1:
                     self.stop()
                     raise RuntimeError(f"reducer {index} did not start: {why}")
-                warnings.warn(f"reducer {index}: ports {base}-{base + ports - 1}, free when probed, were taken "
-                              f"before it bound them, by {_holders(base, ports)}; probing again")
+                warnings.warn(
+                    f"reducer {index}: ports {base}-{base + ports - 1}, free when probed, were taken "
+                    f"before it bound them, by {_holders(base, ports)}; probing again",
+                    stacklevel=2,
+                )
             self.addresses.append(f"{match.group(1)}:{match.group(2)}")
 
     def restart(self, i: int, env: Optional[Dict[str, str]] = None) -> None:
@@ -97,15 +101,17 @@ class Reducers:
         cmd = self._command(host, port, self.first_index + i)
         deadline = time.monotonic() + 20
         while True:
-            proc = subprocess.Popen(cmd, env=self.env if env is None else env, stdout=subprocess.PIPE,
-                                    stderr=self.logs[i], text=True)
+            proc = subprocess.Popen(
+                cmd, env=self.env if env is None else env, stdout=subprocess.PIPE, stderr=self.logs[i], text=True
+            )
             line = proc.stdout.readline()
             if "listening" in line:
                 self.procs[i] = proc
                 return
             proc.wait()
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"reducer {i} could not bind its port again: {line!r}; held: {_holders(int(port), self.ports)}"
+            )
             time.sleep(0.2)  # the port may linger for a moment
 
     def signal(self, i: int, sig: int) -> None:
@@ -175,8 +181,13 @@ def _stopped(proc: subprocess.Popen, log: Any) -> str:
 
 
 @contextmanager
-def reducers(count: int, workers: Optional[int] = None, token: str = TOKEN,
-             extra_env: Optional[Dict[str, str]] = None, first_index: int = 0) -> Iterator[Reducers]:
+def reducers(
+    count: int,
+    workers: Optional[int] = None,
+    token: str = TOKEN,
+    extra_env: Optional[Dict[str, str]] = None,
+    first_index: int = 0,
+) -> Iterator[Reducers]:
     group = Reducers(count, workers, child_env({"RS_JOB_TOKEN": token, **(extra_env or {})}), first_index)
     try:
         yield group
@@ -184,15 +195,38 @@ def reducers(count: int, workers: Optional[int] = None, token: str = TOKEN,
         group.stop()
 
 
-def run_workers(world: int, group: Reducers, script: str, args: List[str], token: str = TOKEN,
-                extra_env: Optional[Dict[str, str]] = None, timeout: float = 240) -> List[dict]:
+def run_workers(
+    world: int,
+    group: Reducers,
+    script: str,
+    args: List[str],
+    token: str = TOKEN,
+    extra_env: Optional[Dict[str, str]] = None,
+    timeout: float = 240,
+) -> List[dict]:
     """Run `script` as W rank processes; each prints one JSON line last. Returns them by rank."""
     procs = []
     for rank in range(world):
-        env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(world),
-                         "RS_JOB_TOKEN": token, "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": "60", **(extra_env or {})})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = child_env(
+            {
+                "RS_REDUCERS": group.spec,
+                "RS_RANK": str(rank),
+                "RS_WORLD_SIZE": str(world),
+                "RS_JOB_TOKEN": token,
+                "RS_CONNECT_TIMEOUT": "30",
+                "RS_TIMEOUT": "60",
+                **(extra_env or {}),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / script), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return collect(procs, timeout)
 
 
@@ -259,13 +293,38 @@ def run_ranks(world: int, make: Callable[[int], Any], body: Callable[[Any, int],
     return results
 
 
-def run_example(example: str, *args: str, cwd: Path, world: int = 2, reducer_count: int = 1,
-                timeout: float = 180, env: Optional[Dict[str, str]] = None) -> str:
+def run_example(
+    example: str,
+    *args: str,
+    cwd: Path,
+    world: int = 2,
+    reducer_count: int = 1,
+    timeout: float = 180,
+    env: Optional[Dict[str, str]] = None,
+) -> str:
     """Run examples/<example> (or the script at an absolute path) under `reduction-server run`
     as the README shows, with `env` added to the environment; its stdout (a non-zero exit is an
     AssertionError carrying the output)."""
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers",
-                           str(reducer_count), "--", sys.executable, str(ROOT / "examples" / example), *args],
-                          env=child_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            str(world),
+            "--reducers",
+            str(reducer_count),
+            "--",
+            sys.executable,
+            str(ROOT / "examples" / example),
+            *args,
+        ],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

@@ -11,6 +11,7 @@ their placeholders ([ID_STRING_1], "port", "job": {...}) filled with concrete va
   from its facts);
 - tf_config_no_chief.json: TensorFlow's three workers and two ps (document 002).
 """
+
 from __future__ import annotations
 
 import copy

@@ -2,6 +2,7 @@
 tests/scripts/torch_model.py): the CPU everywhere, and a CUDA device where torch sees one, so that
 the same checks cover the backend's staging of CUDA tensors through pinned host buffers. Two ranks
 share one GPU."""
+
 from typing import Dict, Tuple
 
 import pytest

@@ -1,4 +1,5 @@
 """The worker's side of the handshake, for tests that drive a reducer by hand."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Jobs of Communicators in threads of the test's process, against real reducers: made with the
 test settings, run in parallel with a time limit, their results checked exactly."""
+
 from __future__ import annotations
 
 import secrets
@@ -30,8 +31,15 @@ def connect(group: cluster.Reducers, rank: int, world: int, job: int, **options:
     return rs.Communicator(group.addresses, rank, world, job_id=job, **{**OPTIONS, **options})
 
 
-def run_job(world: int, body: Callable[[Any, int], Any], *, make: Optional[Callable[[int], Any]] = None,
-            group: Optional[cluster.Reducers] = None, limit: float = 20.0, **options: Any) -> list:
+def run_job(
+    world: int,
+    body: Callable[[Any, int], Any],
+    *,
+    make: Optional[Callable[[int], Any]] = None,
+    group: Optional[cluster.Reducers] = None,
+    limit: float = 20.0,
+    **options: Any,
+) -> list:
     """body(comm, rank) on every rank, each a thread with its own Communicator of a fresh job."""
     job = new_job()
     make = make or (lambda rank: connect(group, rank, world, job, **options))
@@ -81,8 +89,13 @@ def check_sum_works(comms, count: int = 1000, seed: int = 0) -> None:
         np.testing.assert_array_equal(y, np.sum(xs, axis=0))
 
 
-def job_loop(comm: rs.Communicator, started: threading.Event, keep_going: threading.Event,
-             min_iterations: int = 50, max_iterations: int = 5000) -> Tuple[int, List[str]]:
+def job_loop(
+    comm: rs.Communicator,
+    started: threading.Event,
+    keep_going: threading.Event,
+    min_iterations: int = 50,
+    max_iterations: int = 5000,
+) -> Tuple[int, List[str]]:
     """All-reduce (sum and max of int64) until rank 0 says stop; check every result exactly.
     The last element carries rank 0's 'continue' flag, so that all ranks agree on when to stop."""
     rank, world = comm.rank, comm.world_size
@@ -91,7 +104,7 @@ def job_loop(comm: rs.Communicator, started: threading.Event, keep_going: thread
     while True:
         count = [1, 7, 1000, 20_000, 3 * CHUNK // 8 + 5][n % 5]
         op = "max" if n % 3 == 2 else "sum"
-        xs = [np.random.default_rng([n, r]).integers(-10**6, 10**6, count) for r in range(world)]
+        xs = [np.random.default_rng([n, r]).integers(-(10**6), 10**6, count) for r in range(world)]
         go = int(rank == 0 and n < max_iterations and (n < min_iterations or keep_going.is_set()))
         y = comm.all_reduce(np.append(xs[rank], go).astype(np.int64), op)
         expected = np.sum(xs, axis=0) if op == "sum" else np.max(xs, axis=0)

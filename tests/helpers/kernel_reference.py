@@ -1,6 +1,7 @@
 """NumPy references for the native kernels (reduction_server._native): widening, narrowing
 (bfloat16 rounding computed from its definition), the reduction of W inputs, bitwise comparison
 with NaNs as NaNs, and inputs that exercise every path (specials, subnormals, wraparound)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,13 @@ OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG]
 LENGTHS = [1, 7, 1023, 4097]  # scalar only, scalar tail, vector + tails of every width
 WORLD = 3
 HALF = (DType.FLOAT16, DType.BFLOAT16)
-UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-         ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+UFUNC = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
 
 
 def acc_dtype(dtype: DType) -> np.dtype:
@@ -95,8 +101,7 @@ def reference(inputs, dtype: DType, op: ReduceOp, world: int):
     return acc, narrow(stored, dtype)
 
 
-def assert_same(got: np.ndarray, want: np.ndarray, *, bf16: bool = False,
-                signed_zero_ties: bool = False):
+def assert_same(got: np.ndarray, want: np.ndarray, *, bf16: bool = False, signed_zero_ties: bool = False):
     """Bitwise equality, except that any NaN matches any NaN. bf16: the uint16 arrays hold
     bfloat16 bits. With signed_zero_ties, +0 and -0 compare equal (MAX/MIN of +0 and -0 may
     return either)."""

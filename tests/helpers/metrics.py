@@ -1,11 +1,11 @@
 """A reducer's Prometheus metrics, scraped over HTTP as Prometheus would."""
+
 from __future__ import annotations
 
 import urllib.request
 from typing import Dict, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
-
 
 Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
 
@@ -16,8 +16,11 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lo
 def scrape(port: int) -> Samples:
     with _DIRECT.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

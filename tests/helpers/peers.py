@@ -1,6 +1,7 @@
 """Hand-driven peers of a reducer: a ZeroMQ DEALER that sends exactly what a test says and reads
 with timeouts, raw ZMTP and TCP junk, and the headers such peers send. Everything is bounded in
 time: every receive polls with a timeout."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from typing import List, Optional, Tuple
 
 import zmq
 
-from reduction_server.wire import gate, protocol
 from reduction_server.config.discovery import job_id_from
+from reduction_server.wire import gate, protocol
 from reduction_server.wire.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
 from .cluster import TOKEN
@@ -47,7 +48,9 @@ class Peer:
         assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
         header = protocol.unpack(frames[0])  # what the reducer sends must parse
         payload = frames[1] if len(frames) == 2 else b""
-        assert len(payload) == (0 if header.type is MsgType.RESULT_SHM else header.nbytes)  # a slot's bytes are not in a frame
+        assert len(payload) == (
+            0 if header.type is MsgType.RESULT_SHM else header.nbytes
+        )  # a slot's bytes are not in a frame
         return header, payload
 
     def expect_error(self, code: ErrorCode, *words: str, timeout: float = 5.0) -> Tuple[Header, str]:
@@ -65,8 +68,9 @@ class Peer:
         reply = self.recv(timeout)
         assert reply is None, f"unexpected answer: {reply[0].type.name} {reply[1][:200]!r}"
 
-    def handshake(self, rank: int, world: int, *, job: int = JOB, generation: int = 0,
-                  token: str = TOKEN, **facts) -> dict:
+    def handshake(
+        self, rank: int, world: int, *, job: int = JOB, generation: int = 0, token: str = TOKEN, **facts
+    ) -> dict:
         info = hello_payload(host="test", pid=os.getpid(), version="test")
         ident = dict(rank=rank, world=world, job=job, generation=generation)
         self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
@@ -82,20 +86,65 @@ class Peer:
         self.sock.close(linger=0)
 
 
-def data(rank: int = 0, world: int = 2, *, job: int = JOB, generation: int = 0, seq: int = 1000,
-         chunk: int = 0, nchunks: int = 1, offset: int = 0, count: int = 4, total: Optional[int] = None,
-         dtype: DType = DType.FLOAT32, op: ReduceOp = ReduceOp.SUM, nbytes: Optional[int] = None,
-         aux: int = 0, mtype: MsgType = MsgType.DATA) -> bytes:
+def data(
+    rank: int = 0,
+    world: int = 2,
+    *,
+    job: int = JOB,
+    generation: int = 0,
+    seq: int = 1000,
+    chunk: int = 0,
+    nchunks: int = 1,
+    offset: int = 0,
+    count: int = 4,
+    total: Optional[int] = None,
+    dtype: DType = DType.FLOAT32,
+    op: ReduceOp = ReduceOp.SUM,
+    nbytes: Optional[int] = None,
+    aux: int = 0,
+    mtype: MsgType = MsgType.DATA,
+) -> bytes:
     return protocol.data_header(
-        mtype, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq,
-        chunk=chunk, nchunks=nchunks, offset=offset, count=count, total=count if total is None else total,
-        nbytes=count * dtype.itemsize if nbytes is None else nbytes, aux=aux)
+        mtype,
+        dtype=dtype,
+        op=op,
+        rank=rank,
+        world=world,
+        job=job,
+        generation=generation,
+        seq=seq,
+        chunk=chunk,
+        nchunks=nchunks,
+        offset=offset,
+        count=count,
+        total=count if total is None else total,
+        nbytes=count * dtype.itemsize if nbytes is None else nbytes,
+        aux=aux,
+    )
 
 
 def raw_header(magic: int = protocol.MAGIC, version: int = protocol.VERSION, mtype: int = int(MsgType.DATA)) -> bytes:
     h = protocol.unpack(data())
-    return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation, h.chunk,
-                                h.nchunks, h.aux, h.job, h.group, h.seq, h.offset, h.count, h.total, h.nbytes)
+    return protocol.HEADER.pack(
+        magic,
+        version,
+        mtype,
+        h.dtype,
+        h.op,
+        h.rank,
+        h.world,
+        h.generation,
+        h.chunk,
+        h.nchunks,
+        h.aux,
+        h.job,
+        h.group,
+        h.seq,
+        h.offset,
+        h.count,
+        h.total,
+        h.nbytes,
+    )
 
 
 def port_of(address: str) -> int:

@@ -1,4 +1,5 @@
 """Free TCP ports on loopback for the processes a test starts."""
+
 from __future__ import annotations
 
 import socket

@@ -1,4 +1,5 @@
 """What a test reads of a running process: its memory and its open files."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Deterministic per-rank inputs and NumPy references for every dtype x op."""
+
 from __future__ import annotations
 
 from typing import List
@@ -9,8 +10,13 @@ import numpy as np
 DTYPES = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64"]
 OPS = ["sum", "prod", "min", "max", "avg"]
 #: op name -> the all-reduce of two ranks' values
-TWO_RANKS = {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b, "min": np.minimum, "max": np.maximum,
-             "avg": lambda a, b: (a + b) / 2}
+TWO_RANKS = {
+    "sum": lambda a, b: a + b,
+    "prod": lambda a, b: a * b,
+    "min": np.minimum,
+    "max": np.maximum,
+    "avg": lambda a, b: (a + b) / 2,
+}
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -58,8 +64,8 @@ def reference(inputs: List[np.ndarray], dtype: str, op: str) -> np.ndarray:
 
 def tolerance(dtype: str, world: int) -> dict:
     """Room for accumulation order and one final rounding."""
-    eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}[dtype]
-    return {"rtol": 2 * eps, "atol": 400 * world * max(eps, 2.0 ** -23)}
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[dtype]
+    return {"rtol": 2 * eps, "atol": 400 * world * max(eps, 2.0**-23)}
 
 
 def check(result: np.ndarray, inputs: List[np.ndarray], dtype: str, op: str) -> str:

@@ -6,6 +6,7 @@ a worker engine's Ledger and Failover with collectives made by hand, their chunk
 
 Every room is built here and only here: the tests call the rooms' public methods, so a change of
 a constructor's parameters is one change in this file."""
+
 from __future__ import annotations
 
 import json
@@ -150,18 +151,31 @@ class ReducerRooms:
     def admit_all(self, world: int, **kw) -> List[Peer]:
         return [self.admit(rank, world, **kw) for rank in range(world)]
 
-    def hello(self, identity: bytes, rank: int, world: int, *, job: int = JOB, generation: int = 0,
-              **facts) -> Tuple[List[Sent], bytes]:
+    def hello(
+        self, identity: bytes, rank: int, world: int, *, job: int = JOB, generation: int = 0, **facts
+    ) -> Tuple[List[Sent], bytes]:
         """A HELLO from `identity`; what the reducer answered (taken), and the HELLO's nonce."""
         payload, nonce = hello_frame(**facts)
         self.admission.hello(identity, hello_header(rank, world, job=job, generation=generation), payload)
         return self.outbox.take(), nonce
 
-    def auth(self, identity: bytes, challenge: bytes, rank: int, world: int, *, token: str = TOKEN, job: int = JOB,
-             generation: int = 0, extra: Optional[dict] = None) -> List[Sent]:
+    def auth(
+        self,
+        identity: bytes,
+        challenge: bytes,
+        rank: int,
+        world: int,
+        *,
+        token: str = TOKEN,
+        job: int = JOB,
+        generation: int = 0,
+        extra: Optional[dict] = None,
+    ) -> List[Sent]:
         """The AUTH answering `challenge`, its proof made with `token`; what the reducer answered (taken)."""
-        self.admission.auth(identity, auth_frame(challenge, token=token, rank=rank, world=world, job=job,
-                                                 generation=generation, extra=extra))
+        self.admission.auth(
+            identity,
+            auth_frame(challenge, token=token, rank=rank, world=world, job=job, generation=generation, extra=extra),
+        )
         return self.outbox.take()
 
     def handshake(self, identity: bytes, rank: int, world: int, *, job: int = JOB, generation: int = 0) -> Sent:
@@ -172,45 +186,115 @@ class ReducerRooms:
         assert welcome.type is MsgType.WELCOME, (welcome.type.name, welcome.payload)
         return welcome
 
-    def contribute(self, peer: Peer, values: Sequence, *, seq: int = 0, dtype: DType = DType.FLOAT32,
-                   bad_payload: Optional[str] = None, **fields) -> Header:
+    def contribute(
+        self,
+        peer: Peer,
+        values: Sequence,
+        *,
+        seq: int = 0,
+        dtype: DType = DType.FLOAT32,
+        bad_payload: Optional[str] = None,
+        **fields,
+    ) -> Header:
         """peer's chunk of collective `seq`, holding `values`, handed to Rounds as the core would."""
         data = np.asarray(values, dtype.storage).tobytes()
         count = len(values)
-        h = header(peer.rank, peer.world, seq=seq, dtype=dtype, job=peer.job, generation=peer.generation,
-                   **{"count": count, "total": count, "nbytes": len(data), **fields})
+        h = header(
+            peer.rank,
+            peer.world,
+            seq=seq,
+            dtype=dtype,
+            job=peer.job,
+            generation=peer.generation,
+            **{"count": count, "total": count, "nbytes": len(data), **fields},
+        )
         self.rounds.contribute(peer, h, zmq.Frame(data), bad_payload)
         return h
 
 
-def reducer_rooms(world: Optional[int] = None, *, token: str = TOKEN, round_timeout: float = 30.0,
-                  max_rounds: int = 1024, max_chunk_bytes: int = 1 << 20, max_accumulator_bytes: int = 64 << 20,
-                  liveness_timeout: float = 10.0, deterministic: bool = False,
-                  now: Optional[float] = None) -> ReducerRooms:
+def reducer_rooms(
+    world: Optional[int] = None,
+    *,
+    token: str = TOKEN,
+    round_timeout: float = 30.0,
+    max_rounds: int = 1024,
+    max_chunk_bytes: int = 1 << 20,
+    max_accumulator_bytes: int = 64 << 20,
+    liveness_timeout: float = 10.0,
+    deterministic: bool = False,
+    now: Optional[float] = None,
+) -> ReducerRooms:
     """A reducer's rooms for a job of `world` ranks (None: learnt from the first admitted)."""
     clock = FakeClock(now)
     outbox = RecordingOutbox(clock=clock)
     pool = AccumulatorPool(max_accumulator_bytes, max_accumulator_bytes)
     rooms: dict = {}
-    members = Membership(outbox, clock, 0, world, liveness_timeout, loss_memory=round_timeout,
-                         on_lost=lambda rank, text: rooms["rounds"].rank_lost(rank, text))
-    rounds = rooms["rounds"] = Rounds(outbox, members, pool, clock, index=0, name=NAME,
-                                      max_chunk_bytes=max_chunk_bytes, max_rounds=max_rounds,
-                                      round_timeout=round_timeout, deterministic=deterministic)
+    members = Membership(
+        outbox,
+        clock,
+        0,
+        world,
+        liveness_timeout,
+        loss_memory=round_timeout,
+        on_lost=lambda rank, text: rooms["rounds"].rank_lost(rank, text),
+    )
+    rounds = rooms["rounds"] = Rounds(
+        outbox,
+        members,
+        pool,
+        clock,
+        index=0,
+        name=NAME,
+        max_chunk_bytes=max_chunk_bytes,
+        max_rounds=max_rounds,
+        round_timeout=round_timeout,
+        deterministic=deterministic,
+    )
     admission = Admission(outbox, members, rounds, clock, job_token=token, encrypt=False, shared=False)
     outbox.on_gone = lambda identity: admission.strikes.pop(identity, None)
     return ReducerRooms(clock, outbox, pool, members, rounds, admission)
 
 
-def header(rank: int, world: int, *, seq: int = 0, chunk: int = 0, nchunks: int = 1, offset: int = 0,
-           count: int = 4, total: Optional[int] = None, dtype: DType = DType.FLOAT32, op: ReduceOp = ReduceOp.SUM,
-           nbytes: Optional[int] = None, job: int = JOB, generation: int = 0, group: int = 0, aux: int = 0,
-           mtype: MsgType = MsgType.DATA) -> Header:
+def header(
+    rank: int,
+    world: int,
+    *,
+    seq: int = 0,
+    chunk: int = 0,
+    nchunks: int = 1,
+    offset: int = 0,
+    count: int = 4,
+    total: Optional[int] = None,
+    dtype: DType = DType.FLOAT32,
+    op: ReduceOp = ReduceOp.SUM,
+    nbytes: Optional[int] = None,
+    job: int = JOB,
+    generation: int = 0,
+    group: int = 0,
+    aux: int = 0,
+    mtype: MsgType = MsgType.DATA,
+) -> Header:
     """A worker's DATA header, parsed as the core parses it."""
-    return protocol.unpack(protocol.data_header(
-        mtype, dtype=dtype, op=op, rank=rank, world=world, job=job, generation=generation, seq=seq, chunk=chunk,
-        nchunks=nchunks, offset=offset, count=count, total=count if total is None else total,
-        nbytes=count * dtype.itemsize if nbytes is None else nbytes, aux=aux, group=group))
+    return protocol.unpack(
+        protocol.data_header(
+            mtype,
+            dtype=dtype,
+            op=op,
+            rank=rank,
+            world=world,
+            job=job,
+            generation=generation,
+            seq=seq,
+            chunk=chunk,
+            nchunks=nchunks,
+            offset=offset,
+            count=count,
+            total=count if total is None else total,
+            nbytes=count * dtype.itemsize if nbytes is None else nbytes,
+            aux=aux,
+            group=group,
+        )
+    )
 
 
 # -- the worker's side of a handshake, as a reducer's Admission sees it -------------------------
@@ -221,12 +305,21 @@ def hello_frame(**facts) -> Tuple[zmq.Frame, bytes]:
 
 
 def hello_header(rank: int, world: int, *, job: int = JOB, generation: int = 0) -> Header:
-    return protocol.unpack(protocol.text_header(MsgType.HELLO, b"", rank=rank, world=world, job=job,
-                                                generation=generation))
+    return protocol.unpack(
+        protocol.text_header(MsgType.HELLO, b"", rank=rank, world=world, job=job, generation=generation)
+    )
 
 
-def auth_frame(challenge: bytes, *, token: str = TOKEN, rank: int, world: int, job: int = JOB, generation: int = 0,
-               extra: Optional[dict] = None) -> zmq.Frame:
+def auth_frame(
+    challenge: bytes,
+    *,
+    token: str = TOKEN,
+    rank: int,
+    world: int,
+    job: int = JOB,
+    generation: int = 0,
+    extra: Optional[dict] = None,
+) -> zmq.Frame:
     """The AUTH answering a CHALLENGE payload, its proof made with `token`."""
     nonce, _ = auth.parse_challenge(challenge)
     proof = auth.worker_proof(token, nonce, job=job, generation=generation, rank=rank, world=world)
@@ -247,8 +340,14 @@ def names(num_reducers: int) -> List[str]:
     return [f"reducer {r} (127.0.0.1:{7000 + r})" for r in range(num_reducers)]
 
 
-def collective(seq: int, reducers: Iterable[int], *, group: int = 0, time_limit: Optional[float] = None,
-               dtype: DType = DType.FLOAT32) -> Collective:
+def collective(
+    seq: int,
+    reducers: Iterable[int],
+    *,
+    group: int = 0,
+    time_limit: Optional[float] = None,
+    dtype: DType = DType.FLOAT32,
+) -> Collective:
     """An all-reduce sum of len(reducers) chunks of COUNT elements, chunk k on reducers[k]; its
     input is 0, 1, 2, ... and its result buffer zeros."""
     reducers = list(reducers)
@@ -256,33 +355,61 @@ def collective(seq: int, reducers: Iterable[int], *, group: int = 0, time_limit:
     send = np.arange(total, dtype=dtype.storage)
     recv = np.zeros(total, dtype.storage)
     chunks = [Chunk(COUNT * k, COUNT, r) for k, r in enumerate(reducers)]
-    return Collective(seq, dtype, ReduceOp.SUM, 0, memoryview(send.view(np.uint8)), memoryview(recv.view(np.uint8)),
-                      total, chunks, recv, group=group, time_limit=time_limit)
+    return Collective(
+        seq,
+        dtype,
+        ReduceOp.SUM,
+        0,
+        memoryview(send.view(np.uint8)),
+        memoryview(recv.view(np.uint8)),
+        total,
+        chunks,
+        recv,
+        group=group,
+        time_limit=time_limit,
+    )
 
 
 def send_chunks(ledger: Ledger, coll: Collective, ks: Optional[Iterable[int]] = None) -> None:
     """Chunks `ks` (every one not sent yet by default) go out, as the pump sends them: SENT, and
     counted in their reducer's window of the collective's group."""
     window = ledger.window(coll.group)
-    for k in (range(len(coll.chunks)) if ks is None else ks):
+    for k in range(len(coll.chunks)) if ks is None else ks:
         assert coll.state[k] != SENT
         coll.state[k] = SENT
         window[endpoint_of(coll.chunks[k])] += 1
         coll.next = max(coll.next, k + 1)
 
 
-def result_header(coll: Collective, k: int, r: int, me: Identity = ME, *, mtype: MsgType = MsgType.RESULT,
-                  job: Optional[int] = None) -> Header:
+def result_header(
+    coll: Collective, k: int, r: int, me: Identity = ME, *, mtype: MsgType = MsgType.RESULT, job: Optional[int] = None
+) -> Header:
     """Reducer r's answer to chunk k of coll, as the inbox reads it."""
     offset, count, _ = coll.chunks[k]
-    return protocol.unpack(protocol.data_header(
-        mtype, dtype=coll.dtype, op=coll.op, rank=r, world=me.world, job=me.job if job is None else job,
-        generation=me.generation, seq=coll.seq, chunk=k, nchunks=len(coll.chunks), offset=offset, count=count,
-        total=coll.total, nbytes=count * coll.dtype.itemsize, group=coll.group))
+    return protocol.unpack(
+        protocol.data_header(
+            mtype,
+            dtype=coll.dtype,
+            op=coll.op,
+            rank=r,
+            world=me.world,
+            job=me.job if job is None else job,
+            generation=me.generation,
+            seq=coll.seq,
+            chunk=k,
+            nchunks=len(coll.chunks),
+            offset=offset,
+            count=count,
+            total=coll.total,
+            nbytes=count * coll.dtype.itemsize,
+            group=coll.group,
+        )
+    )
 
 
-def answer(ledger: Ledger, coll: Collective, k: int, r: Optional[int] = None, error: Optional[str] = None,
-           me: Identity = ME) -> bool:
+def answer(
+    ledger: Ledger, coll: Collective, k: int, r: Optional[int] = None, error: Optional[str] = None, me: Identity = ME
+) -> bool:
     """Reducer r (chunk k's own by default) answers chunk k as the inbox hands an answer on:
     matched to its collective first (Ledger.pending_chunk), then done. False when the ledger
     took it as a late answer and dropped it."""

@@ -1,4 +1,5 @@
 """The project's source tree, by the module names it has once installed (setup.py's mapping)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +7,11 @@ from typing import Dict
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where each installed package's sources live in the repository (as setup.py maps them).
-SOURCE_ROOTS = {"reduction_server": "reduction_server", "reduction_server.client": "client",
-                "reduction_server.bench": "bench"}
+SOURCE_ROOTS = {
+    "reduction_server": "reduction_server",
+    "reduction_server.client": "client",
+    "reduction_server.bench": "bench",
+}
 # Modules installed beside the package (setup.py's py_modules), by name, and their files.
 TOP_MODULES = {"reduction_server_torch_autoload": "reduction_server_torch_autoload.py"}
 

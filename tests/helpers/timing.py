@@ -1,4 +1,5 @@
 """The timeouts failure tests run with, and how tight they may measure on a shared machine."""
+
 from __future__ import annotations
 
 HEARTBEAT = 0.5  # RS_HEARTBEAT_INTERVAL (default 1)

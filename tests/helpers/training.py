@@ -1,5 +1,6 @@
 """A training job of W=4 worker processes (tests/scripts/failover_worker.py) whose rank 0's
 progress a test follows step by step, to kill reducers (or shards) at chosen moments."""
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,28 @@ class Run:
         self.procs = []
         self.errs = []
         for rank in range(W):
-            env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(W),
-                             "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST, **(extra or {})})
+            env = child_env(
+                {
+                    "RS_REDUCERS": group.spec,
+                    "RS_RANK": str(rank),
+                    "RS_WORLD_SIZE": str(W),
+                    "RS_JOB_TOKEN": TOKEN,
+                    "RS_CONNECT_TIMEOUT": "30",
+                    **FAST,
+                    **(extra or {}),
+                }
+            )
             err = tempfile.TemporaryFile(mode="w+")  # logs apart: a line of stdout must stay whole
             self.errs.append(err)
-            self.procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "failover_worker.py"), str(STEPS),
-                                                "1" if exact else "0"], env=env, stdout=subprocess.PIPE,
-                                               stderr=err, text=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPTS / "failover_worker.py"), str(STEPS), "1" if exact else "0"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            )
         self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(W)]
         for t in self.readers:
             t.start()
@@ -48,8 +64,9 @@ class Run:
 
     def wait_for_step(self, step: int, timeout: float = 60) -> None:
         with self.progress:
-            assert self.progress.wait_for(lambda: self.step >= step or self.procs[0].poll() is not None, timeout), \
+            assert self.progress.wait_for(lambda: self.step >= step or self.procs[0].poll() is not None, timeout), (
                 f"rank 0 did not reach step {step} in {timeout} s: {self.outputs[0][-5:]}"
+            )
 
     def finish(self, timeout: float = 120) -> List[dict]:
         results = []
@@ -59,8 +76,11 @@ class Run:
                 self.readers[rank].join(10)
                 lines = self.outputs[rank]
                 self.errs[rank].seek(0)
-                assert proc.returncode == 0 and lines and lines[-1].startswith("{"), \
-                    f"rank {rank} failed ({proc.returncode}):\n" + "\n".join(lines[-5:]) + self.errs[rank].read()[-3000:]
+                assert proc.returncode == 0 and lines and lines[-1].startswith("{"), (
+                    f"rank {rank} failed ({proc.returncode}):\n"
+                    + "\n".join(lines[-5:])
+                    + self.errs[rank].read()[-3000:]
+                )
                 results.append(json.loads(lines[-1]))
         finally:
             for proc, err in zip(self.procs, self.errs):

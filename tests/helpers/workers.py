@@ -2,6 +2,7 @@
 (test_failures.py): W real processes against a reducer group, their stdout lines read as JSON.
 A context manager: `with Workers(...) as workers:` kills every one still running on exit,
 whatever the test did."""
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,28 @@ class Workers:
         self.readers = []
         try:
             for rank in range(world):
-                env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(world),
-                                 "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", **FAST, **(extra_env or {})})
+                env = child_env(
+                    {
+                        "RS_REDUCERS": group.spec,
+                        "RS_RANK": str(rank),
+                        "RS_WORLD_SIZE": str(world),
+                        "RS_JOB_TOKEN": TOKEN,
+                        "RS_CONNECT_TIMEOUT": "30",
+                        **FAST,
+                        **(extra_env or {}),
+                    }
+                )
                 err = tempfile.TemporaryFile(mode="w+")
                 self.errs.append(err)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(SCRIPTS / "failure_worker.py"), json.dumps(spec)], env=env,
-                    stdout=subprocess.PIPE, stderr=err, text=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPTS / "failure_worker.py"), json.dumps(spec)],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                    )
+                )
                 reader = threading.Thread(target=self._read, args=(rank,), daemon=True)
                 reader.start()
                 self.readers.append(reader)
@@ -65,8 +81,9 @@ class Workers:
                 if not pending:
                     return
                 for r in pending:
-                    assert self.procs[r].poll() is None or self.readers[r].is_alive(), \
+                    assert self.procs[r].poll() is None or self.readers[r].is_alive(), (
                         f"rank {r} exited ({self.procs[r].poll()}) before saying {key!r}: {self.stderr(r)}"
+                    )
                 assert time.monotonic() < deadline, f"ranks {pending} did not say {key!r}"
                 self.changed.wait(0.2)
 

@@ -1,6 +1,7 @@
 """A reducer's admission of workers: the job token (refused both ways), the world size, a
 reducer without a token, and generations of a job. Real reducer processes (helpers/cluster.py);
 workers are Communicators in threads, hand-driven peers raw ZeroMQ sockets (helpers/peers.py)."""
+
 from __future__ import annotations
 
 import time
@@ -8,15 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from reduction_server import CollectiveError
-
-from reduction_server.wire import auth, protocol
-from reduction_server.wire.protocol import ErrorCode, MsgType
-
 from helpers.cluster import TOKEN, reducers
 from helpers.handshake import auth_payload, hello_payload
 from helpers.jobs import check_sum_works, communicator, parallel
 from helpers.peers import JOB, Peer, data
+from reduction_server import CollectiveError
+from reduction_server.wire import auth, protocol
+from reduction_server.wire.protocol import ErrorCode, MsgType
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,9 +27,11 @@ def test_a_worker_with_a_wrong_or_missing_token_refuses_the_reducers_and_the_job
     byte of theirs reaches a reducer (no AUTH, no proof)."""
     with reducers(2, workers=2) as group:
         good = [communicator(group, r, 2) for r in range(2)]
-        for token, job_id, why in [("wrong-token", None, "the job tokens differ"),
-                                   ("", None, "it requires a job token (RS_JOB_TOKEN) and this side has none"),
-                                   ("wrong-token", JOB, "the job tokens differ")]:
+        for token, job_id, why in [
+            ("wrong-token", None, "the job tokens differ"),
+            ("", None, "it requires a job token (RS_JOB_TOKEN) and this side has none"),
+            ("wrong-token", JOB, "the job tokens differ"),
+        ]:
             start = time.monotonic()
             with pytest.raises(CollectiveError) as info:
                 communicator(group, 1, 2, job_token=token, job_id=job_id, connect_timeout=5)
@@ -134,5 +135,3 @@ def test_a_new_generation_replaces_the_old_one():
         assert group.alive()
         logs = group.stop()
     assert "job_replaced" in logs[0]
-
-

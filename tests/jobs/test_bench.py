@@ -1,5 +1,6 @@
 """Each benchmark suite runs on a small configuration and produces well-formed output (no test
 asserts a time: the machine is shared and noisy)."""
+
 import json
 import os
 import re
@@ -18,8 +19,12 @@ from reduction_server.bench import emulated_network, kernels, loopback, netem  #
 
 
 def run_suite(suite, out, *options):
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", suite, "--quick", "--out", str(out),
-                           *options], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "bench", suite, "--quick", "--out", str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / f"{suite}.json").read_text())
     png = (out / f"{suite}.png").read_bytes()
@@ -44,8 +49,11 @@ def test_loopback_suite(tmp_path):
     table, rows = run_suite("loopback", tmp_path, "--rounds", "2")
     ours = [r for r in rows if r["peer"].startswith("reduction-server")]
     assert [(r["peer"], r["W"], r["R"], r["mib"]) for r in ours] == [  # shared memory, and tcp sockets
-        ("reduction-server", 2, 1, 0.25), ("reduction-server", 2, 1, 1),
-        ("reduction-server (tcp)", 2, 1, 0.25), ("reduction-server (tcp)", 2, 1, 1)]
+        ("reduction-server", 2, 1, 0.25),
+        ("reduction-server", 2, 1, 1),
+        ("reduction-server (tcp)", 2, 1, 0.25),
+        ("reduction-server (tcp)", 2, 1, 1),
+    ]
     for row in rows:
         assert row["rounds"] == 2
         assert row["algbw_GBps"] == pytest.approx(row["mib"] * (1 << 20) / (row["ms"] / 1e3) / 1e9)
@@ -63,8 +71,9 @@ def test_loopback_suite(tmp_path):
 
 
 def test_unknown_suite_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", "nope"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "bench", "nope"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
@@ -82,8 +91,10 @@ def _links():
     return set(re.findall(r"^\d+: ([^:@]+)", out, re.M))
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-                                reason="the emulated network needs root and iproute2 (ip, tc)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+    reason="the emulated network needs root and iproute2 (ip, tc)",
+)
 
 
 @needs_root
@@ -91,10 +102,21 @@ def test_netem_suite(tmp_path):
     before = _bench_namespaces()
     # The sweep options replace the quick configuration's R (default R = W = 2) and link rate (400);
     # a variant runs this project once more, with its settings, as rows of its own.
-    table, rows = run_suite("netem", tmp_path, "--rounds", "2", "--reducers", "1", "--rate-mbit", "300",
-                            "--variant", "RS_SNDBUF=65536,RS_WINDOW=3")
+    table, rows = run_suite(
+        "netem",
+        tmp_path,
+        "--rounds",
+        "2",
+        "--reducers",
+        "1",
+        "--rate-mbit",
+        "300",
+        "--variant",
+        "RS_SNDBUF=65536,RS_WINDOW=3",
+    )
     assert json.loads((tmp_path / "netem.json").read_text())["command"].endswith(
-        "--quick --reducers 1 --rate-mbit 300 --rounds 2 --variant RS_SNDBUF=65536,RS_WINDOW=3")
+        "--quick --reducers 1 --rate-mbit 300 --rounds 2 --variant RS_SNDBUF=65536,RS_WINDOW=3"
+    )
     ours = ["reduction-server", "reduction-server RS_SNDBUF=65536 RS_WINDOW=3"]
     assert [r["peer"] for r in rows] == ["gloo", *ours]
     gloo = {r["mib"]: r["ms"] for r in rows if r["peer"] == "gloo"}
@@ -151,8 +173,10 @@ def test_a_variant_reaches_every_process_of_its_run(monkeypatch):
 
 def test_variants_are_parsed_and_labelled():
     assert netem.variant_runs([netem.parse_variant(" RS_SNDBUF = 16384 , RS_WINDOW=2"), {"RS_WINDOW": "8"}]) == [
-        ("reduction-server", {}), ("reduction-server RS_SNDBUF=16384 RS_WINDOW=2", {"RS_SNDBUF": "16384", "RS_WINDOW": "2"}),
-        ("reduction-server RS_WINDOW=8", {"RS_WINDOW": "8"})]
+        ("reduction-server", {}),
+        ("reduction-server RS_SNDBUF=16384 RS_WINDOW=2", {"RS_SNDBUF": "16384", "RS_WINDOW": "2"}),
+        ("reduction-server RS_WINDOW=8", {"RS_WINDOW": "8"}),
+    ]
 
 
 @needs_root
@@ -189,12 +213,17 @@ def test_collectives_suite(tmp_path):
     before = _bench_namespaces()
     table, rows = run_suite("collectives", tmp_path)
     assert [(r["mbit"], r["peer"], r["collective"]) for r in rows] == [
-        (where, peer, name) for where in ("loopback", 400) for peer in ("gloo", "reduction-server")
-        for name in ("reduce_scatter_tensor", "all_gather_into_tensor")]
+        (where, peer, name)
+        for where in ("loopback", 400)
+        for peer in ("gloo", "reduction-server")
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor")
+    ]
     for row in rows:
         assert set(collectives.COLUMNS) <= set(row) and row["W"] == 2 and row["mib"] == 1
         assert row["R"] == ("-" if row["peer"] == "gloo" else 2)
-        gloo = next(g for g in rows if (g["peer"], g["mbit"], g["collective"]) == ("gloo", row["mbit"], row["collective"]))
+        gloo = next(
+            g for g in rows if (g["peer"], g["mbit"], g["collective"]) == ("gloo", row["mbit"], row["collective"])
+        )
         assert row["vs_gloo"] == pytest.approx(gloo["ms"] / row["ms"])
     assert table.splitlines()[0].split() == collectives.COLUMNS
     assert _bench_namespaces() == before
@@ -239,7 +268,11 @@ def test_failover_suite(tmp_path):
     before = _bench_namespaces()
     table, rows = run_suite("failover", tmp_path)
     assert [(r["run"], r["R"]) for r in rows] == [
-        ("undisturbed", 2), ("RS_FAILOVER=0", 2), ("fewer", 1), ("failover (reducer 1 killed in step 4)", "2->1")]
+        ("undisturbed", 2),
+        ("RS_FAILOVER=0", 2),
+        ("fewer", 1),
+        ("failover (reducer 1 killed in step 4)", "2->1"),
+    ]
     undisturbed = rows[0]["step_ms"]
     for row in rows:
         assert set(failover.COLUMNS) <= set(row) and (row["W"], row["mbit"], row["mib"]) == (2, 400, 1)
@@ -260,9 +293,13 @@ def test_failover_suite(tmp_path):
 def test_netem_cleans_up_when_interrupted(tmp_path):
     # SIGINT as a terminal sends it: not inherited as ignored, as it is when the tests themselves
     # run in the background of a non-interactive shell (Python then never raises KeyboardInterrupt).
-    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out",
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reduction_server", "bench", "netem", "--quick", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     tag = f"rs{proc.pid}-"
     deadline = time.monotonic() + 60
     while tag not in _namespaces() and time.monotonic() < deadline and proc.poll() is None:
@@ -277,8 +314,11 @@ def test_netem_cleans_up_when_interrupted(tmp_path):
 
 
 @needs_root
-@pytest.mark.parametrize("step", [("netns", "add"), ("link", "add"), ("link", "set")],
-                         ids=["namespace made", "veth pair made", "host end moved"])
+@pytest.mark.parametrize(
+    "step",
+    [("netns", "add"), ("link", "add"), ("link", "set")],
+    ids=["namespace made", "veth pair made", "host end moved"],
+)
 def test_netem_deletes_what_an_interrupt_left_half_made(monkeypatch, step):
     made = emulated_network._ip
 
@@ -318,8 +358,9 @@ def test_netem_switch_skips_the_firewall_hooks_of_this_host():
 
     def setting(table, namespace=None):
         where = ["ip", "netns", "exec", namespace] if namespace else []
-        out = subprocess.run([*where, "sysctl", "-n", f"net.bridge.bridge-nf-call-{table}"], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [*where, "sysctl", "-n", f"net.bridge.bridge-nf-call-{table}"], capture_output=True, text=True, check=True
+        ).stdout
         return out.strip()
 
     outside = {t: setting(t) for t in hooks}
@@ -337,31 +378,52 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("RS_TIMEOUT", "9")  # not a setting the emulated hosts inherit
     # options in one order whatever the caller's, and quoted where a shell needs it
     assert suites._command("netem", tmp_path / "a b", False, {"variants": [{"RS_WINDOW": "2"}], "rounds": 3}) == (
-        f"RS_SNDBUF=16384 reduction-server bench netem --out '{tmp_path}/a b' --rounds 3 --variant RS_WINDOW=2")
+        f"RS_SNDBUF=16384 reduction-server bench netem --out '{tmp_path}/a b' --rounds 3 --variant RS_WINDOW=2"
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["kernels", "--rounds", "3"], "--rounds is for the loopback, netem, ddp, collectives and failover suites, not kernels"),
-    (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
-    (["kernels", "--workers", "2"],
-     "--workers is for the loopback, netem, ddp, collectives, reducer and failover suites, not kernels"),
-    (["loopback", "--rate-mbit", "100"], "--rate-mbit is for the netem, ddp, collectives and failover suites, not loopback"),
-    (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
-    (["ddp", "--mib", "4"],
-     "--mib is for the kernels, loopback, netem, collectives, reducer and failover suites, not ddp"),
-    (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
-    (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
-    (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),
-    (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
-    (["netem", "--variant", "RS_JOB_TOKEN=x"], "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, RS_PIPELINE_DEPTH, RS_SNDBUF"),
-    (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
-    (["netem", "--variant", "RS_SNDBUF=100"], "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be `auto`, 0 (the kernel's autotuning) or 4096"),
-    (["ddp", "--variant", "RS_WINDOW=0"], "--variant 'RS_WINDOW=0': RS_WINDOW='0' must be at least 1"),
-    (["netem", "--variant", "RS_WINDOW=2,RS_WINDOW=3"], "sets RS_WINDOW twice"),
-    (["netem", "--variant", "RS_WINDOW=2", "--variant", "RS_WINDOW=2"], "--variant RS_WINDOW=2 is given twice"),
-    (["netem", "--workers", "8", "--reducers", "8,243"], "W=8 workers and R=243 reducers are 251 hosts"),
-    (["ddp", "--delay-ms", "1001"], "the link delay must be in 0..1000 ms, got 1001"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["kernels", "--rounds", "3"],
+            "--rounds is for the loopback, netem, ddp, collectives and failover suites, not kernels",
+        ),
+        (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
+        (
+            ["kernels", "--workers", "2"],
+            "--workers is for the loopback, netem, ddp, collectives, reducer and failover suites, not kernels",
+        ),
+        (
+            ["loopback", "--rate-mbit", "100"],
+            "--rate-mbit is for the netem, ddp, collectives and failover suites, not loopback",
+        ),
+        (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
+        (
+            ["ddp", "--mib", "4"],
+            "--mib is for the kernels, loopback, netem, collectives, reducer and failover suites, not ddp",
+        ),
+        (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
+        (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
+        (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),
+        (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
+        (
+            ["netem", "--variant", "RS_JOB_TOKEN=x"],
+            "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, "
+            "RS_PIPELINE_DEPTH, RS_SNDBUF",
+        ),
+        (["ddp", "--variant", "RS_SNDBUF"], "--variant 'RS_SNDBUF': expected NAME=VALUE[,NAME=VALUE...]"),
+        (
+            ["netem", "--variant", "RS_SNDBUF=100"],
+            "--variant 'RS_SNDBUF=100': RS_SNDBUF=100 must be `auto`, 0 (the kernel's autotuning) or 4096",
+        ),
+        (["ddp", "--variant", "RS_WINDOW=0"], "--variant 'RS_WINDOW=0': RS_WINDOW='0' must be at least 1"),
+        (["netem", "--variant", "RS_WINDOW=2,RS_WINDOW=3"], "sets RS_WINDOW twice"),
+        (["netem", "--variant", "RS_WINDOW=2", "--variant", "RS_WINDOW=2"], "--variant RS_WINDOW=2 is given twice"),
+        (["netem", "--workers", "8", "--reducers", "8,243"], "W=8 workers and R=243 reducers are 251 hosts"),
+        (["ddp", "--delay-ms", "1001"], "the link delay must be in 0..1000 ms, got 1001"),
+    ],
+)
 def test_options_are_refused_where_they_mean_nothing(capsys, tmp_path, args, message):
     from reduction_server.cli import main
 
@@ -370,15 +432,22 @@ def test_options_are_refused_where_they_mean_nothing(capsys, tmp_path, args, mes
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
-@pytest.mark.parametrize("option,value,message", [
-    ("--workers", "2,a", "'2,a' is not a comma-separated list of int values"),
-    ("--mib", "0", "'0': every value must be positive and finite"),
-    ("--rate-mbit", "-5", "'-5': every value must be positive and finite"),
-    ("--rate-mbit", "200,inf", "'200,inf': every value must be positive and finite"),
-])
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("--workers", "2,a", "'2,a' is not a comma-separated list of int values"),
+        ("--mib", "0", "'0': every value must be positive and finite"),
+        ("--rate-mbit", "-5", "'-5': every value must be positive and finite"),
+        ("--rate-mbit", "200,inf", "'200,inf': every value must be positive and finite"),
+    ],
+)
 def test_sweep_values_are_validated(option, value, message):
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "bench", "netem", f"{option}={value}"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "bench", "netem", f"{option}={value}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and f"argument {option}: {message}" in proc.stderr, proc.stderr
 
 
@@ -397,20 +466,29 @@ def test_netem_delays_each_link_or_says_why_it_cannot():
         return
     try:
         for where, dev in ((net.namespace(0), net.interface(0)), (net.switch, f"{net.tag}s0")):
-            qdiscs = subprocess.run(["tc", "-n", where, "qdisc", "show", "dev", dev], capture_output=True, text=True,
-                                    check=True).stdout
+            qdiscs = subprocess.run(
+                ["tc", "-n", where, "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True
+            ).stdout
             assert "netem 1: root" in qdiscs and "delay 5ms" in qdiscs and "tbf 10: parent 1:1" in qdiscs, qdiscs
         # A connection to a port nobody listens on is refused after one round trip; the first
         # also waits for ARP, so the second is the one timed.
-        probe = ("import socket, time\n"
-                 "for _ in range(2):\n"
-                 "    s = socket.socket(); t = time.monotonic()\n"
-                 "    try: s.connect(('198.18.0.2', 9))\n"
-                 "    except ConnectionRefusedError: rtt = time.monotonic() - t\n"
-                 "    s.close()\n"
-                 "print(rtt)")
-        rtt = float(subprocess.run(["ip", "netns", "exec", net.namespace(0), sys.executable, "-c", probe],
-                                   capture_output=True, text=True, check=True).stdout)
+        probe = (
+            "import socket, time\n"
+            "for _ in range(2):\n"
+            "    s = socket.socket(); t = time.monotonic()\n"
+            "    try: s.connect(('198.18.0.2', 9))\n"
+            "    except ConnectionRefusedError: rtt = time.monotonic() - t\n"
+            "    s.close()\n"
+            "print(rtt)"
+        )
+        rtt = float(
+            subprocess.run(
+                ["ip", "netns", "exec", net.namespace(0), sys.executable, "-c", probe],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         assert rtt >= 4 * 0.005, rtt
     finally:
         net.close()

@@ -5,6 +5,7 @@ reducer stays up, and the other ranks' own budgets and later collectives are unt
 
 Real reducer processes; the ranks are hand-driven DEALER peers (test_reducer_errors.Peer), so
 that a test can run one rank ahead of the others, which a Communicator never does."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,13 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
-
 from helpers.cluster import ONE_PROCESS, child_env, reducers
-from helpers.metrics import scrape, value
-from helpers.ports import free_port_range
 from helpers.jobs import check_sum_works, communicator, until
+from helpers.metrics import scrape, value
 from helpers.peers import Peer, data
+from helpers.ports import free_port_range
+from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,8 +54,9 @@ def test_a_rank_over_its_memory_budget_is_refused_and_the_others_keep_theirs():
             a.send(data(0, job=0xB0D6, seq=seq, count=COUNT), payload(1))
         a.expect_silence(0.3)
         a.send(data(0, job=0xB0D6, seq=5, count=COUNT), payload(1))
-        _, text = a.expect_error(ErrorCode.TOO_LARGE, "rank 0 would hold", f"per-rank budget of {BUDGET} bytes",
-                                 "RS_MAX_PEER_BYTES")
+        _, text = a.expect_error(
+            ErrorCode.TOO_LARGE, "rank 0 would hold", f"per-rank budget of {BUDGET} bytes", "RS_MAX_PEER_BYTES"
+        )
         for seq in range(1, 5):  # the rounds it held complete
             b.send(data(1, job=0xB0D6, seq=seq, count=COUNT), payload(2))
             for peer in (a, b):
@@ -116,8 +117,12 @@ def test_collectives_in_flight_are_capped_per_job():
             a.send(data(0, job=0xCA9, seq=seq), payload(1, 4))
         a.expect_silence(0.3)
         a.send(data(0, job=0xCA9, seq=cap + 1), payload(1, 4))
-        a.expect_error(ErrorCode.TOO_LARGE, "rank 0 started collective seq=9", f"{cap} chunks of collectives",
-                       f"RS_MAX_ROUNDS={cap}")
+        a.expect_error(
+            ErrorCode.TOO_LARGE,
+            "rank 0 started collective seq=9",
+            f"{cap} chunks of collectives",
+            f"RS_MAX_ROUNDS={cap}",
+        )
         for seq in range(1, cap + 1):
             b.send(data(1, job=0xCA9, seq=seq), payload(2, 4))
             for peer in (a, b):
@@ -155,8 +160,9 @@ def test_a_16_bit_result_that_does_not_fit_fails_every_rank_at_once():
         half = np.ones(count, np.float16).tobytes()
         for rank, peer in enumerate((a, b)):
             peer.send(data(rank, job=0xF16, seq=1, count=count, dtype=DType.FLOAT16), half)
-        texts = [peer.expect_error(ErrorCode.TOO_LARGE, "cannot be sent", "RS_MAX_ACCUMULATOR_BYTES")[1]
-                 for peer in (a, b)]
+        texts = [
+            peer.expect_error(ErrorCode.TOO_LARGE, "cannot be sent", "RS_MAX_ACCUMULATOR_BYTES")[1] for peer in (a, b)
+        ]
         assert texts[0] == texts[1]
         # float32 rounds need no second buffer: the freed accumulator serves them.
         for rank, peer in enumerate((a, b)):
@@ -193,8 +199,12 @@ def test_a_received_frame_becomes_the_accumulator_and_is_counted_until_its_round
     env = {"RS_METRICS_PORT": str(port), "RS_DETERMINISTIC": str(int(deterministic)), **ONE_PROCESS}
     with reducers(1, workers=2, extra_env=env) as group:
         a, b = peers(group, 2, job=0xAD0)
-        for seq, op, expected, order in ((1, ReduceOp.SUM, 3, "ab"), (2, ReduceOp.AVG, 1.5, "ab"),
-                                         (3, ReduceOp.MAX, 2, "ab"), (4, ReduceOp.SUM, 3, "ba")):
+        for seq, op, expected, order in (
+            (1, ReduceOp.SUM, 3, "ab"),
+            (2, ReduceOp.AVG, 1.5, "ab"),
+            (3, ReduceOp.MAX, 2, "ab"),
+            (4, ReduceOp.SUM, 3, "ba"),
+        ):
             for i, name in enumerate(order):
                 rank = "ab".index(name)
                 (a, b)[rank].send(data(rank, job=0xAD0, seq=seq, count=COUNT, op=op), payload(rank + 1))

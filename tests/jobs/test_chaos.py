@@ -1,6 +1,7 @@
 """`reduction-server chaos` against real jobs under the local launcher: it finds the reducer or
 worker it is told to hit among this host's processes, signals it at the chosen moment, and the
 job sees exactly that failure."""
+
 import subprocess
 import sys
 import time
@@ -19,15 +20,37 @@ MARK = f"RS_TEST_CHAOS={uuid.uuid4().hex}"
 
 def start_job(steps: int, pause: float, **env: str) -> subprocess.Popen:
     name, value = MARK.split("=")
-    return subprocess.Popen([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "2", "--",
-                             sys.executable, str(SCRIPTS / "steady_worker.py"), str(steps), str(pause)],
-                            env=child_env({name: value, **env}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            "2",
+            "--reducers",
+            "2",
+            "--",
+            sys.executable,
+            str(SCRIPTS / "steady_worker.py"),
+            str(steps),
+            str(pause),
+        ],
+        env=child_env({name: value, **env}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def chaos(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reduction_server", "chaos", "--match", MARK, *args],
-                          env=child_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "reduction_server", "chaos", "--match", MARK, *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_killed_reducer_is_named_by_the_job():

@@ -4,6 +4,7 @@ One pair of reducers serves the whole module (once per transport). They learn th
 each job, and every test runs its own job (a fresh job id), so tests with different world sizes
 follow one another on the same reducers.
 """
+
 import array
 import time
 
@@ -13,10 +14,10 @@ import pytest
 
 import reduction_server
 import reduction_server.client as rs
-from reduction_server.client.chunking import plan_chunks
 from helpers.cluster import TOKEN
 from helpers.jobs import OPTIONS, connect, new_job, run_job
 from helpers.reference import TWO_RANKS
+from reduction_server.client.chunking import plan_chunks
 from reduction_server.config.discovery import job_id_from
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,39 +52,70 @@ def test_from_env_without_reducers_is_a_config_error():
         rs.Communicator.from_env({"RS_REDUCERS": "127.0.0.1:5555", "RS_RANK": "2", "RS_WORLD_SIZE": "2"})
 
 
-@pytest.mark.parametrize("rank,world,match", [
-    (2, 2, "rank 2"), (-1, 2, "rank -1"), (0, 0, "world_size"), (0, -3, "world_size"),
-    ("0", 2, "rank"), (0, "2", "world_size"), (0.0, 2, "rank"),
-])
+@pytest.mark.parametrize(
+    "rank,world,match",
+    [
+        (2, 2, "rank 2"),
+        (-1, 2, "rank -1"),
+        (0, 0, "world_size"),
+        (0, -3, "world_size"),
+        ("0", 2, "rank"),
+        (0, "2", "world_size"),
+        (0.0, 2, "rank"),
+    ],
+)
 def test_rank_and_world_validation(rank, world, match):
     with pytest.raises(rs.ConfigError, match=match) as info:
         rs.Communicator(["127.0.0.1:5555"], rank, world, timeout=1, connect_timeout=1)
     assert isinstance(info.value, ValueError) and isinstance(info.value, reduction_server.ReductionServerError)
 
 
-@pytest.mark.parametrize("reducers,match", [
-    ([], "no reducers"), ("", "no reducers"), (["127.0.0.1"], "port"), (["127.0.0.1:0"], "port"),
-    (["host:abc"], "port"), (["127.0.0.1:5555", "127.0.0.1:5555"], "twice"),
-    (["Host.example:5555", "host.example:5555"], "twice"),
-])
+@pytest.mark.parametrize(
+    "reducers,match",
+    [
+        ([], "no reducers"),
+        ("", "no reducers"),
+        (["127.0.0.1"], "port"),
+        (["127.0.0.1:0"], "port"),
+        (["host:abc"], "port"),
+        (["127.0.0.1:5555", "127.0.0.1:5555"], "twice"),
+        (["Host.example:5555", "host.example:5555"], "twice"),
+    ],
+)
 def test_reducer_list_validation(reducers, match):
     with pytest.raises(rs.ConfigError, match=match):
         rs.Communicator(reducers, 0, 1, timeout=1, connect_timeout=1)
 
 
-@pytest.mark.parametrize("variable,value,match", [
-    ("RS_PIPELINE_DEPTH", "0", "RS_PIPELINE_DEPTH"), ("RS_PIPELINE_DEPTH", "deep", "RS_PIPELINE_DEPTH"),
-    ("RS_PIPELINE_DEPTH", "1025", "RS_PIPELINE_DEPTH"), ("RS_WINDOW", "257", "RS_WINDOW"),
-    ("RS_SNDBUF", "100", r"RS_SNDBUF=100 must be `auto`, 0 \(the kernel's autotuning\) or 4096"), ("RS_SNDBUF", "-1", "RS_SNDBUF"), ("RS_SNDBUF", "16k", "RS_SNDBUF"),
-])
+@pytest.mark.parametrize(
+    "variable,value,match",
+    [
+        ("RS_PIPELINE_DEPTH", "0", "RS_PIPELINE_DEPTH"),
+        ("RS_PIPELINE_DEPTH", "deep", "RS_PIPELINE_DEPTH"),
+        ("RS_PIPELINE_DEPTH", "1025", "RS_PIPELINE_DEPTH"),
+        ("RS_WINDOW", "257", "RS_WINDOW"),
+        ("RS_SNDBUF", "100", r"RS_SNDBUF=100 must be `auto`, 0 \(the kernel's autotuning\) or 4096"),
+        ("RS_SNDBUF", "-1", "RS_SNDBUF"),
+        ("RS_SNDBUF", "16k", "RS_SNDBUF"),
+    ],
+)
 def test_tuning_variables_are_validated(monkeypatch, variable, value, match):
     monkeypatch.setenv(variable, value)
     with pytest.raises(rs.ConfigError, match=match):
         rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1)
 
 
-@pytest.mark.parametrize("option,value", [("pipeline_depth", 0), ("window", 0), ("window", 257), ("send_buffer", 100),
-                                          ("send_buffer", (1 << 30) + 1), ("send_buffer", "16384")])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("pipeline_depth", 0),
+        ("window", 0),
+        ("window", 257),
+        ("send_buffer", 100),
+        ("send_buffer", (1 << 30) + 1),
+        ("send_buffer", "16384"),
+    ],
+)
 def test_tuning_arguments_are_validated(option, value):
     with pytest.raises(rs.ConfigError, match=option):
         rs.Communicator(["127.0.0.1:5555"], 0, 1, timeout=1, connect_timeout=1, **{option: value})
@@ -134,10 +166,29 @@ def test_wrong_token_is_refused(group):
 
 # -- all_reduce: ops and values --------------------------------------------------------------
 OP_SPELLINGS = [
-    ("sum", "sum"), ("SUM", "sum"), (" Sum ", "sum"), ("avg", "avg"), ("AVG", "avg"), ("mean", "avg"),
-    ("min", "min"), ("Min", "min"), ("max", "max"), ("MAX", "max"), ("prod", "prod"), ("Prod", "prod"),
-    (rs.ReduceOp.SUM, "sum"), (rs.ReduceOp.PROD, "prod"), (rs.ReduceOp.MAX, "max"), (rs.ReduceOp.MIN, "min"),
-    (rs.ReduceOp.AVG, "avg"), (0, "sum"), (1, "prod"), (2, "max"), (3, "min"), (4, "avg"), (np.int64(2), "max"),
+    ("sum", "sum"),
+    ("SUM", "sum"),
+    (" Sum ", "sum"),
+    ("avg", "avg"),
+    ("AVG", "avg"),
+    ("mean", "avg"),
+    ("min", "min"),
+    ("Min", "min"),
+    ("max", "max"),
+    ("MAX", "max"),
+    ("prod", "prod"),
+    ("Prod", "prod"),
+    (rs.ReduceOp.SUM, "sum"),
+    (rs.ReduceOp.PROD, "prod"),
+    (rs.ReduceOp.MAX, "max"),
+    (rs.ReduceOp.MIN, "min"),
+    (rs.ReduceOp.AVG, "avg"),
+    (0, "sum"),
+    (1, "prod"),
+    (2, "max"),
+    (3, "min"),
+    (4, "avg"),
+    (np.int64(2), "max"),
 ]
 
 
@@ -178,8 +229,21 @@ def test_integer_ops_are_exact(group):
         assert all(r.dtype == np.int32 for r in result.values())
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16,
-                                   np.float32, np.float64, ml_dtypes.bfloat16])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.int8,
+        np.uint8,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        ml_dtypes.bfloat16,
+    ],
+)
 def test_every_dtype_round_trips(group, dtype):
     def body(comm, rank):
         return comm.all_reduce(np.arange(1, 11).astype(dtype) * (rank + 1), op="sum")
@@ -226,8 +290,10 @@ def test_out_of_wrong_dtype_or_size_names_both(solo):
         solo.all_reduce(x, out=np.zeros(4, np.float64))
 
 
-@pytest.mark.parametrize("make", [lambda: np.arange(10.0)[::2], lambda: np.zeros((4, 3), order="F"),
-                                  lambda: np.arange(12.0).reshape(3, 4)[:, :2]])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: np.arange(10.0)[::2], lambda: np.zeros((4, 3), order="F"), lambda: np.arange(12.0).reshape(3, 4)[:, :2]],
+)
 def test_non_contiguous_input_is_refused(solo, make):
     with pytest.raises(ValueError, match="C-contiguous"):
         solo.all_reduce(make())
@@ -250,8 +316,17 @@ def test_read_only_out_is_refused_but_read_only_input_is_fine(solo):
     assert solo.all_reduce(ro).tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("dtype", [np.bool_, np.complex64, np.complex128, np.float128 if hasattr(np, "float128") else np.object_,
-                                   np.dtype(">f4"), np.dtype("U3")])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.bool_,
+        np.complex64,
+        np.complex128,
+        np.float128 if hasattr(np, "float128") else np.object_,
+        np.dtype(">f4"),
+        np.dtype("U3"),
+    ],
+)
 def test_unsupported_dtype_names_it(solo, dtype):
     x = np.zeros(3, dtype)
     with pytest.raises(TypeError, match=str(np.dtype(dtype)).replace("<", "").replace(">", "")):
@@ -288,6 +363,7 @@ def test_bytearray_memoryview_and_array_buffers(group):
 
 def test_zero_size_arrays_return_at_once_and_keep_ranks_in_step(group):
     """Only rank 0 issues the zero-size collectives: they must not use up a sequence number."""
+
     def body(comm, rank):
         if rank == 0:
             start = time.monotonic()
@@ -309,6 +385,7 @@ def test_zero_size_arrays_return_at_once_and_keep_ranks_in_step(group):
 def test_a_collective_past_its_own_timeout_fails_at_that_timeout(group):
     """A barrier with timeout=1 that rank 1 never joins fails on rank 0 after about 1 s, in
     torch's words ("Timed out"), long before RS_TIMEOUT; rank 1's later collectives still run."""
+
     def body(comm, rank):
         if rank == 1:
             time.sleep(2.5)  # connected all along: the barrier fails by its timeout, not by a lost rank

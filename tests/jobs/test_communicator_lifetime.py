@@ -2,6 +2,7 @@
 handles, broadcast and barrier, closing and failures, torch tensors. Configuration and
 all_reduce's results: test_communicator.py.
 """
+
 import os
 import signal
 import subprocess
@@ -14,13 +15,13 @@ import pytest
 
 import reduction_server
 import reduction_server.client as rs
-from reduction_server.client.group import Group
-from reduction_server.config import settings
 from helpers.cluster import TOKEN, reducers
 from helpers.jobs import connect, new_job, run_job, until
 from helpers.metrics import scrape
-from helpers.reference import TWO_RANKS
 from helpers.ports import free_port_range, free_ports
+from helpers.reference import TWO_RANKS
+from reduction_server.client.group import Group
+from reduction_server.config import settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,8 +74,9 @@ def test_many_handles_in_flight(group):
     runs = run_job(2, body, group=group, chunk_bytes=256, window=2)
     for results in runs:
         for i, (n, op) in enumerate(zip(sizes, ops)):
-            np.testing.assert_allclose(results[i], TWO_RANKS[op](value(i, 0, n), value(i, 1, n)),
-                                       err_msg=f"collective {i} ({op} of {n})")
+            np.testing.assert_allclose(
+                results[i], TWO_RANKS[op](value(i, 0, n), value(i, 1, n)), err_msg=f"collective {i} ({op} of {n})"
+            )
 
 
 def test_queued_collectives_do_not_time_out_behind_a_long_one(group):
@@ -176,10 +178,16 @@ def test_close_fails_pending_collectives(group):
 def _ranks_elsewhere(group, job: int, body: str) -> subprocess.CompletedProcess:
     """Run `body` in another Python process, which has `rs`, `addresses`, `job` and `token` of
     this job to make its ranks' Communicators with."""
-    head = ("import sys\nimport reduction_server.client as rs\n"
-            "addresses, job, token = sys.argv[1].split(','), int(sys.argv[2]), sys.argv[3]\n")
-    return subprocess.run([sys.executable, "-c", head + body, ",".join(group.addresses), str(job), TOKEN],
-                          capture_output=True, text=True, timeout=40)
+    head = (
+        "import sys\nimport reduction_server.client as rs\n"
+        "addresses, job, token = sys.argv[1].split(','), int(sys.argv[2]), sys.argv[3]\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", head + body, ",".join(group.addresses), str(job), TOKEN],
+        capture_output=True,
+        text=True,
+        timeout=40,
+    )
 
 
 # Rank 1 connects and dies before its engine sends a PING (they are switched off), so only its
@@ -325,8 +333,9 @@ def test_no_reducer_listening(group):
     for _ in range(2):
         start = time.monotonic()
         with pytest.raises(rs.CollectiveError) as info:
-            rs.Communicator([group.addresses[0], address], 0, 1, job_id=new_job(), job_token=TOKEN,
-                            timeout=1, connect_timeout=1)
+            rs.Communicator(
+                [group.addresses[0], address], 0, 1, job_id=new_job(), job_token=TOKEN, timeout=1, connect_timeout=1
+            )
         elapsed = time.monotonic() - start
         assert 0.9 <= elapsed < 1.8, f"took {elapsed:.2f} s with connect_timeout=1"
         message = str(info.value)

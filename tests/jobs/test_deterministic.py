@@ -10,6 +10,7 @@ buffer at different places. That does not matter for the result: the reduction i
 and each element's value depends only on the order of its W contributions, which deterministic
 mode fixes (rank 0, 1, 2, ...) whatever the chunk boundaries are.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,15 +26,14 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server.wire import protocol
-from reduction_server.wire.protocol import MsgType
-from reduction_server.reducer import Reducer
-
 from helpers.capture import CapturingSocket
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from helpers.handshake import hello_payload
 from helpers.jobs import new_job, run_job
 from helpers.peers import Peer, data
+from reduction_server.reducer import Reducer
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import MsgType
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,7 +63,9 @@ def bits(x: np.ndarray) -> np.ndarray:
 
 def order_sensitive(inputs: List[np.ndarray]) -> int:
     """How many elements the reversed order rounds differently: the inputs must make it > 0."""
-    return int(np.count_nonzero(bits(ordered_sum(inputs, range(WORLD))) != bits(ordered_sum(inputs, range(WORLD)[::-1]))))
+    return int(
+        np.count_nonzero(bits(ordered_sum(inputs, range(WORLD))) != bits(ordered_sum(inputs, range(WORLD)[::-1])))
+    )
 
 
 def shuffled_job(addresses: List[str], passes: int, seed: int) -> List[List[List[np.ndarray]]]:
@@ -75,8 +77,9 @@ def shuffled_job(addresses: List[str], passes: int, seed: int) -> List[List[List
     schedule = [[[delays.uniform(0, 0.02) for _ in SIZES] for _ in range(passes)] for _ in range(WORLD)]
 
     def make(rank: int) -> rs.Communicator:
-        return rs.Communicator(addresses, rank, WORLD, job_token=TOKEN, job_id=job, chunk_bytes=CHUNK,
-                               timeout=30, connect_timeout=30)
+        return rs.Communicator(
+            addresses, rank, WORLD, job_token=TOKEN, job_id=job, chunk_bytes=CHUNK, timeout=30, connect_timeout=30
+        )
 
     def body(comm: rs.Communicator, rank: int) -> List[List[np.ndarray]]:
         out = []
@@ -125,8 +128,17 @@ def test_a_result_every_rank_reads_from_a_result_slot_is_the_rank_ordered_sum():
         job = new_job()
 
         def make(rank: int) -> rs.Communicator:
-            return rs.Communicator(group.addresses, rank, WORLD, job_token=TOKEN, job_id=job, chunk_bytes=1 << 20,
-                                   pipeline_depth=1, timeout=30, connect_timeout=30)
+            return rs.Communicator(
+                group.addresses,
+                rank,
+                WORLD,
+                job_token=TOKEN,
+                job_id=job,
+                chunk_bytes=1 << 20,
+                pipeline_depth=1,
+                timeout=30,
+                connect_timeout=30,
+            )
 
         def body(comm: rs.Communicator, rank: int):
             for p in range(passes):
@@ -145,6 +157,7 @@ def test_16_bit_floats_are_summed_in_rank_order_in_float32_and_rounded_once():
     inputs += [mixed(50_000, 8, r, ml_dtypes.bfloat16) for r in range(WORLD)]
     expected = [ordered_sum(inputs[:WORLD], range(WORLD)), ordered_sum(inputs[WORLD:], range(WORLD))]
     with reducers(2, extra_env=DETERMINISTIC) as group:
+
         def body(comm, rank):
             out = []
             for k in range(2):
@@ -167,13 +180,19 @@ def fold_in_order(deterministic: bool, order, inputs: List[np.ndarray]) -> bytes
     info = hello_payload()
     for rank in range(WORLD):
         ident = dict(rank=rank, world=WORLD, job=9)
-        reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(protocol.text_header(MsgType.HELLO, info, **ident)),
-                        zmq.Frame(info)])
+        reducer.handle(
+            [zmq.Frame(b"r%d" % rank), zmq.Frame(protocol.text_header(MsgType.HELLO, info, **ident)), zmq.Frame(info)]
+        )
         reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(protocol.text_header(MsgType.AUTH, b"", **ident))])
     count = len(inputs[0])
     for rank in order:
-        reducer.handle([zmq.Frame(b"r%d" % rank), zmq.Frame(data(rank, WORLD, job=9, seq=1, count=count)),
-                        zmq.Frame(inputs[rank].tobytes())])
+        reducer.handle(
+            [
+                zmq.Frame(b"r%d" % rank),
+                zmq.Frame(data(rank, WORLD, job=9, seq=1, count=count)),
+                zmq.Frame(inputs[rank].tobytes()),
+            ]
+        )
     results = [m[2] for m in sock.sent if protocol.unpack(m[1]).type is MsgType.RESULT]
     assert len(results) == WORLD, "every rank gets the result"
     assert len(set(results)) == 1
@@ -211,6 +230,7 @@ def test_the_reducer_announces_deterministic_mode_and_the_switch_is_validated():
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
-    bad = subprocess.run(serve, env=child_env({"RS_DETERMINISTIC": "sometimes"}), capture_output=True, text=True,
-                         timeout=30)
+    bad = subprocess.run(
+        serve, env=child_env({"RS_DETERMINISTIC": "sometimes"}), capture_output=True, text=True, timeout=30
+    )
     assert bad.returncode == 2 and "RS_DETERMINISTIC='sometimes' is not a switch" in bad.stderr, bad.stderr

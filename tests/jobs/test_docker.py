@@ -13,6 +13,7 @@ Debian mirror and PyPI (the image installs numpy and pyzmq from PyPI), the tests
 which. Deselect with `-m "not docker"`. Everything made here (containers, images, the private
 engine's state, temporary files) is removed at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,12 @@ TOKEN = "docker-test-token"
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 
 
-def _run(cmd: List[str], env: Dict[str, str], timeout: float = 60, check: bool = True,
-         **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, **kwargs)
+def _run(
+    cmd: List[str], env: Dict[str, str], timeout: float = 60, check: bool = True, **kwargs
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, **kwargs
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd[:4])}... exited {proc.returncode}:\n{proc.stdout[-4000:]}")
     return proc
@@ -70,8 +73,12 @@ class Engine:
 
 def _engine_answers(env: Dict[str, str]) -> bool:
     try:
-        return subprocess.run(["docker", "info"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=20).returncode == 0
+        return (
+            subprocess.run(
+                ["docker", "info"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -80,6 +87,7 @@ def _engine_answers(env: Dict[str, str]) -> bool:
 def _teardown_on_sigterm() -> Iterator[None]:
     """`timeout pytest ...` sends SIGTERM, which would end pytest without its teardowns and leave
     containers, images and a private dockerd behind: make it an interruption instead."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -100,8 +108,10 @@ def engine() -> Iterator[Engine]:
         return
     dockerd = shutil.which("dockerd")
     if dockerd is None:
-        pytest.skip("`docker info` reaches no Docker engine and dockerd is not installed to start one "
-                    "(apt-get install docker.io)")
+        pytest.skip(
+            "`docker info` reaches no Docker engine and dockerd is not installed to start one "
+            "(apt-get install docker.io)"
+        )
     if os.geteuid() != 0:
         pytest.skip("`docker info` reaches no Docker engine, and starting dockerd needs root")
     # A short path: the socket path must fit in sun_path (108 bytes).
@@ -109,12 +119,28 @@ def engine() -> Iterator[Engine]:
     env["DOCKER_HOST"] = f"unix://{private}/docker.sock"
     log = open(private / "dockerd.log", "w")
     daemon = subprocess.Popen(
-        [dockerd, "--data-root", str(private / "data"), "--exec-root", str(private / "exec"),
-         "--pidfile", str(private / "dockerd.pid"), "-H", env["DOCKER_HOST"],
-         # Host networking only: no docker0 bridge, no iptables rules, nothing shared with
-         # another engine on this machine.
-         "--bridge", "none", "--iptables=false", "--ip-masq=false", "--ip-forward=false"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            dockerd,
+            "--data-root",
+            str(private / "data"),
+            "--exec-root",
+            str(private / "exec"),
+            "--pidfile",
+            str(private / "dockerd.pid"),
+            "-H",
+            env["DOCKER_HOST"],
+            # Host networking only: no docker0 bridge, no iptables rules, nothing shared with
+            # another engine on this machine.
+            "--bridge",
+            "none",
+            "--iptables=false",
+            "--ip-masq=false",
+            "--ip-forward=false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not _engine_answers(env):
@@ -159,16 +185,21 @@ def _base_image(engine: Engine, work: Path) -> str:
             pytest.skip(f"RS_DOCKER_BASE_IMAGE={given} is not on the engine")
         return given
     if shutil.which("debootstrap") is None:
-        pytest.skip("debootstrap is not installed, so no base image can be made without pulling one "
-                    "(apt-get install debootstrap, or set RS_DOCKER_BASE_IMAGE to a local python:*-slim image)")
+        pytest.skip(
+            "debootstrap is not installed, so no base image can be made without pulling one "
+            "(apt-get install debootstrap, or set RS_DOCKER_BASE_IMAGE to a local python:*-slim image)"
+        )
     if os.geteuid() != 0:
         pytest.skip("debootstrap needs root to make the base image (or set RS_DOCKER_BASE_IMAGE)")
     why = unreachable(MIRROR + "/dists/bookworm/Release")
     if why:
         pytest.skip(f"the Debian mirror is unreachable, so no base image can be made: {why}")
     rootfs = work / "rootfs"
-    _run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", str(rootfs), MIRROR],
-         dict(os.environ), timeout=600)
+    _run(
+        ["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", str(rootfs), MIRROR],
+        dict(os.environ),
+        timeout=600,
+    )
     # What debootstrap leaves behind and no image needs.
     for leftover in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man"):
         for path in (rootfs / leftover).glob("*"):
@@ -178,8 +209,15 @@ def _base_image(engine: Engine, work: Path) -> str:
                 shutil.rmtree(path)
     base = f"{TAG}-base:bookworm"
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run(["docker", "import", "-", base], stdin=tar.stdout, env=engine.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    imported = subprocess.run(
+        ["docker", "import", "-", base],
+        stdin=tar.stdout,
+        env=engine.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     tar.stdout.close()
     tar.wait()
     assert imported.returncode == 0 and tar.returncode == 0, imported.stdout
@@ -191,8 +229,11 @@ def _base_image(engine: Engine, work: Path) -> str:
 def _context(work: Path) -> Path:
     """A copy of the build context (the repository, less .dockerignore) plus this machine's CA
     bundle, which pip inside the build uses where HTTPS is intercepted."""
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
     def ignored(relative: str) -> bool:
         name = relative.rsplit("/", 1)[-1]
@@ -235,8 +276,24 @@ def image(engine: Engine) -> Iterator[Dict]:
         started = time.monotonic()
         env = dict(engine.env, DOCKER_BUILDKIT="0")  # the legacy builder: no buildx needed
         engine.images.append(info["tag"])
-        built = _run(["docker", "build", "--network", "host", "--force-rm", "-f", str(ROOT / "Dockerfile"),
-                      *build_args, "-t", info["tag"], str(context)], env, timeout=900, check=False)
+        built = _run(
+            [
+                "docker",
+                "build",
+                "--network",
+                "host",
+                "--force-rm",
+                "-f",
+                str(ROOT / "Dockerfile"),
+                *build_args,
+                "-t",
+                info["tag"],
+                str(context),
+            ],
+            env,
+            timeout=900,
+            check=False,
+        )
         assert built.returncode == 0, f"docker build failed:\n{built.stdout[-6000:]}"
         info["build_seconds"] = time.monotonic() - started
         inspect = json.loads(engine.docker("image", "inspect", info["tag"]).stdout)[0]
@@ -257,20 +314,31 @@ def image(engine: Engine) -> Iterator[Dict]:
 
 def _cluster_spec(reducers: List[str], workers: List[str], task_type: str, index: int) -> str:
     """What Vertex AI sets: the four pools (no evaluators here), the task, and the job."""
-    return json.dumps({
-        "cluster": {"workerpool0": workers[:1], "workerpool1": workers[1:], "workerpool2": reducers},
-        "environment": "cloud",
-        "task": {"type": task_type, "index": index},
-        "job": {"workerPoolSpecs": [{"replicaCount": "1"}, {"replicaCount": str(len(workers) - 1)},
-                                    {"replicaCount": str(len(reducers)),
-                                     "containerSpec": {"imageUri": "reduction-server:test"}}]},
-    })
+    return json.dumps(
+        {
+            "cluster": {"workerpool0": workers[:1], "workerpool1": workers[1:], "workerpool2": reducers},
+            "environment": "cloud",
+            "task": {"type": task_type, "index": index},
+            "job": {
+                "workerPoolSpecs": [
+                    {"replicaCount": "1"},
+                    {"replicaCount": str(len(workers) - 1)},
+                    {"replicaCount": str(len(reducers)), "containerSpec": {"imageUri": "reduction-server:test"}},
+                ]
+            },
+        }
+    )
 
 
 def _tf_config(reducers: List[str], workers: List[str], task_type: str, index: int) -> str:
     """What a TFJob (or Vertex AI, besides CLUSTER_SPEC) sets: chief, worker, ps."""
-    return json.dumps({"cluster": {"chief": workers[:1], "worker": workers[1:], "ps": reducers},
-                       "task": {"type": task_type, "index": index}, "environment": "cloud"})
+    return json.dumps(
+        {
+            "cluster": {"chief": workers[:1], "worker": workers[1:], "ps": reducers},
+            "task": {"type": task_type, "index": index},
+            "environment": "cloud",
+        }
+    )
 
 
 def test_image_is_small_non_root_and_serves(image: Dict, engine: Engine) -> None:
@@ -279,13 +347,24 @@ def test_image_is_small_non_root_and_serves(image: Dict, engine: Engine) -> None
     assert config["User"] == "10001:10001"
     assert config["Healthcheck"]["Test"][0] == "CMD"
     added = image["size"] - image["base_size"]
-    print(f"\nimage {image['size'] / 1e6:.0f} MB ({added / 1e6:.0f} MB over the base); "
-          f"base made in {image.get('base_seconds', 0):.0f} s, built in {image['build_seconds']:.0f} s")
+    print(
+        f"\nimage {image['size'] / 1e6:.0f} MB ({added / 1e6:.0f} MB over the base); "
+        f"base made in {image.get('base_seconds', 0):.0f} s, built in {image['build_seconds']:.0f} s"
+    )
     # numpy + pyzmq + the package, with no compiler, headers or build requirements.
     assert added < 120e6, f"the image adds {added / 1e6:.0f} MB to its base"
-    probe = engine.docker("run", "--rm", "--network", "none", "--entrypoint", "python3", image["tag"], "-c",
-                          "import os, shutil, reduction_server._native, zmq, numpy; "
-                          "print(os.getuid(), shutil.which('gcc'), shutil.which('cython'))")
+    probe = engine.docker(
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--entrypoint",
+        "python3",
+        image["tag"],
+        "-c",
+        "import os, shutil, reduction_server._native, zmq, numpy; "
+        "print(os.getuid(), shutil.which('gcc'), shutil.which('cython'))",
+    )
     assert probe.stdout.split() == ["10001", "None", "None"], probe.stdout
     # Arguments after the image go to `reduction-server serve`.
     help_text = engine.docker("run", "--rm", "--network", "none", image["tag"], "--help").stdout
@@ -309,10 +388,28 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
             place = ["-e", f"TF_CONFIG={_tf_config(reducers, workers, 'ps', index)}"]
             if index == 0:
                 place += ["-e", f"CLUSTER_SPEC={_cluster_spec(reducers, workers, 'workerpool2', index)}"]
-            engine.docker("run", "-d", "--name", name, "--network", "host",
-                          "--health-interval", "1s", "--health-start-period", "0s", "--health-retries", "30",
-                          *place, "-e", f"RS_JOB_TOKEN={TOKEN}", "-e", f"RS_JOB_ID={TAG}",
-                          "-e", "RS_BIND_HOST=127.0.0.1", image["tag"])
+            engine.docker(
+                "run",
+                "-d",
+                "--name",
+                name,
+                "--network",
+                "host",
+                "--health-interval",
+                "1s",
+                "--health-start-period",
+                "0s",
+                "--health-retries",
+                "30",
+                *place,
+                "-e",
+                f"RS_JOB_TOKEN={TOKEN}",
+                "-e",
+                f"RS_JOB_ID={TAG}",
+                "-e",
+                "RS_BIND_HOST=127.0.0.1",
+                image["tag"],
+            )
         # Healthy: the image's own healthcheck reached each reducer's discovered port.
         deadline = time.monotonic() + 60
         for name in names:
@@ -330,14 +427,27 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
 
         procs = []
         for rank, (task_type, index) in enumerate([("workerpool0", 0), ("workerpool1", 0)]):
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE") and not k.startswith("RS_")}
-            env.update(CLUSTER_SPEC=_cluster_spec(reducers, workers, task_type, index), RS_JOB_TOKEN=TOKEN,
-                       RS_JOB_ID=TAG,
-                       RS_CHUNK_BYTES="65536", RS_CONNECT_TIMEOUT="30", RS_TIMEOUT="60",
-                       EXPECT_RANK=str(rank), EXPECT_WORLD="2", PYTHONUNBUFFERED="1")
-            procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE") and not k.startswith("RS_")
+            }
+            env.update(
+                CLUSTER_SPEC=_cluster_spec(reducers, workers, task_type, index),
+                RS_JOB_TOKEN=TOKEN,
+                RS_JOB_ID=TAG,
+                RS_CHUNK_BYTES="65536",
+                RS_CONNECT_TIMEOUT="30",
+                RS_TIMEOUT="60",
+                EXPECT_RANK=str(rank),
+                EXPECT_WORLD="2",
+                PYTHONUNBUFFERED="1",
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
         results = collect(procs, timeout=180)
         for rank, result in enumerate(results):
             assert result["rank"] == rank and result["world"] == 2, result

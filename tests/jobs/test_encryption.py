@@ -2,6 +2,7 @@
 right results over encrypted connections (and the bytes on the wire are not the plain protocol);
 a worker whose encryption setting or token differs from the reducers' is refused with a clear
 error well within its connect timeout, and the reducer keeps serving the job it serves."""
+
 from __future__ import annotations
 
 import json
@@ -16,22 +17,27 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError
-from reduction_server.wire import protocol
-from reduction_server.errors import ConfigError
-
 from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
 from helpers.jobs import check_sum_works
+from reduction_server import CollectiveError
+from reduction_server.errors import ConfigError
+from reduction_server.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
 
 ENCRYPT = {"RS_ENCRYPT": "1"}
 CONNECT_TIMEOUT = 20.0  # a refusal must come long before this
-JOB = json.dumps({"sequential": [
-    {"dtype": "float32", "op": "sum", "count": 300_000, "seed": 1},
-    {"dtype": "bfloat16", "op": "avg", "count": 5000, "seed": 2},
-    {"dtype": "int64", "op": "max", "count": 70_001, "seed": 3},
-], "concurrent": [{"dtype": "float64", "op": "min", "count": 20_000, "seed": 4}] * 3, "broadcast": [1000]})
+JOB = json.dumps(
+    {
+        "sequential": [
+            {"dtype": "float32", "op": "sum", "count": 300_000, "seed": 1},
+            {"dtype": "bfloat16", "op": "avg", "count": 5000, "seed": 2},
+            {"dtype": "int64", "op": "max", "count": 70_001, "seed": 3},
+        ],
+        "concurrent": [{"dtype": "float64", "op": "min", "count": 20_000, "seed": 4}] * 3,
+        "broadcast": [1000],
+    }
+)
 
 
 def communicator(addresses: List[str], rank: int, world: int, **options) -> rs.Communicator:
@@ -131,8 +137,12 @@ def test_the_bytes_on_the_wire_are_encrypted(encrypt):
         tap = Tap(group.addresses[0])
         try:
             # Frames, not shared-memory slots: the payload must cross the (tapped) wire.
-            results = run_ranks(2, lambda r: communicator([tap.address], r, 2, encrypt=encrypt, shared_memory=False),
-                                lambda comm, r: comm.all_reduce(payload, "max"), limit=30)
+            results = run_ranks(
+                2,
+                lambda r: communicator([tap.address], r, 2, encrypt=encrypt, shared_memory=False),
+                lambda comm, r: comm.all_reduce(payload, "max"),
+                limit=30,
+            )
         finally:
             tap.close()
     for y in results:
@@ -162,8 +172,10 @@ def test_a_worker_without_encryption_is_refused_and_the_reducer_keeps_serving_it
     # hangs up before that, it sees a handshake dropped for an unknown reason (logged at INFO).
     failures = [line for line in logs.splitlines() if "handshake_failed" in line]
     assert failures, logs
-    assert all("this side encrypts (RS_ENCRYPT=1) and the other does not" in line or "certain=False" in line
-               for line in failures), failures
+    assert all(
+        "this side encrypts (RS_ENCRYPT=1) and the other does not" in line or "certain=False" in line
+        for line in failures
+    ), failures
 
 
 def test_an_encrypted_worker_with_another_token_is_refused():
@@ -184,8 +196,10 @@ def test_an_encrypted_worker_is_refused_by_a_plain_reducer():
         text = refused(group.addresses, encrypt=True)
         # The mismatch itself, or (when the reducer hangs up before the worker has read its greeting)
         # a failed handshake that names the same setting.
-        assert ("encryption mismatch: this side encrypts (RS_ENCRYPT=1) and the other does not" in text
-                or "handshake failed: the reducer does not encrypt (set RS_ENCRYPT the same" in text), text
+        assert (
+            "encryption mismatch: this side encrypts (RS_ENCRYPT=1) and the other does not" in text
+            or "handshake failed: the reducer does not encrypt (set RS_ENCRYPT the same" in text
+        ), text
         check_sum_works([communicator(group.addresses, r, 2, encrypt=False) for r in range(2)])
         assert group.alive()
 
@@ -200,9 +214,25 @@ def test_encryption_without_a_token_is_a_config_error():
 
 def test_the_launcher_passes_rs_encrypt_to_reducers_and_workers():
     proc = subprocess.run(
-        [sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "2", "--", sys.executable,
-         str(SCRIPTS / "allreduce_worker.py"), JOB],
-        env=child_env(ENCRYPT), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            "2",
+            "--reducers",
+            "2",
+            "--",
+            sys.executable,
+            str(SCRIPTS / "allreduce_worker.py"),
+            JOB,
+        ],
+        env=child_env(ENCRYPT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("encrypt=curve") == 2, proc.stdout  # both reducers' listening lines
     assert proc.stdout.count('"failures": []') == 2, proc.stdout
@@ -210,9 +240,24 @@ def test_the_launcher_passes_rs_encrypt_to_reducers_and_workers():
 
 def serve_at(port: int, env: dict) -> tuple:
     """A reducer process at `port` (0: a free one); (process, its port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
-                             str(port), "--workers", "1"], env=child_env({"RS_JOB_TOKEN": TOKEN, **env}),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        env=child_env({"RS_JOB_TOKEN": TOKEN, **env}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert "listening on" in line, line
     return proc, int(line.split("listening on tcp://127.0.0.1:")[1].split()[0])
@@ -233,7 +278,9 @@ def test_a_reducer_restarted_without_encryption_is_refused_by_a_running_worker()
                 time.sleep(0.1)
         text = str(info.value)
         assert "was lost" in text or "came back but refused this worker" in text, text
-        with pytest.raises(CollectiveError, match="came back but refused this worker: (encryption mismatch|the encrypted)"):
+        with pytest.raises(
+            CollectiveError, match="came back but refused this worker: (encryption mismatch|the encrypted)"
+        ):
             for _ in range(50):
                 comm.all_reduce(np.ones(4, np.float32))
                 time.sleep(0.1)

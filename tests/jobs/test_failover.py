@@ -7,6 +7,7 @@ address and must be used again, from a collective every rank agrees on, before t
 again; one run of each kind has reducers of 2 shards, as `serve` runs by default on a host of
 several cores. RS_FAILOVER_RUNS sets how many runs of each kind (longer campaigns); the default
 keeps CI to a few minutes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,13 @@ Plan = List[Tuple[int, float, str, Tuple[int, ...]]]
 REJOIN_STEPS = 30
 
 
-def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL, extra: Optional[Dict[str, str]] = None,
-        shards: Optional[int] = None) -> Tuple[List[dict], float]:
+def run(
+    plan: Plan,
+    exact: bool = True,
+    sig: int = signal.SIGKILL,
+    extra: Optional[Dict[str, str]] = None,
+    shards: Optional[int] = None,
+) -> Tuple[List[dict], float]:
     """One training run on fresh reducers (of `shards` shards each; None: RS_SHARDS), signalling
     (`sig`) and restarting reducers as `plan` says; the ranks' results and the run's wall time."""
     started = time.monotonic()
@@ -70,6 +76,7 @@ def run(plan: Plan, exact: bool = True, sig: int = signal.SIGKILL, extra: Option
 def random_plan(rng: random.Random, together: bool) -> Plan:
     """Reducers killed at random steps, restarted, and killed again: one at a time (three kills,
     one of a reducer that came back), or two at once (twice, the same two back in between)."""
+
     def moment(low: int, high: int) -> Tuple[int, float]:
         return rng.randrange(low, high), rng.uniform(0, 0.03)
 
@@ -118,7 +125,8 @@ def undisturbed() -> str:
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "two-at-once"])
 def test_reducers_killed_at_random_points_leave_every_step_right_and_the_weights_bitwise_equal(
-        undisturbed: str, together: bool):
+    undisturbed: str, together: bool
+):
     """RUNS runs of each kind: 3 kills per run one at a time (15 kill points by default), 4 per
     run two at once (20; with the other tests here, 39 in all); in each, a killed reducer is
     restarted, used again, and killed again."""
@@ -126,21 +134,26 @@ def test_reducers_killed_at_random_points_leave_every_step_right_and_the_weights
     for i in range(RUNS):
         plan = random_plan(rng, together)
         results, took = run(plan)
-        print(f"run {i}: {plan}: {took:.1f} s, {kills(plan)} kills; per rank: chunks moved "
-              f"{[res['moved'] for res in results]}, results brought (FINAL) {[res['finals'] for res in results]}, "
-              f"chunks on a reducer that came back {[res['rejoined_chunks'] for res in results]}")
+        print(
+            f"run {i}: {plan}: {took:.1f} s, {kills(plan)} kills; per rank: chunks moved "
+            f"{[res['moved'] for res in results]}, results brought (FINAL) {[res['finals'] for res in results]}, "
+            f"chunks on a reducer that came back {[res['rejoined_chunks'] for res in results]}"
+        )
         check(results, plan, undisturbed)
 
 
 def test_sharded_reducers_killed_at_random_points_leave_every_step_right_and_the_weights_bitwise_equal(
-        undisturbed: str):
+    undisturbed: str,
+):
     """Reducers of 2 shards, as `serve` runs on a host of 2 cores or more (RS_SHARDS=auto): a run
     of each kind, every shard of a killed reducer lost with it, and the same bits as unsharded."""
     for together in (False, True):
         plan = random_plan(random.Random(SEED + 11 + together), together)
         results, took = run(plan, shards=2)
-        print(f"sharded: {plan}: {took:.1f} s; chunks on a reducer that came back "
-              f"{[res['rejoined_chunks'] for res in results]}")
+        print(
+            f"sharded: {plan}: {took:.1f} s; chunks on a reducer that came back "
+            f"{[res['rejoined_chunks'] for res in results]}"
+        )
         check(results, plan, undisturbed)
 
 
@@ -179,11 +192,12 @@ def test_a_spare_reducer_takes_the_chunks_of_a_lost_one(undisturbed: str):
         assert res["rejoined_chunks"] > 0, res
 
 
-@pytest.mark.parametrize("shared, n, kept_as", [(True, 1000, "slot"), (False, 1 << 14, "message"),
-                                                 (False, 1000, "copy")],
-                         ids=["kept-in-its-slot", "kept-as-its-message", "copied-when-it-ends"])
-def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute(shared: bool, n: int,
-                                                                                     kept_as: str):
+@pytest.mark.parametrize(
+    "shared, n, kept_as",
+    [(True, 1000, "slot"), (False, 1 << 14, "message"), (False, 1000, "copy")],
+    ids=["kept-in-its-slot", "kept-as-its-message", "copied-when-it-ends"],
+)
+def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitute(shared: bool, n: int, kept_as: str):
     """Reducer 0 answers a chunk and dies; the other rank (a hand-driven peer here) says it never
     got the answer and resends its contribution to the chunk's substitute, reducer 1: it gets the
     result rank 0 already has (brought as a FINAL), not a new sum of other inputs, even though
@@ -194,16 +208,23 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
     import numpy as np
 
     import reduction_server.client as rs
-    from reduction_server.wire.protocol import MsgType
-
     from helpers.peers import Peer, data
+    from reduction_server.wire.protocol import MsgType
 
     with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
         peers = [Peer(address) for address in group.addresses]
         for p in peers:
             p.handshake(1, 2)
-        comm = rs.Communicator(group.addresses, 0, 2, job_token=TOKEN, timeout=20, connect_timeout=10,
-                               chunk_bytes=1 << 20, shared_memory=shared)
+        comm = rs.Communicator(
+            group.addresses,
+            0,
+            2,
+            job_token=TOKEN,
+            timeout=20,
+            connect_timeout=10,
+            chunk_bytes=1 << 20,
+            shared_memory=shared,
+        )
         try:
             mine, theirs = np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
             # seq 0 and seq 2: one chunk each, on reducer 0; seq 1 on reducer 1. Seq 2's chunk
@@ -220,8 +241,11 @@ def test_a_rank_that_received_a_result_before_the_loss_brings_it_to_the_substitu
             kept = comm._engine.failover.results.kept[0, 0]
             assert [item.seq for item in kept] == [0, 2]
             for item in kept:
-                assert {"slot": item.lease is not None, "copy": isinstance(item.data, bytearray),
-                        "message": item.lease is None and isinstance(item.data, memoryview)}[kept_as]
+                assert {
+                    "slot": item.lease is not None,
+                    "copy": isinstance(item.data, bytearray),
+                    "message": item.lease is None and isinstance(item.data, memoryview),
+                }[kept_as]
             group.signal(0, signal.SIGKILL)
             # Rank 1 "lost" its answer: it resends seq 0 (with other data) to reducer 1, moved.
             peers[1].send(data(1, 2, seq=0, count=n, mtype=MsgType.MOVED), np.zeros(n, np.float32).tobytes())
@@ -284,16 +308,15 @@ def test_a_result_is_kept_as_a_view_in_flight_and_copied_when_its_collective_end
         for item in ring:
             assert isinstance(item.data, bytearray)
             kept = np.frombuffer(item.data, np.float32, item.count)
-            assert np.array_equal(kept, before[item.offset:item.offset + item.count]), (r, item.chunk)
+            assert np.array_equal(kept, before[item.offset : item.offset + item.count]), (r, item.chunk)
 
 
 def test_a_pool_with_no_reducer_left_fails_naming_every_reducer(monkeypatch):
     import numpy as np
 
     import reduction_server.client as rs
-    from reduction_server import CollectiveError
-
     from helpers.jobs import connect, new_job, parallel
+    from reduction_server import CollectiveError
 
     with reducers(2, extra_env=FAST) as group:
         job = new_job()
@@ -329,7 +352,6 @@ def _rank_0_beside_a_hand_driven_rank_1(monkeypatch):
     """Two reducers of one process each; rank 0 a Communicator, rank 1 a hand-driven peer at each
     reducer (helpers/peers.py), both admitted: (group, peers, comm), closed at the end."""
     import reduction_server.client as rs
-
     from helpers.peers import Peer
 
     monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
@@ -353,12 +375,10 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
     takes its own chunks again (as DATA, not moved)."""
     import numpy as np
 
+    from helpers.peers import JOB, Peer, data
     from reduction_server import CollectiveError
-
     from reduction_server.wire import protocol
     from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
-
-    from helpers.peers import JOB, Peer, data
 
     n = 64
     ones = np.ones(n, np.float32)
@@ -406,8 +426,7 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
         header, joined = peers[1].recv(5)
         boundary = seq + 1 + REJOIN_LEAD  # the furthest report (rank 1's) plus the lead
         assert header.type is MsgType.JOIN and protocol.seq_pairs(joined) == {0: boundary}
-        peers[0].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 else MsgType.DATA),
-                      ones.tobytes())
+        peers[0].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 else MsgType.DATA), ones.tobytes())
         assert np.array_equal(held.wait(10), 2 * ones)
         peers[0].recv(5)
         seq += 1
@@ -427,13 +446,11 @@ def test_a_reducer_lost_while_another_awaits_its_join_is_a_loss_like_any_other(m
     reducer 1 takes every chunk, reducer 0's moved."""
     import numpy as np
 
-    from reduction_server import CollectiveError
-
-    from reduction_server.wire import protocol
-    from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
-
     from helpers.jobs import until
     from helpers.peers import JOB, Peer, data
+    from reduction_server import CollectiveError
+    from reduction_server.wire import protocol
+    from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
 
     n = 64
     ones = np.ones(n, np.float32)
@@ -461,13 +478,14 @@ def test_a_reducer_lost_while_another_awaits_its_join_is_a_loss_like_any_other(m
         boundary = 2 + REJOIN_LEAD  # both reported 2
         assert header.type is MsgType.JOIN and protocol.seq_pairs(joined) == {0: boundary}
         until(lambda: failover.since.get(1), "rank 0 to hear the JOIN")
-        for seq in range(2, boundary):  # no reducer takes these: they fail at once
+        for _ in range(2, boundary):  # no reducer takes these: they fail at once
             with pytest.raises(CollectiveError, match="no reducer is left"):
                 comm.all_reduce_async(ones, timeout=5).wait(10)
         for seq in range(boundary, boundary + 2):
             handle = comm.all_reduce_async(ones)
-            peers[1].send(data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 == 0 else MsgType.DATA),
-                          ones.tobytes())
+            peers[1].send(
+                data(1, 2, seq=seq, count=n, mtype=MsgType.MOVED if seq % 2 == 0 else MsgType.DATA), ones.tobytes()
+            )
             assert np.array_equal(handle.wait(10), 2 * ones)
             peers[1].recv(5)
 
@@ -478,9 +496,8 @@ def _spare_job(group, kill: int, steps: int, limit: float) -> list:
     `limit` seconds); per rank, each step's result, or the error's text."""
     import numpy as np
 
-    from reduction_server import CollectiveError
-
     from helpers.jobs import run_job, until
+    from reduction_server import CollectiveError
 
     dead = threading.Barrier(2, timeout=30)
 
@@ -539,8 +556,9 @@ def test_the_spare_of_a_single_reducer_takes_over_once_every_rank_agrees():
     assert len(outcomes[0]) - outcomes[0].count(None) == len(outcomes[1])
 
 
-@pytest.mark.parametrize("spares, failover, words", [(2, True, "leave at least one of the 2 reducers"),
-                                                     (1, False, "needs RS_FAILOVER=1")])
+@pytest.mark.parametrize(
+    "spares, failover, words", [(2, True, "leave at least one of the 2 reducers"), (1, False, "needs RS_FAILOVER=1")]
+)
 def test_spares_are_checked_before_anything_connects(spares: int, failover: bool, words: str):
     import reduction_server.client as rs
     from reduction_server.errors import ConfigError

@@ -5,6 +5,7 @@ order of arrival, FINALs that differ fail the round, moved rounds are exempt fro
 skipped-collective rule, and a settled round nobody else asks for goes away quietly at
 RS_TIMEOUT. A reducer that comes back (PROGRESS, JOIN): once every member of a group has said
 where it is, each hears the same boundary, past anything any of them had started."""
+
 from __future__ import annotations
 
 from typing import List
@@ -12,11 +13,10 @@ from typing import List
 import numpy as np
 import pytest
 
-from reduction_server.wire import protocol
-from reduction_server.wire.protocol import REJOIN_LEAD, DType, ErrorCode, MsgType, ReduceOp
-
 from helpers.cluster import reducers
 from helpers.peers import JOB, Peer, data
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import REJOIN_LEAD, DType, ErrorCode, MsgType, ReduceOp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,8 +28,9 @@ def values(rank: int, count: int = COUNT) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(count).astype(np.float32)
 
 
-def send(peer: Peer, rank: int, mtype: MsgType, payload: np.ndarray, seq: int = 1, op: ReduceOp = ReduceOp.SUM,
-         aux: int = 0) -> None:
+def send(
+    peer: Peer, rank: int, mtype: MsgType, payload: np.ndarray, seq: int = 1, op: ReduceOp = ReduceOp.SUM, aux: int = 0
+) -> None:
     count = len(payload) if payload.size else COUNT
     nbytes = payload.nbytes
     peer.send(data(rank, W, seq=seq, count=count, op=op, aux=aux, mtype=mtype, nbytes=nbytes), payload.tobytes())
@@ -149,8 +150,10 @@ def test_float16_final_passes_through_unrounded(peers):
     peers[0].send(data(0, W, seq=9, count=100, dtype=DType.FLOAT16, mtype=MsgType.FINAL), final.tobytes())
     assert peers[0].recv()[0].nbytes == 0
     for rank in (1, 2):
-        peers[rank].send(data(rank, W, seq=9, count=100, dtype=DType.FLOAT16, mtype=MsgType.MOVED),
-                         np.ones(100, np.float16).tobytes())
+        peers[rank].send(
+            data(rank, W, seq=9, count=100, dtype=DType.FLOAT16, mtype=MsgType.MOVED),
+            np.ones(100, np.float16).tobytes(),
+        )
         header, payload = peers[rank].recv()
         assert header.type is MsgType.RESULT and payload == final.tobytes()
 

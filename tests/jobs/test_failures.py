@@ -7,6 +7,7 @@ tests/scripts/failure_worker.py (tests/helpers/workers.py: killed as each test's
 Timeouts are small (RS_LIVENESS_TIMEOUT, RS_TIMEOUT) so that every test is bounded in time; the
 latencies measured here are recorded in docs/reliability.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,11 @@ from typing import Optional
 
 import pytest
 
-from reduction_server.config import settings
-
 from helpers.cluster import reducers, run_workers
-from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK
 from helpers.probes import rss
+from helpers.timing import DETECT, FAST, LIVENESS, QUIET, SILENT, SLACK
 from helpers.workers import Workers
+from reduction_server.config import settings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,7 +32,8 @@ def names_reducer(text: str, i: int, address: str) -> bool:
     """Whether `text` names reducer i at `address`, or one of its shards (shard s at port + s)."""
     host, port = address.rsplit(":", 1)
     return f"reducer {i} ({address})" in text or any(
-        f"reducer {i} shard {s} ({host}:{int(port) + s})" in text for s in range(settings.MAX_SHARDS))
+        f"reducer {i} shard {s} ({host}:{int(port) + s})" in text for s in range(settings.MAX_SHARDS)
+    )
 
 
 def last_field(log: str, event: str, field: str) -> Optional[int]:
@@ -40,11 +41,16 @@ def last_field(log: str, event: str, field: str) -> Optional[int]:
     return int(values[-1]) if values else None
 
 
-FRESH_JOB = json.dumps({"sequential": [
-    {"dtype": "float32", "op": "sum", "count": 300_000, "seed": 1},
-    {"dtype": "int64", "op": "max", "count": 70_001, "seed": 2},
-    {"dtype": "bfloat16", "op": "avg", "count": 5000, "seed": 3},
-], "broadcast": [1000]})
+FRESH_JOB = json.dumps(
+    {
+        "sequential": [
+            {"dtype": "float32", "op": "sum", "count": 300_000, "seed": 1},
+            {"dtype": "int64", "op": "max", "count": 70_001, "seed": 2},
+            {"dtype": "bfloat16", "op": "avg", "count": 5000, "seed": 3},
+        ],
+        "broadcast": [1000],
+    }
+)
 
 
 # -- 1. a worker killed with SIGKILL in the middle of a collective --------------------------------
@@ -70,8 +76,9 @@ def test_killed_worker_fails_the_survivors_naming_it_and_the_reducers_serve_a_fr
             print(f"rank {r}: the next collective failed after {res['next_took']:.3f} s: {res['next']}")
         assert group.alive()
         # A fresh job (the restarted job's new generation) on the same reducers works.
-        for res in run_workers(3, group, "allreduce_worker.py", [FRESH_JOB], extra_env={"RS_GENERATION": "1", **env},
-                               timeout=120):
+        for res in run_workers(
+            3, group, "allreduce_worker.py", [FRESH_JOB], extra_env={"RS_GENERATION": "1", **env}, timeout=120
+        ):
             assert not res["failures"], res
         after = [rss(p.pid) for p in group.procs]
         assert group.alive()
@@ -84,8 +91,10 @@ def test_killed_worker_fails_the_survivors_naming_it_and_the_reducers_serve_a_fr
         assert "rank_lost" in log and "rank=2" in log, log[-2000:]
         assert last_field(log, "stopped", "open_rounds") == 0, log[-3000:]
         held = last_field(log, "stopped", "accumulator_bytes_in_use")
-        print(f"reducer {index}: {held} accumulator bytes still held by libzmq at the end; RSS "
-              f"{before[index] >> 20} MiB before the kill, {after[index] >> 20} MiB after the fresh job")
+        print(
+            f"reducer {index}: {held} accumulator bytes still held by libzmq at the end; RSS "
+            f"{before[index] >> 20} MiB before the kill, {after[index] >> 20} MiB after the fresh job"
+        )
         assert held is not None and held <= 4 * chunk, log[-3000:]
         assert after[index] < before[index] + (64 << 20), (index, before, after)
 
@@ -116,8 +125,9 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
     env = {**FAST, "RS_TIMEOUT": "30", "RS_FAILOVER": "0"}
     go = tmp_path / "go"
     with reducers(2, extra_env=env) as group:
-        with Workers(3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5,
-                                "progress": True}, env) as workers:
+        with Workers(
+            3, group, {"mode": "restart", "count": 4 << 20, "go": str(go), "after": 5, "progress": True}, env
+        ) as workers:
             workers.wait_for("ready", range(3))
             group.signal(1, signal.SIGSTOP)
             workers.wait_until_still(range(3), quiet=1.0, timeout=QUIET / 2)
@@ -142,7 +152,8 @@ def test_killed_reducer_fails_every_worker_naming_it_and_a_restarted_one_is_used
 
 @pytest.mark.parametrize("comes_back", [True, False], ids=["restarted", "gone"])
 def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_liveness_timeout(
-        tmp_path: Path, comes_back: bool):
+    tmp_path: Path, comes_back: bool
+):
     """Killed between collectives (a training step's compute phase): the next collective waits
     for the reducer; restarted in time, it is used and nothing fails; otherwise the collective
     fails after RS_LIVENESS_TIMEOUT, naming it (RS_FAILOVER=0, as above)."""
@@ -165,10 +176,16 @@ def test_a_collective_started_while_a_reducer_is_away_waits_for_it_at_most_the_l
             print(f"rank {r}: took {res['took']:.3f} s: {res['error']}")
             # The worker logs it as structured events naming the rank and the reducer.
             named = rf"rank={r} reducer=1 address={re.escape(group.addresses[1])}"
-            assert re.search(rf"^\S+ \S+ WARNING reduction_server\.client reducer_lost {named} reason=.*"
-                             r"reconnecting=True$", logs[r], re.M), logs[r]
-            assert bool(re.search(rf"WARNING reduction_server\.client reducer_readmitted {named}$", logs[r], re.M)) \
-                == comes_back, logs[r]
+            assert re.search(
+                rf"^\S+ \S+ WARNING reduction_server\.client reducer_lost {named} reason=.*"
+                r"reconnecting=True$",
+                logs[r],
+                re.M,
+            ), logs[r]
+            assert (
+                bool(re.search(rf"WARNING reduction_server\.client reducer_readmitted {named}$", logs[r], re.M))
+                == comes_back
+            ), logs[r]
             if comes_back:
                 assert res["error"] is None
                 assert res["took"] >= 0.9  # it waited for the restart
@@ -216,7 +233,7 @@ def test_a_straggler_fails_the_collective_with_the_same_message_on_every_rank():
             assert error, res
             print(f"rank {r}: took {res['took']:.2f} s: {error}")
             assert error.startswith(f"rank {r}: ")
-            texts.add(error[len(f"rank {r}: "):])
+            texts.add(error[len(f"rank {r}: ") :])
             assert "timed out after 2 s" in error and "ranks [0, 1] contributed, ranks [2] did not" in error, error
             assert res["next"] == [3.0] * 4  # the next collective works
         assert len(texts) == 1, texts  # the same message on every rank (after the rank prefix)

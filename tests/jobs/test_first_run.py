@@ -1,5 +1,6 @@
 """The first hour of a new user: what the command line and a worker say when something is off,
 as torchrun and horovodrun users expect. Each test asserts the message the user sees."""
+
 from __future__ import annotations
 
 import logging
@@ -13,40 +14,50 @@ from pathlib import Path
 import pytest
 import zmq
 
-from reduction_server.config import settings
-from reduction_server.cli import build_parser
-from reduction_server.reducer import Reducer
-
 from helpers.capture import CapturingSocket
 from helpers.cluster import ROOT, child_env
-from helpers.ports import free_port_range
 from helpers.handshake import hello_payload
+from helpers.ports import free_port_range
+from reduction_server.cli import build_parser
+from reduction_server.config import settings
+from reduction_server.reducer import Reducer
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reduction_server", *args], env=child_env(env), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "reduction_server", *args],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_worker_waiting_for_reducers_says_which_and_why():
     """Pointed at an address where nothing listens, a worker says so every few seconds, at the
     default log level, instead of looking hung for RS_CONNECT_TIMEOUT."""
     port = free_port_range(1)
-    script = ("import reduction_server.client as rs\n"
-              f"rs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=12.5)\n")
+    script = (
+        f"import reduction_server.client as rs\nrs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=12.5)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     waiting = [line for line in proc.stderr.splitlines() if "waiting_for_reducers" in line]
     assert 1 <= len(waiting) <= 2, proc.stderr  # at about 5 and 10 s
     for line in waiting:
-        assert re.search(r" NOTICE reduction_server\.client waiting_for_reducers rank=0 waited_s=\d+ "
-                         rf'connect_timeout_s=12\.5 waiting="reducer 0 \(127\.0\.0\.1:{port}\): connection refused: '
-                         r"nothing listens there \(is `reduction-server serve` running there, and the port in "
-                         r'RS_REDUCERS right\?\)"$', line), line
-    assert ("CollectiveError: rank 0: no reducer admitted this worker within 12.5 s (RS_CONNECT_TIMEOUT): "
-            f"reducer 0 (127.0.0.1:{port}): connection refused: nothing listens there") in proc.stderr
+        assert re.search(
+            r" NOTICE reduction_server\.client waiting_for_reducers rank=0 waited_s=\d+ "
+            rf'connect_timeout_s=12\.5 waiting="reducer 0 \(127\.0\.0\.1:{port}\): connection refused: '
+            r"nothing listens there \(is `reduction-server serve` running there, and the port in "
+            r'RS_REDUCERS right\?\)"$',
+            line,
+        ), line
+    assert (
+        "CollectiveError: rank 0: no reducer admitted this worker within 12.5 s (RS_CONNECT_TIMEOUT): "
+        f"reducer 0 (127.0.0.1:{port}): connection refused: nothing listens there"
+    ) in proc.stderr
 
 
 def test_a_worker_waiting_for_a_silent_peer_says_it_is_connected():
@@ -55,10 +66,12 @@ def test_a_worker_waiting_for_a_silent_peer_says_it_is_connected():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        script = ("import reduction_server.client as rs\n"
-                  f"rs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=6)\n")
-        proc = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
-                              timeout=60)
+        script = (
+            f"import reduction_server.client as rs\nrs.Communicator(['127.0.0.1:{port}'], 0, 1, connect_timeout=6)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=60
+        )
     assert proc.returncode == 1
     assert f"reducer 0 (127.0.0.1:{port}): connected, but no answer to HELLO yet (is it a reducer?)" in proc.stderr
 
@@ -68,8 +81,10 @@ def test_serve_refuses_a_port_outside_the_range(port):
     proc = cli("serve", "--port", port)
     assert proc.returncode == 2
     expected = "is outside 0-65535" if port != "http" else "is not a port number"
-    assert f"reduction-server serve: error: argument --port: {port if port != 'http' else repr(port)} {expected}" \
-        in proc.stderr, proc.stderr
+    assert (
+        f"reduction-server serve: error: argument --port: {port if port != 'http' else repr(port)} {expected}"
+        in proc.stderr
+    ), proc.stderr
     assert proc.stdout == ""  # nothing listened
 
 
@@ -82,8 +97,10 @@ def test_serve_on_a_busy_port_says_so_in_one_line(shards):
         proc = cli("serve", "--host", "127.0.0.1", "--port", str(port), "--shards", shards)
     assert proc.returncode == 1
     [line] = proc.stderr.splitlines()  # naming who holds the port: this test's process
-    assert line.startswith(f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port}: the port is already "
-                           f"in use (by pid {os.getpid()} ("), line
+    assert line.startswith(
+        f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port}: the port is already "
+        f"in use (by pid {os.getpid()} ("
+    ), line
     assert line.endswith("); stop it, or choose another port (--port; 0 picks a free one)"), line
     assert proc.stdout == ""
 
@@ -95,24 +112,30 @@ def test_serve_on_an_address_of_another_host_says_so_in_one_line(port, shards):
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"reduction-server serve: cannot listen on tcp://198.18.0.77:{'*' if port == '0' else port}: 198.18.0.77 is "
-        "not an address of this host (--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)"], proc.stderr
+        "not an address of this host (--host / RS_BIND_HOST; 0.0.0.0 listens on all of them)"
+    ], proc.stderr
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
 def test_size_refuses_bandwidths_that_are_not_positive_and_finite(value):
     proc = cli("size", "--workers", "8", f"--worker-gbps={value}", "--reducer-gbps", "32")
     assert proc.returncode == 2
-    assert proc.stderr.startswith("reduction-server size: bandwidths must be positive, finite Gbit/s, got "
-                                  f"--worker-gbps {float(value):g} --reducer-gbps 32"), proc.stderr
+    assert proc.stderr.startswith(
+        "reduction-server size: bandwidths must be positive, finite Gbit/s, got "
+        f"--worker-gbps {float(value):g} --reducer-gbps 32"
+    ), proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("verb, readers, example", [
-    ("serve", [settings.REDUCERS], "reduction-server serve --port 5555"),
-    ("run", [settings.LAUNCHER], "reduction-server run -np 4 --reducers 2 -- python train.py"),
-    ("size", [], "reduction-server size --workers 8"),
-    ("bench", [settings.BENCH], "reduction-server bench loopback --quick"),
-])
+@pytest.mark.parametrize(
+    "verb, readers, example",
+    [
+        ("serve", [settings.REDUCERS], "reduction-server serve --port 5555"),
+        ("run", [settings.LAUNCHER], "reduction-server run -np 4 --reducers 2 -- python train.py"),
+        ("size", [], "reduction-server size --workers 8"),
+        ("bench", [settings.BENCH], "reduction-server bench loopback --quick"),
+    ],
+)
 def test_each_subcommand_help_has_a_summary_an_example_and_its_variables(verb, readers, example):
     proc = cli(verb, "--help")
     assert proc.returncode == 0
@@ -136,9 +159,28 @@ def test_a_normal_job_tears_down_without_warnings():
     """The README's job, three times: not one WARNING from a worker or a reducer."""
     for _ in range(3):
         proc = subprocess.run(
-            [sys.executable, "-m", "reduction_server", "run", "-np", "4", "--reducers", "2", "--", sys.executable,
-             str(ROOT / "examples" / "allreduce_check.py"), "--mib", "4", "--iters", "2"],
-            env=child_env(), capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "run",
+                "-np",
+                "4",
+                "--reducers",
+                "2",
+                "--",
+                sys.executable,
+                str(ROOT / "examples" / "allreduce_check.py"),
+                "--mib",
+                "4",
+                "--iters",
+                "2",
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert " stopped reducer=1 " in proc.stdout  # the reducers' own summaries were read
         warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if " WARNING " in line]
@@ -206,8 +248,9 @@ def test_the_readme_links_only_to_files_in_the_repository():
     assert _broken_links("README.md") == [], "README links outside the repository or to nothing"
 
 
-@pytest.mark.parametrize("page", ["docs/frameworks.md", "docs/configuration.md", "docs/benchmarks.md",
-                                  "docs/operations.md"])
+@pytest.mark.parametrize(
+    "page", ["docs/frameworks.md", "docs/configuration.md", "docs/benchmarks.md", "docs/operations.md"]
+)
 def test_the_docs_pages_the_readme_sends_to_link_only_to_files_in_the_repository(page):
     assert f"]({page})" in (ROOT / "README.md").read_text()
     assert _broken_links(page) == [], f"{page} links outside the repository or to nothing"
@@ -218,22 +261,47 @@ def test_the_launcher_refuses_a_port_that_a_stranger_holds():
     starts, naming the port, instead of reducing through the stranger."""
     base = free_port_range(2)
     env = {"RS_JOB_TOKEN": "the-strangers-token"}
-    stranger = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
-                                 str(base), "--index", "0"], env=child_env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    stranger = subprocess.Popen(
+        [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", str(base), "--index", "0"],
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert "listening" in stranger.stdout.readline()
-        proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "2",
-                               "--port-base", str(base), "--", sys.executable, "-c", "print('WORKER RAN')"],
-                              env=child_env(), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "run",
+                "-np",
+                "2",
+                "--reducers",
+                "2",
+                "--port-base",
+                str(base),
+                "--",
+                sys.executable,
+                "-c",
+                "print('WORKER RAN')",
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         stranger.terminate()
         _, stranger_log = stranger.communicate(timeout=20)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     # Checked before any process starts (issue 39): the port, whose it is, and who holds it.
     [line] = proc.stderr.splitlines()
-    assert line.startswith(f"reduction-server run: cannot use 127.0.0.1:{base}, reducer 0's port (--port-base): it "
-                           f"is already in use (by pid {stranger.pid} ("), line
+    assert line.startswith(
+        f"reduction-server run: cannot use 127.0.0.1:{base}, reducer 0's port (--port-base): it "
+        f"is already in use (by pid {stranger.pid} ("
+    ), line
     assert proc.stdout == ""  # no reducer, no worker started
     assert "bytes_in=0" in stranger_log and " admitted " not in stranger_log
 
@@ -241,5 +309,4 @@ def test_the_launcher_refuses_a_port_that_a_stranger_holds():
 def test_the_configuration_page_table_of_variables_is_the_registry():
     """docs/configuration.md holds the table of variables (the README links to it)."""
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert settings.markdown_table() in page, \
-        "regenerate the table in docs/configuration.md: settings.markdown_table()"
+    assert settings.markdown_table() in page, "regenerate the table in docs/configuration.md: settings.markdown_table()"

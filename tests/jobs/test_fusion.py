@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
-from reduction_server.wire.protocol import DType
-from reduction_server.config.settings import DEFAULT_FUSION_THRESHOLD
 from helpers.jobs import run_job
+from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec, fusion_threshold
+from reduction_server.config.settings import DEFAULT_FUSION_THRESHOLD
+from reduction_server.wire.protocol import DType
 
 F32, F16, I64 = DType.FLOAT32, DType.FLOAT16, DType.INT64
 
@@ -38,7 +38,11 @@ def test_buckets_fill_up_to_the_threshold_in_order():
 def test_dtypes_never_share_a_bucket_and_big_tensors_stand_alone():
     plan = FusionPlan(specs(((4,), F32), ((4,), F16), ((4,), F16), ((1000,), F16), ((4,), I64)), threshold=64)
     assert [(b.dtype, [s.name for s in b.specs]) for b in plan.buckets] == [
-        (F32, ["t0"]), (F16, ["t1", "t2"]), (F16, ["t3"]), (I64, ["t4"])]
+        (F32, ["t0"]),
+        (F16, ["t1", "t2"]),
+        (F16, ["t3"]),
+        (I64, ["t4"]),
+    ]
 
 
 def test_threshold_zero_means_one_bucket_per_tensor():
@@ -51,8 +55,12 @@ def test_plans_are_deterministic_and_fingerprints_tell_lists_apart():
     a, b = FusionPlan(specs(*items), 1024), FusionPlan(specs(*items), 1024)
     assert a.fingerprint == b.fingerprint
     assert [[s.name for s in x.specs] for x in a.buckets] == [[s.name for s in x.specs] for x in b.buckets]
-    for other in (FusionPlan(specs(*items), 2048), FusionPlan(specs(*items[::-1]), 1024),
-                  FusionPlan(specs(((4, 3), F32), *items[1:]), 1024), FusionPlan(specs(*items[:2]), 1024)):
+    for other in (
+        FusionPlan(specs(*items), 2048),
+        FusionPlan(specs(*items[::-1]), 1024),
+        FusionPlan(specs(((4, 3), F32), *items[1:]), 1024),
+        FusionPlan(specs(*items[:2]), 1024),
+    ):
         assert other.fingerprint != a.fingerprint
 
 
@@ -75,8 +83,9 @@ ITEMS = [((3, 5), F32), ((1000,), F32), ((7,), F16), ((64, 64), F32), ((11,), I6
 
 def rank_tensor(spec, rank):
     rng = np.random.default_rng([len(spec.name), rank, spec.count])
-    return (rng.uniform(-10, 10, spec.shape) if spec.dtype.is_float else rng.integers(-99, 99, spec.shape)
-            ).astype(spec.dtype.storage)
+    return (rng.uniform(-10, 10, spec.shape) if spec.dtype.is_float else rng.integers(-99, 99, spec.shape)).astype(
+        spec.dtype.storage
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -13,6 +13,7 @@ bytes into a sum, answer only with frames that parse, and keep its memory bounde
 
 Each runs RS_FUZZ_SECONDS (default 3) of fuzzing; set it higher for a longer campaign.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,16 +29,15 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from reduction_server.wire import protocol
-from reduction_server.errors import ProtocolError
-from reduction_server.config.discovery import job_id_from
-from reduction_server.wire.protocol import DType, MsgType, ReduceOp
-
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers
 from helpers.handshake import auth_payload, hello_payload
 from helpers.jobs import check_sum_works, communicator, job_loop, ok, parallel, wait_until_idle
 from helpers.peers import Peer, RawZmtp, data
 from helpers.probes import rss
+from reduction_server.config.discovery import job_id_from
+from reduction_server.errors import ProtocolError
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 
 FUZZ_SECONDS = float(os.environ.get("RS_FUZZ_SECONDS", "3"))
 pytestmark = pytest.mark.timeout(120 + 4 * FUZZ_SECONDS)
@@ -45,19 +45,31 @@ pytestmark = pytest.mark.timeout(120 + 4 * FUZZ_SECONDS)
 JOB = job_id_from(TOKEN)  # the running job's id: strangers' claims name it
 MAX_CHUNK = 1 << 20  # RS_MAX_CHUNK_BYTES: libzmq drops a connection whose message is larger
 RSS_GROWTH = 64 << 20  # what the reducer may grow by during a fuzz run
-BATCH = settings(max_examples=20, deadline=None, database=None, phases=[Phase.generate],
-                 suppress_health_check=list(HealthCheck))
+BATCH = settings(
+    max_examples=20, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+)
 
 u8, u32, u64 = st.integers(0, 0xFF), st.integers(0, 0xFFFFFFFF), st.integers(0, 0xFFFFFFFFFFFFFFFF)
 small = st.integers(0, 8)
 # A header whose every field is either plausible or anything at all.
 headers = st.tuples(
-    st.one_of(st.just(protocol.MAGIC), u32), st.one_of(st.just(protocol.VERSION), u8), st.integers(0, 17),
-    st.one_of(st.integers(0, 9), u8), st.one_of(st.sampled_from([int(op) for op in ReduceOp]), u8),
-    st.one_of(small, u32), st.one_of(st.just(2), u32), st.one_of(st.just(0), u32), st.one_of(small, u32),
-    st.one_of(small, u32), st.one_of(small, u32), st.one_of(st.just(JOB), u64), st.one_of(st.just(0), u64),
+    st.one_of(st.just(protocol.MAGIC), u32),
+    st.one_of(st.just(protocol.VERSION), u8),
+    st.integers(0, 17),
+    st.one_of(st.integers(0, 9), u8),
+    st.one_of(st.sampled_from([int(op) for op in ReduceOp]), u8),
+    st.one_of(small, u32),
+    st.one_of(st.just(2), u32),
+    st.one_of(st.just(0), u32),
+    st.one_of(small, u32),
+    st.one_of(small, u32),
+    st.one_of(small, u32),
+    st.one_of(st.just(JOB), u64),
+    st.one_of(st.just(0), u64),
     st.one_of(small, u64),
-    st.one_of(small, u64), st.one_of(st.integers(0, 4096), u64), st.one_of(st.integers(0, 4096), u64),
+    st.one_of(small, u64),
+    st.one_of(st.integers(0, 4096), u64),
+    st.one_of(st.integers(0, 4096), u64),
     st.one_of(st.integers(0, 16384), u64),
 ).map(lambda fields: protocol.HEADER.pack(*fields))
 
@@ -69,9 +81,18 @@ def contributions(draw, rank: Optional[int] = None, job: int = JOB) -> List[byte
     op = draw(st.sampled_from([op for op in ReduceOp if op is not ReduceOp.BROADCAST]))
     count = draw(st.integers(1, 300))
     nchunks = draw(st.integers(1, 3))
-    header = data(draw(st.integers(0, 1)) if rank is None else rank, 2, job=job, seq=draw(st.integers(0, 5)),
-                  chunk=draw(st.integers(0, nchunks - 1)), nchunks=nchunks, count=count, total=count * nchunks,
-                  dtype=dtype, op=op)
+    header = data(
+        draw(st.integers(0, 1)) if rank is None else rank,
+        2,
+        job=job,
+        seq=draw(st.integers(0, 5)),
+        chunk=draw(st.integers(0, nchunks - 1)),
+        nchunks=nchunks,
+        count=count,
+        total=count * nchunks,
+        dtype=dtype,
+        op=op,
+    )
     size = draw(st.one_of(st.just(count * dtype.itemsize), st.integers(0, 3000)))
     return [header, draw(st.binary(min_size=size, max_size=size))]
 
@@ -82,8 +103,13 @@ frames = st.one_of(
     st.lists(st.binary(max_size=300), min_size=1, max_size=4),  # random bytes, any number of frames
     contributions(),  # DATA before HELLO
     st.tuples(st.integers(0, 3), st.binary(max_size=200)).map(  # a handshake out of order, or garbled
-        lambda t: [protocol.text_header([MsgType.HELLO, MsgType.AUTH, MsgType.BYE, MsgType.PING][t[0]], t[1],
-                                        rank=0, world=2, job=JOB), t[1]]),
+        lambda t: [
+            protocol.text_header(
+                [MsgType.HELLO, MsgType.AUTH, MsgType.BYE, MsgType.PING][t[0]], t[1], rank=0, world=2, job=JOB
+            ),
+            t[1],
+        ]
+    ),
 )
 actions = st.one_of(frames, st.just("wrong_token"), st.just("oversized"), st.just("new_identity"))
 
@@ -183,9 +209,13 @@ def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
             finally:
                 keep_going.clear()  # the job stops after its next collective
 
-        (n0, failures0), (n1, failures1), base = ok(parallel(
-            *[lambda c=c: job_loop(c, started, keep_going, min_iterations=50, max_iterations=10**7) for c in comms],
-            fuzz, timeout=90 + 2 * FUZZ_SECONDS))
+        (n0, failures0), (n1, failures1), base = ok(
+            parallel(
+                *[lambda c=c: job_loop(c, started, keep_going, min_iterations=50, max_iterations=10**7) for c in comms],
+                fuzz,
+                timeout=90 + 2 * FUZZ_SECONDS,
+            )
+        )
         assert n0 == n1 >= 50 and failures0 == [] and failures1 == []
         time.sleep(0.5)
         rogues.drain()
@@ -237,9 +267,17 @@ def test_admitted_ranks_fuzzing_contributions_get_errors_and_valid_collectives_s
         seq = [VALID_SEQS]  # valid collectives: above the fuzzed keys, which then count as skipped
 
         @BATCH
-        @given(st.lists(st.tuples(st.integers(0, 1), st.one_of(contributions(job=job), headers.map(lambda h: [h]))
-                                  .filter(harmless_to_later_keys)),
-                        min_size=1, max_size=15), st.integers(-1000, 1000))
+        @given(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 1),
+                    st.one_of(contributions(job=job), headers.map(lambda h: [h])).filter(harmless_to_later_keys),
+                ),
+                min_size=1,
+                max_size=15,
+            ),
+            st.integers(-1000, 1000),
+        )
         def batch(plan, value):
             # Fresh connections each batch: what a rank did to its own admission (malformed frames
             # count against its connection) does not carry over.
@@ -276,14 +314,27 @@ def test_admitted_ranks_fuzzing_contributions_get_errors_and_valid_collectives_s
 
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
 def test_atheris_coverage_guided_fuzzing_of_the_reducer(mode, tmp_path):
-    pytest.importorskip("atheris", reason="atheris is not installed (pip install atheris: a wheel for x86-64 "
-                                          "Linux, else it needs clang and libFuzzer to build)")
+    pytest.importorskip(
+        "atheris",
+        reason="atheris is not installed (pip install atheris: a wheel for x86-64 "
+        "Linux, else it needs clang and libFuzzer to build)",
+    )
     seconds = max(2, int(FUZZ_SECONDS))
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "fuzz_reducer_atheris.py"), str(seconds), str(tmp_path),
-                           *(["deterministic"] if mode == "deterministic" else [])],
-                          env=child_env(), capture_output=True, text=True, timeout=60 + 2 * seconds)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "fuzz_reducer_atheris.py"),
+            str(seconds),
+            str(tmp_path),
+            *(["deterministic"] if mode == "deterministic" else []),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60 + 2 * seconds,
+    )
     summary = [line for line in proc.stdout.splitlines() if line.startswith("atheris:")]
-    assert proc.returncode == 0 and summary, (proc.stdout[-2000:] + proc.stderr[-6000:])
+    assert proc.returncode == 0 and summary, proc.stdout[-2000:] + proc.stderr[-6000:]
     print(summary[0])
     answers = json.loads(summary[0].split("answers: ", 1)[1].replace("'", '"'))
     assert answers.get("RESULT", 0) > 0 and answers.get("ERROR MALFORMED", 0) > 0  # it reached deep and shallow

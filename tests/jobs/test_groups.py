@@ -2,6 +2,7 @@
 beside the job's, exact results, groups announced two ways, a member lost, hand-driven peers
 that break the rules, a reducer restarted under a group, and a group closed with a collective in
 flight."""
+
 import re
 import signal
 import threading
@@ -12,14 +13,14 @@ import numpy as np
 import pytest
 
 import reduction_server
-from reduction_server.wire import protocol
-from reduction_server.client.buffers import wire_view
-from reduction_server.client.engine.inbox import Inbox
-from reduction_server.client.group import Group, group_id
-from reduction_server.wire.protocol import ErrorCode, MsgType
 from helpers.cluster import reducers
 from helpers.jobs import connect, new_job, run_job, until
 from helpers.peers import JOB, Peer, data
+from reduction_server.client.buffers import wire_view
+from reduction_server.client.engine.inbox import Inbox
+from reduction_server.client.group import Group, group_id
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import ErrorCode, MsgType
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,6 +33,7 @@ def group(transport_group):
 def test_a_group_runs_its_collectives_beside_the_jobs(group):
     """W=3, group {0, 2}: all-reduces of several chunks, a broadcast from the group's rank 1 (job
     rank 2), interleaved with the job's own all-reduces; rank 1 never touches the group."""
+
     def body(comm, rank):
         out = {"world": comm.all_reduce(np.array([rank + 1], np.int64)).tolist()}
         if rank != 1:
@@ -74,6 +76,7 @@ def test_a_group_without_rank_0_mixes_shared_memory_and_frames(group):
 def test_two_groups_over_the_same_ranks_keep_their_own_order(group):
     """Two groups of the same ranks are two groups (two names): the ranks may use them in different
     orders, as they may two torch subgroups."""
+
     def body(comm, rank):
         a, b = Group(comm, [0, 1], "a"), Group(comm, [0, 1], "b")
         first, second = (a, b) if rank == 0 else (b, a)
@@ -137,11 +140,14 @@ def test_a_group_outside_the_rules_is_refused_by_name():
             header, payload = peers[rank].recv()
             assert header.type is MsgType.RESULT and header.group == 5
             assert np.frombuffer(payload, np.float32).tolist() == [4.0] * 4
-        for rank, group_id_, members, words in ((1, 5, [0, 2], "which it is not one of"),
-                                                (0, 0, [0, 1, 2], "never announced")):
+        for rank, group_id_, members, words in (
+            (1, 5, [0, 2], "which it is not one of"),
+            (0, 0, [0, 1, 2], "never announced"),
+        ):
             payload = protocol.group_payload(members)  # refused to its sender alone
-            peers[rank].send(protocol.text_header(MsgType.GROUP, payload, rank=rank, world=3, job=JOB,
-                                                  group=group_id_), payload)
+            peers[rank].send(
+                protocol.text_header(MsgType.GROUP, payload, rank=rank, world=3, job=JOB, group=group_id_), payload
+            )
             peers[rank].expect_error(ErrorCode.MISMATCH, words)
         for rank in (0, 2):  # and the group still works, for its members only
             h = protocol.unpack(data(rank, world=3, seq=4))
@@ -165,6 +171,7 @@ def test_a_restarted_reducer_learns_the_groups_again():
     group again from each worker it admits again, before any of the group's chunks."""
     both = threading.Barrier(2)
     with reducers(1) as single:
+
         def body(comm, rank):
             sub = Group(comm, [0, 1], "kept")
             first = sub.all_reduce(np.array([rank + 1.0])).tolist()
@@ -208,13 +215,19 @@ def test_a_broadcast_root_gets_no_copy_of_its_own_data():
     included, ends with the root's data."""
     n = 1 << 18  # 1 MiB of float32
     with reducers(1) as single:
+
         def body(comm, rank):
             x = np.full(n, float(rank), np.float32)
             comm.broadcast(x, root=2)
             out = np.zeros(n, np.float32)  # out of place, as Horovod's broadcast
             src = np.full(n, 7.0 + rank, np.float32)
-            comm._start(wire_view(src) if rank == 1 else None, wire_view(out, writable=True), protocol.ReduceOp.BROADCAST, 1,
-                        out).wait()
+            comm._start(
+                wire_view(src) if rank == 1 else None,
+                wire_view(out, writable=True),
+                protocol.ReduceOp.BROADCAST,
+                1,
+                out,
+            ).wait()
             return float(x.min()), float(x.max()), float(out.min()), float(out.max())
 
         assert run_job(3, body, group=single) == [(2.0, 2.0, 8.0, 8.0)] * 3
@@ -278,6 +291,7 @@ def test_two_groups_made_under_one_name_fail_the_collective_that_would_share_a_s
     """Two Group objects of one name count their collectives apart, so both have a seq 0: the
     second, started while the first is in flight, fails by name, and the first completes (its
     answers could not have been told apart: the first once waited for ever)."""
+
     def body(comm, rank):
         first, second = Group(comm, [0, 1], "twice"), Group(comm, [0, 1], "twice")
         if rank == 1:
@@ -289,4 +303,3 @@ def test_two_groups_made_under_one_name_fail_the_collective_that_would_share_a_s
         return pending.wait(10).tolist()
 
     assert run_job(2, body, group=group) == [[2.0] * 4] * 2
-

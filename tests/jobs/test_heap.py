@@ -1,6 +1,7 @@
 """A reducer keeps the memory its messages free (reduction_server/reducer/heap.py): large buffers freed
 and allocated again are not faulted in again. Each case runs in a fresh interpreter, since the
 setting holds for the whole process, with glibc's own environment variables left out."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ print(sum(faults[{_WARMUP}:]))
 
 def _faults_after_warming_up(mode: str, where: str) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    done = subprocess.run([sys.executable, "-c", _CYCLES, mode, where], capture_output=True, text=True,
-                          timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", _CYCLES, mode, where], capture_output=True, text=True, timeout=60, env=env
+    )
     if done.returncode == 3:
         pytest.skip("this C library has no mallopt, or refused the settings (not glibc)")
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,7 @@
 """The Horovod-style negotiation (client/horovod/coordinator.py) with real reducers and one
 Coordinator per rank (threads of this process): matching by name, fusion, and every way a named
 collective can fail."""
+
 import itertools
 import random
 import threading
@@ -12,8 +13,15 @@ import pytest
 from helpers.cluster import TOKEN, reducers, run_ranks
 from reduction_server.client import Communicator
 from reduction_server.client.buffers import wire_view
-from reduction_server.client.horovod.coordinator import (ALLGATHER, ALLREDUCE, BROADCAST, Coordinator, Request,
-                                                       cycle_time, gather_bytes)
+from reduction_server.client.horovod.coordinator import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    Coordinator,
+    Request,
+    cycle_time,
+    gather_bytes,
+)
 from reduction_server.errors import CollectiveError, ConfigError
 from reduction_server.wire.protocol import ReduceOp
 
@@ -44,6 +52,7 @@ def coordinators(group, world, **options):
         comm = Recording(group.addresses, rank, world, job_token=TOKEN, generation=generation)
         comm.data_collectives = []
         return Coordinator(comm, **options)
+
     return make
 
 
@@ -98,11 +107,13 @@ def test_broadcast_allgather_and_mixed_kinds(group):
 
 def test_disagreements_fail_that_name_on_every_rank_and_nothing_else(group):
     def body(coord, rank):
-        cases = {"shape": (np.zeros(rank + 1, np.float32), ALLREDUCE, ReduceOp.SUM, 0),
-                 "dtype": (np.zeros(2, np.float32 if rank else np.float64), ALLREDUCE, ReduceOp.SUM, 0),
-                 "op": (np.zeros(2, np.float32), ALLREDUCE, ReduceOp.MAX if rank else ReduceOp.SUM, 0),
-                 "kind": (np.zeros(2, np.float32), BROADCAST if rank else ALLREDUCE, ReduceOp.SUM, 0),
-                 "root": (np.zeros(2, np.float32), BROADCAST, ReduceOp.SUM, rank)}
+        cases = {
+            "shape": (np.zeros(rank + 1, np.float32), ALLREDUCE, ReduceOp.SUM, 0),
+            "dtype": (np.zeros(2, np.float32 if rank else np.float64), ALLREDUCE, ReduceOp.SUM, 0),
+            "op": (np.zeros(2, np.float32), ALLREDUCE, ReduceOp.MAX if rank else ReduceOp.SUM, 0),
+            "kind": (np.zeros(2, np.float32), BROADCAST if rank else ALLREDUCE, ReduceOp.SUM, 0),
+            "root": (np.zeros(2, np.float32), BROADCAST, ReduceOp.SUM, rank),
+        }
         futures = {n: submit(coord, n, a, kind, op, root) for n, (a, kind, op, root) in cases.items()}
         good = np.ones(2, np.float32)
         fine = submit(coord, "fine", good)
@@ -145,8 +156,10 @@ def test_a_name_only_some_ranks_submit_fails_naming_them(group):
         return message, after[0]
 
     (message, after0), (_, after1) = run(2, group, body, stall_timeout=0.5)
-    assert "tensor 'lonely' (allreduce of [4] float32 op sum) was submitted by ranks [0] but not by " \
-           "ranks [1] within 0.5 s" in message
+    assert (
+        "tensor 'lonely' (allreduce of [4] float32 op sum) was submitted by ranks [0] but not by "
+        "ranks [1] within 0.5 s" in message
+    )
     assert after0 == after1 == 2.0
 
 
@@ -190,6 +203,7 @@ def test_a_rank_that_vanishes_fails_the_others_within_the_liveness_timeout(group
 
 def test_duplicate_names_in_flight_are_refused():
     with reducers(1, token=TOKEN) as g:
+
         def body(coord, rank):
             first = submit(coord, "twice", np.ones(2, np.float32))
             with pytest.raises(ValueError, match="'twice' is already in flight"):
@@ -208,8 +222,7 @@ def test_gather_bytes_exact_for_every_rank(group):
 
     expected = [bytes([r + 1]) * (r * 3) for r in range(3)]
     generation = next(_generations)
-    results = run_ranks(3, lambda r: Communicator(group.addresses, r, 3, job_token=TOKEN, generation=generation),
-                        body)
+    results = run_ranks(3, lambda r: Communicator(group.addresses, r, 3, job_token=TOKEN, generation=generation), body)
     assert results == [expected] * 3
 
 
@@ -246,8 +259,11 @@ def test_timeline_shows_tensors_not_negotiation(group, tmp_path, monkeypatch):
             assert e["name"].startswith(shown), e
             assert e["args"]["negotiation_us"] > 0
             # Horovod's NEGOTIATE_ALLREDUCE: from the first tensor's submission until agreed, on the same row
-            negotiated = [n for n in events if n.get("name") == "NEGOTIATE_ALLREDUCE" and n["tid"] == e["tid"]
-                          and n["ts"] + n["dur"] <= e["ts"] + 1]
+            negotiated = [
+                n
+                for n in events
+                if n.get("name") == "NEGOTIATE_ALLREDUCE" and n["tid"] == e["tid"] and n["ts"] + n["dur"] <= e["ts"] + 1
+            ]
             assert negotiated and negotiated[-1]["dur"] > 0, events
         assert not [e for e in events if e.get("name", "").startswith("all_reduce")], "negotiation was traced"
 

@@ -3,6 +3,7 @@ own elastic example, pytorch_mnist_elastic.py (only its import changed: fixtures
 workers; one is SIGKILLed mid-training and the other three go on from their last commit; then
 the discovery script reports a fourth slot again, a new worker joins at the next commit and
 takes the state from rank 0. The job ends with every rank holding the same model."""
+
 from __future__ import annotations
 
 import json
@@ -37,13 +38,45 @@ class Launcher:
         discovery = tmp / "discover.sh"
         discovery.write_text(f"#!/bin/sh\ncat {self.hosts}\n")
         discovery.chmod(0o755)
-        env = child_env({"PYTHONPATH": str(FIXTURES / "stand_ins"), "HOME": str(tmp), "RS_LIVENESS_TIMEOUT": "2",
-                         "RS_HEARTBEAT_INTERVAL": "0.5"})
+        env = child_env(
+            {
+                "PYTHONPATH": str(FIXTURES / "stand_ins"),
+                "HOME": str(tmp),
+                "RS_LIVENESS_TIMEOUT": "2",
+                "RS_HEARTBEAT_INTERVAL": "0.5",
+            }
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reduction_server", "run", "-np", "4", "--min-np", "3", "--max-np", "4",
-             "--reducers", "2", "--host-discovery-script", str(discovery), "--", sys.executable,
-             str(SCRIPTS / "horovod_elastic_check.py"), str(EXAMPLE), "--epochs", "60", "--data-dir", str(tmp)],
-            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "run",
+                "-np",
+                "4",
+                "--min-np",
+                "3",
+                "--max-np",
+                "4",
+                "--reducers",
+                "2",
+                "--host-discovery-script",
+                str(discovery),
+                "--",
+                sys.executable,
+                str(SCRIPTS / "horovod_elastic_check.py"),
+                str(EXAMPLE),
+                "--epochs",
+                "60",
+                "--data-dir",
+                str(tmp),
+            ],
+            cwd=tmp,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: List[str] = []
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -62,8 +95,9 @@ class Launcher:
             return next((i for i in range(after, len(self.lines)) if regex.search(self.lines[i])), None)
 
         with self.changed:
-            assert self.changed.wait_for(lambda: found() is not None or self.proc.poll() is not None, timeout), \
+            assert self.changed.wait_for(lambda: found() is not None or self.proc.poll() is not None, timeout), (
                 f"no line matching {pattern!r} in {timeout} s:\n" + "\n".join(self.lines[-40:])
+            )
             index = found()
         assert index is not None, f"the job ended without {pattern!r}:\n" + "\n".join(self.lines[-60:])
         return index
@@ -72,8 +106,9 @@ class Launcher:
 def worker_pid(worker: int) -> int:
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if "horovod_elastic_check.py" in " ".join(proc.info["cmdline"] or ()) \
-                    and proc.environ().get("RS_WORKER_ID") == str(worker):
+            if "horovod_elastic_check.py" in " ".join(proc.info["cmdline"] or ()) and proc.environ().get(
+                "RS_WORKER_ID"
+            ) == str(worker):
                 return proc.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -99,20 +134,28 @@ def test_the_elastic_example_loses_a_rank_goes_on_with_three_and_takes_a_fourth_
             job.proc.kill()
             job.proc.wait()
     said = [line for line in job.lines if '"same_model"' in line]
-    results = [json.loads(line[line.index("{"):]) for line in said]
+    results = [json.loads(line[line.index("{") :]) for line in said]
     assert len(results) == 1, said
     assert results[0] == {"size": 4, "epoch": 60, "same_model": True, "digests": 4}, results
     assert any("Test set: Average loss" in line for line in job.lines)
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--min-np", "3"], "1 <= --min-np <= -np <= --max-np (got 3, 2, 2)"),
-    (["--max-np", "1"], "1 <= --min-np <= -np <= --max-np (got 1, 2, 1)"),
-    (["--min-np", "1", "--max-restarts", "1"], "choose one"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--min-np", "3"], "1 <= --min-np <= -np <= --max-np (got 3, 2, 2)"),
+        (["--max-np", "1"], "1 <= --min-np <= -np <= --max-np (got 1, 2, 1)"),
+        (["--min-np", "1", "--max-restarts", "1"], "choose one"),
+    ],
+)
 def test_elastic_bounds_are_checked_before_anything_starts(options, message):
-    done = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", *options, "--", "true"],
-                          capture_output=True, text=True, timeout=60, env=child_env())
+    done = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "run", "-np", "2", *options, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -123,20 +166,42 @@ def test_keras_state_and_callbacks_survive_a_lost_worker(tmp_path: Path):
     rolls back to its last commit and finishes the epochs alone."""
     pytest.importorskip("tensorflow", reason="the Keras elastic job needs tensorflow")
     done = subprocess.run(
-        [sys.executable, "-m", "reduction_server", "run", "-np", "2", "--min-np", "1", "--max-np", "2", "--reducers",
-         "2", "--", sys.executable, str(SCRIPTS / "horovod_tf_elastic.py"), "6", "2"],
-        cwd=tmp_path, env=child_env({"RS_LIVENESS_TIMEOUT": "2", "RS_HEARTBEAT_INTERVAL": "0.5",
-                                     "TF_CPP_MIN_LOG_LEVEL": "2"}),
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            "2",
+            "--min-np",
+            "1",
+            "--max-np",
+            "2",
+            "--reducers",
+            "2",
+            "--",
+            sys.executable,
+            str(SCRIPTS / "horovod_tf_elastic.py"),
+            "6",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=child_env({"RS_LIVENESS_TIMEOUT": "2", "RS_HEARTBEAT_INTERVAL": "0.5", "TF_CPP_MIN_LOG_LEVEL": "2"}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = done.stdout.splitlines() + done.stderr.splitlines()
     assert done.returncode == 0, "\n".join(lines[-60:])
-    reports = [json.loads(line[line.index("{"):]) for line in lines if '"synced"' in line]
+    reports = [json.loads(line[line.index("{") :]) for line in lines if '"synced"' in line]
     first = [r for r in reports if r["epoch"] == 0 and r["size"] == 2]
     assert len(first) == 2 and first[0]["synced"] == first[1]["synced"], reports  # rank 0's weights everywhere
-    assert any("worker 1 was killed by signal 9 (SIGKILL); going on with 1 worker" in line for line in lines), lines[-40:]
+    assert any("worker 1 was killed by signal 9 (SIGKILL); going on with 1 worker" in line for line in lines), lines[
+        -40:
+    ]
     after = [r for r in reports if r["size"] == 1]
     assert after and after[0]["worker"] == "0" and 1 <= after[0]["epoch"] <= 3, reports  # from its last commit
-    plain = [json.loads(line[line.index("{"):])["tensorflow_state"] for line in lines if '"tensorflow_state"' in line]
+    plain = [json.loads(line[line.index("{") :])["tensorflow_state"] for line in lines if '"tensorflow_state"' in line]
     assert plain == [[[0.0, 0.0, 0.0, 0], [0.0, 0.0, 0.0, 0]]] * 2, plain  # TensorFlowState: synced, then restored
-    final = [json.loads(line[line.index("{"):]) for line in lines if '"final_size"' in line]
+    final = [json.loads(line[line.index("{") :]) for line in lines if '"final_size"' in line]
     assert final == [{"worker": "0", "final_size": 1, "epoch": 6, "same_model": True}], final

@@ -8,6 +8,7 @@ examples' PYTHONPATH, stands in for it. The synthetic benchmark's model is a Res
 there (torchvision's architecture and its 25.6 M parameters), and MNIST's images are synthetic
 28x28 digits of the same shapes and types. Everything else runs as Horovod ships it.
 """
+
 import re
 
 import pytest
@@ -21,9 +22,20 @@ STAND_INS = {"PYTHONPATH": str(FIXTURES / "stand_ins")}
 
 
 def test_synthetic_benchmark_reports_the_throughput_of_both_ranks(tmp_path):
-    out = run_example(str(FIXTURES / "examples" / "pytorch_synthetic_benchmark.py"), "--batch-size", "2",
-                      "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2",
-                      cwd=tmp_path, env=STAND_INS, timeout=240)
+    out = run_example(
+        str(FIXTURES / "examples" / "pytorch_synthetic_benchmark.py"),
+        "--batch-size",
+        "2",
+        "--num-warmup-batches",
+        "1",
+        "--num-batches-per-iter",
+        "1",
+        "--num-iters",
+        "2",
+        cwd=tmp_path,
+        env=STAND_INS,
+        timeout=240,
+    )
     assert "[rank 0] Model: resnet50" in out and "Number of CPUs: 2" in out, out
     iters = re.findall(r"\[rank 0\] Iter #(\d+): ([\d.]+) img/sec per CPU", out)
     assert [i for i, _ in iters] == ["0", "1"] and all(float(v) > 0 for _, v in iters), out
@@ -33,8 +45,18 @@ def test_synthetic_benchmark_reports_the_throughput_of_both_ranks(tmp_path):
 
 
 def test_mnist_trains_and_both_ranks_report_the_same_averaged_test_metrics(tmp_path):
-    out = run_example(str(FIXTURES / "examples" / "pytorch_mnist.py"), "--epochs", "2", "--log-interval", "4",
-                      "--data-dir", str(tmp_path / "data"), cwd=tmp_path, env=STAND_INS, timeout=240)
+    out = run_example(
+        str(FIXTURES / "examples" / "pytorch_mnist.py"),
+        "--epochs",
+        "2",
+        "--log-interval",
+        "4",
+        "--data-dir",
+        str(tmp_path / "data"),
+        cwd=tmp_path,
+        env=STAND_INS,
+        timeout=240,
+    )
     for rank in (0, 1):  # each rank trains on its half of the data, every epoch
         epochs = re.findall(rf"\[rank {rank}\] Train Epoch: (\d+) \[0/1024", out)
         assert epochs == ["1", "2"], out

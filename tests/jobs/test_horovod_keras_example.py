@@ -10,14 +10,16 @@ MNIST's download needs the internet, so the example trains on synthetic data of 
 and dtypes whose brightness follows the label (learnable), for 4 epochs (3 of them warm-up) of
 40 // size steps instead of 24 of 500 // size.
 """
+
 import os
 import re
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
-                                         "the example needs it")
+pytest.importorskip(
+    "tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - the example needs it"
+)
 
 from helpers.cluster import ROOT, run_example  # noqa: E402
 
@@ -36,7 +38,7 @@ def rank_output(out, rank):
     for line in out.splitlines():
         m = PREFIX.match(line)
         if m:
-            owner, line = m.group(1), line[m.end():]
+            owner, line = m.group(1), line[m.end() :]
         if owner == f"rank {rank}":
             lines.append(ANSI.sub("", line))
     return "\n".join(lines)
@@ -90,6 +92,7 @@ def test_rank_0_saves_a_checkpoint_every_epoch(run):
         with open(cwd / name, "rb") as f:
             assert f.read(8) == b"\x89HDF\r\n\x1a\n", f"{name} is not an HDF5 file"  # Keras's legacy .h5 format
     import keras
+
     first, last = (keras.models.load_model(cwd / names[i], compile=False) for i in (0, -1))
     assert [w.shape for w in last.get_weights()] == [w.shape for w in first.get_weights()]
     assert last.output_shape == (None, 10)

@@ -23,6 +23,7 @@ interrupted (SIGINT, then SIGKILL) after a limit that grows with the number of t
 had to be stopped reports the test each rank was in (from pytest -v). Each rank's log (rank{r}.log)
 and JUnit report (rank{r}.xml) stay in the test's tmp_path.
 """
+
 import ast
 import importlib.util
 import os
@@ -56,32 +57,75 @@ PER_TEST_TIMEOUT = 5 * RANK_RS_TIMEOUT
 #: The selection CI runs: tests of each API area of hvd in Horovod's file, the quick ones (the
 #: barrier tests that sleep 5 s are left to RS_HOROVOD_SUITE=all; every test's tearDown runs a barrier).
 SELECTION = {
-    "init/rank/size": ["test_horovod_reinit", "test_horovod_is_initialized", "test_horovod_rank",
-                       "test_horovod_size"],
-    "allreduce": ["test_horovod_allreduce", "test_horovod_allreduce_average", "test_horovod_allreduce_min",
-                  "test_horovod_allreduce_max", "test_horovod_allreduce_product", "test_horovod_allreduce_inplace",
-                  "test_horovod_allreduce_async_fused", "test_horovod_allreduce_prescale",
-                  "test_horovod_allreduce_postscale", "test_horovod_allreduce_error",
-                  "test_horovod_allreduce_type_error", "test_horovod_allreduce_duplicate_name_error",
-                  "test_horovod_allreduce_grad", "test_horovod_allreduce_process_sets"],
-    "grouped_allreduce": ["test_horovod_grouped_allreduce", "test_horovod_grouped_allreduce_inplace",
-                          "test_horovod_grouped_allreduce_grad", "test_horovod_grouped_allreduce_process_sets"],
-    "allgather": ["test_horovod_allgather", "test_horovod_allgather_variable_size",
-                  "test_horovod_allgather_async_fused", "test_horovod_allgather_error",
-                  "test_horovod_allgather_grad", "test_horovod_grouped_allgather",
-                  "test_horovod_grouped_allgather_grad"],
-    "broadcast": ["test_horovod_broadcast", "test_horovod_broadcast_inplace", "test_horovod_broadcast_rank_error",
-                  "test_horovod_broadcast_grad", "test_horovod_broadcast_process_sets"],
-    "alltoall": ["test_horovod_alltoall", "test_horovod_alltoall_equal_split", "test_horovod_alltoall_grad",
-                 "test_horovod_alltoall_rank_error", "test_horovod_alltoall_process_sets"],
-    "reducescatter": ["test_horovod_reducescatter", "test_horovod_reducescatter_average",
-                      "test_horovod_reducescatter_adasum", "test_horovod_reducescatter_grad",
-                      "test_horovod_grouped_reducescatter", "test_horovod_reducescatter_process_sets"],
-    "state and objects": ["test_broadcast_state", "test_broadcast_state_no_grad", "test_broadcast_object",
-                          "test_allgather_object"],
-    "optimizer": ["test_compression_fp16", "test_force_allreduce", "test_gradient_clipping",
-                  "test_synchronize_step_warning", "test_no_named_parameters", "test_optimizer_no_named_parameters",
-                  "test_optimizer_process_sets"],
+    "init/rank/size": ["test_horovod_reinit", "test_horovod_is_initialized", "test_horovod_rank", "test_horovod_size"],
+    "allreduce": [
+        "test_horovod_allreduce",
+        "test_horovod_allreduce_average",
+        "test_horovod_allreduce_min",
+        "test_horovod_allreduce_max",
+        "test_horovod_allreduce_product",
+        "test_horovod_allreduce_inplace",
+        "test_horovod_allreduce_async_fused",
+        "test_horovod_allreduce_prescale",
+        "test_horovod_allreduce_postscale",
+        "test_horovod_allreduce_error",
+        "test_horovod_allreduce_type_error",
+        "test_horovod_allreduce_duplicate_name_error",
+        "test_horovod_allreduce_grad",
+        "test_horovod_allreduce_process_sets",
+    ],
+    "grouped_allreduce": [
+        "test_horovod_grouped_allreduce",
+        "test_horovod_grouped_allreduce_inplace",
+        "test_horovod_grouped_allreduce_grad",
+        "test_horovod_grouped_allreduce_process_sets",
+    ],
+    "allgather": [
+        "test_horovod_allgather",
+        "test_horovod_allgather_variable_size",
+        "test_horovod_allgather_async_fused",
+        "test_horovod_allgather_error",
+        "test_horovod_allgather_grad",
+        "test_horovod_grouped_allgather",
+        "test_horovod_grouped_allgather_grad",
+    ],
+    "broadcast": [
+        "test_horovod_broadcast",
+        "test_horovod_broadcast_inplace",
+        "test_horovod_broadcast_rank_error",
+        "test_horovod_broadcast_grad",
+        "test_horovod_broadcast_process_sets",
+    ],
+    "alltoall": [
+        "test_horovod_alltoall",
+        "test_horovod_alltoall_equal_split",
+        "test_horovod_alltoall_grad",
+        "test_horovod_alltoall_rank_error",
+        "test_horovod_alltoall_process_sets",
+    ],
+    "reducescatter": [
+        "test_horovod_reducescatter",
+        "test_horovod_reducescatter_average",
+        "test_horovod_reducescatter_adasum",
+        "test_horovod_reducescatter_grad",
+        "test_horovod_grouped_reducescatter",
+        "test_horovod_reducescatter_process_sets",
+    ],
+    "state and objects": [
+        "test_broadcast_state",
+        "test_broadcast_state_no_grad",
+        "test_broadcast_object",
+        "test_allgather_object",
+    ],
+    "optimizer": [
+        "test_compression_fp16",
+        "test_force_allreduce",
+        "test_gradient_clipping",
+        "test_synchronize_step_warning",
+        "test_no_named_parameters",
+        "test_optimizer_no_named_parameters",
+        "test_optimizer_process_sets",
+    ],
     "sparse": ["test_sparse_embeddings", "test_async_sparse_allreduce"],
     "join": ["test_horovod_join_allreduce", "test_horovod_join_allgather"],
     "barrier": ["test_barrier_with_multiple_collectives"],
@@ -92,27 +136,42 @@ SELECTION = {
 #: sweep by fixtures/horovod/parallel/conftest.py instead.
 UNSUPPORTED: Dict[str, str] = {}
 
-_FP16_AT_3 = ("the test wants a float16 result equal to float32(fp16(x * factor)) * size exactly (threshold 0 "
-              "for size <= 3), which is not a float16 number when size is 3; Horovod's CI runs the file at "
-              "np=2 only")
+_FP16_AT_3 = (
+    "the test wants a float16 result equal to float32(fp16(x * factor)) * size exactly (threshold 0 "
+    "for size <= 3), which is not a float16 number when size is 3; Horovod's CI runs the file at "
+    "np=2 only"
+)
 #: Tests not run at one world size only, and why.
 UNSUPPORTED_AT: Dict[int, Dict[str, str]] = {
-    3: {name: _FP16_AT_3 for name in ("test_horovod_allreduce_prescale", "test_horovod_reducescatter_prescale",
-                                      "test_horovod_grouped_reducescatter_prescale")},
+    3: {
+        name: _FP16_AT_3
+        for name in (
+            "test_horovod_allreduce_prescale",
+            "test_horovod_reducescatter_prescale",
+            "test_horovod_grouped_reducescatter_prescale",
+        )
+    },
 }
 
 #: Reasons for which the file itself skips a test that say nothing about this project: there is
 #: no GPU here, or the path is another build's (CCL, NCCL, MPI, macOS), or the world is too small.
-ALLOWED_SKIPS = re.compile("|".join([
-    r"^No GPUs available$", r"^Not enough GPUs available$", r"^Not compiled with HOROVOD_GPU_OPERATIONS$",
-    r"^NCCL-based Alltoall requires NCCL version >= 2\.7\.0\.$",
-    r"^Reducescatter is not supported yet with oneCCL operations\.$",
-    r"^Multiple process sets currently do not support CCL\.$",
-    r"^ReducescatterGloo is not supported on macOS$",
-    r"^Adasum requires MPI$",  # test_delta_optimizer: hvd.mpi_enabled() is False (no MPI controller)
-    r"^Only one worker available$", r"^This test does not apply if there is only one worker\.$",
-    r"^Number of ranks is 1\. Skipping test\.$",
-]))
+ALLOWED_SKIPS = re.compile(
+    "|".join(
+        [
+            r"^No GPUs available$",
+            r"^Not enough GPUs available$",
+            r"^Not compiled with HOROVOD_GPU_OPERATIONS$",
+            r"^NCCL-based Alltoall requires NCCL version >= 2\.7\.0\.$",
+            r"^Reducescatter is not supported yet with oneCCL operations\.$",
+            r"^Multiple process sets currently do not support CCL\.$",
+            r"^ReducescatterGloo is not supported on macOS$",
+            r"^Adasum requires MPI$",  # test_delta_optimizer: hvd.mpi_enabled() is False (no MPI controller)
+            r"^Only one worker available$",
+            r"^This test does not apply if there is only one worker\.$",
+            r"^Number of ranks is 1\. Skipping test\.$",
+        ]
+    )
+)
 #: Tests that the file skips unconditionally (a decorator), whatever runs them.
 SKIPPED_BY_THE_FILE = {
     "test_broadcast_state_gpu": "@unittest.skip, 'TODO: investigate why this hangs on K80s'",
@@ -133,8 +192,12 @@ def _tests(mode: str, world: int) -> List[str]:
     """What the ranks run: the whole file or CI's selection, in the file's order, less what is
     unsupported at `world`."""
     every = _file_tests()
-    named = [*UNSUPPORTED, *SKIPPED_BY_THE_FILE, *(n for names in UNSUPPORTED_AT.values() for n in names),
-             *(n for names in SELECTION.values() for n in names)]
+    named = [
+        *UNSUPPORTED,
+        *SKIPPED_BY_THE_FILE,
+        *(n for names in UNSUPPORTED_AT.values() for n in names),
+        *(n for names in SELECTION.values() for n in names),
+    ]
     missing = [name for name in named if name not in every]
     assert not missing, f"not tests of {SUITE.name}: {missing}"
     chosen = set(every) if mode == "all" else {n for names in SELECTION.values() for n in names}
@@ -145,22 +208,42 @@ def _tests(mode: str, world: int) -> List[str]:
 def _rank_env(world: int, rank: int, spec: str) -> Dict[str, str]:
     """What a rank of Horovod's file gets: the client's variables (as helpers.cluster.run_workers
     gives a rank), Horovod's Gloo controller's rank and size, and MPI's for the file's asserts."""
-    return child_env({
-        "RS_REDUCERS": spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(world), "RS_JOB_TOKEN": TOKEN,
-        "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": str(RANK_RS_TIMEOUT),
-        "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world),
-        "HOROVOD_LOCAL_RANK": str(rank), "HOROVOD_LOCAL_SIZE": str(world),
-        "PMI_RANK": str(rank), "PMI_SIZE": str(world),
-    })
+    return child_env(
+        {
+            "RS_REDUCERS": spec,
+            "RS_RANK": str(rank),
+            "RS_WORLD_SIZE": str(world),
+            "RS_JOB_TOKEN": TOKEN,
+            "RS_CONNECT_TIMEOUT": "30",
+            "RS_TIMEOUT": str(RANK_RS_TIMEOUT),
+            "HOROVOD_RANK": str(rank),
+            "HOROVOD_SIZE": str(world),
+            "HOROVOD_LOCAL_RANK": str(rank),
+            "HOROVOD_LOCAL_SIZE": str(world),
+            "PMI_RANK": str(rank),
+            "PMI_SIZE": str(world),
+        }
+    )
 
 
 def _rank_command(tests: List[str], report: Path) -> List[str]:
     # -v: pytest names each test as it starts it, so that a rank stopped mid-test says which.
     # --rootdir/--confcutdir: the file runs alone, never under this directory's conftest.py.
     plugins = ["-p", "no:randomly"] if importlib.util.find_spec("pytest_randomly") else []
-    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *plugins,
-            f"--rootdir={SUITE_DIR}", f"--confcutdir={SUITE_DIR}", f"--timeout={PER_TEST_TIMEOUT}",
-            f"--junitxml={report}", *[f"{SUITE.name}::{CLASS}::{name}" for name in tests]]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *plugins,
+        f"--rootdir={SUITE_DIR}",
+        f"--confcutdir={SUITE_DIR}",
+        f"--timeout={PER_TEST_TIMEOUT}",
+        f"--junitxml={report}",
+        *[f"{SUITE.name}::{CLASS}::{name}" for name in tests],
+    ]
 
 
 _LOGGED = re.compile(rf"^{re.escape(SUITE.name)}::{CLASS}::(\w+)(?: (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b)?")
@@ -232,9 +315,16 @@ def _run(world: int, tests: List[str], tmp_path: Path, limit: float) -> dict:
         try:
             for rank in range(world):
                 logs.append(open(tmp_path / f"rank{rank}.log", "w"))
-                procs.append(subprocess.Popen(_rank_command(tests, tmp_path / f"rank{rank}.xml"), cwd=SUITE_DIR,
-                                              env=_rank_env(world, rank, group.spec), stdout=logs[-1],
-                                              stderr=subprocess.STDOUT, text=True))
+                procs.append(
+                    subprocess.Popen(
+                        _rank_command(tests, tmp_path / f"rank{rank}.xml"),
+                        cwd=SUITE_DIR,
+                        env=_rank_env(world, rank, group.spec),
+                        stdout=logs[-1],
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                )
             deadline = start + limit
             for rank, proc in enumerate(procs):
                 try:
@@ -258,8 +348,13 @@ def _run(world: int, tests: List[str], tmp_path: Path, limit: float) -> dict:
         if hung.get(rank):
             outcomes[hung[rank]] = ("hung", f"still running when the run was stopped after {limit:.0f} s")
         results.append({"outcomes": outcomes, "exit": procs[rank].returncode, "log": log})
-    return {"ranks": results, "hung": hung, "seconds": time.monotonic() - start, "reducers_alive": reducers_alive,
-            "reducer_logs": reducer_logs}
+    return {
+        "ranks": results,
+        "hung": hung,
+        "seconds": time.monotonic() - start,
+        "reducers_alive": reducers_alive,
+        "reducer_logs": reducer_logs,
+    }
 
 
 def _limit(tests: List[str]) -> float:
@@ -289,14 +384,24 @@ def test_horovods_torch_tests_pass(world, tmp_path):
                 skips.setdefault(message, set()).add(name)
             else:
                 bad.setdefault(name, {})[rank] = (state, message[:300])
-    print(f"W={world} ({_MODE}, {len(tests)} tests, {run['seconds']:.0f} s): {passed} test-ranks passed; "
-          f"skipped by the file: {({reason: sorted(names) for reason, names in skips.items()})}")
-    summary = "\n".join(f"  {name}: " + "; ".join(f"rank {rank} {state}: {message}" for rank, (state, message)
-                                                  in sorted(by_rank.items())) for name, by_rank in bad.items())
-    assert not run["hung"], (f"W={world}: the run did not end within {_limit(tests):.0f} s; the test each stopped "
-                             f"rank was in: {run['hung']}; logs in {tmp_path}\n{summary}")
+    print(
+        f"W={world} ({_MODE}, {len(tests)} tests, {run['seconds']:.0f} s): {passed} test-ranks passed; "
+        f"skipped by the file: { ({reason: sorted(names) for reason, names in skips.items()}) }"
+    )
+    summary = "\n".join(
+        f"  {name}: "
+        + "; ".join(f"rank {rank} {state}: {message}" for rank, (state, message) in sorted(by_rank.items()))
+        for name, by_rank in bad.items()
+    )
+    assert not run["hung"], (
+        f"W={world}: the run did not end within {_limit(tests):.0f} s; the test each stopped "
+        f"rank was in: {run['hung']}; logs in {tmp_path}\n{summary}"
+    )
     assert run["reducers_alive"], f"W={world}: a reducer died during Horovod's tests: {run['reducer_logs']}"
-    assert not bad, (f"W={world}: {len(bad)} of {len(tests)} of Horovod's tests did not pass on every rank "
-                     f"(logs in {tmp_path}):\n{summary}")
-    assert all(result["exit"] == 0 for result in ranks), \
+    assert not bad, (
+        f"W={world}: {len(bad)} of {len(tests)} of Horovod's tests did not pass on every rank "
+        f"(logs in {tmp_path}):\n{summary}"
+    )
+    assert all(result["exit"] == 0 for result in ranks), (
         f"W={world}: rank exits {[r['exit'] for r in ranks]}:\n{ranks[0]['log'][-3000:]}"
+    )

@@ -4,6 +4,7 @@ one batch (evenly split, unevenly, or none at all on one rank), and the forward 
 gradient, the weight and bias gradients summed over the ranks, and the running mean and variance
 equal one torch.nn.BatchNorm1d/2d in one process on the whole batch; in eval mode the layer
 normalizes with its running stats. W=3 also runs a layer on the process set of ranks 0 and 2."""
+
 import sys
 
 import pytest
@@ -23,6 +24,7 @@ def run_job(world):
     def run():
         with reducers(max(world - 1, 1), workers=world) as group:  # W=1, 2: one reducer, W=3: two
             return run_workers(world, group, "horovod_sync_batch_norm_worker.py", [], timeout=150)
+
     return once(_results, world, run)
 
 
@@ -49,9 +51,14 @@ def reference(case, world):
         bn.zero_grad(set_to_none=True)
         out = bn(x)
         (out * grad).sum().backward()
-        seen = {"out": out, "x_grad": x.grad, "weight": bn.weight.grad if bn.affine else None,
-                "bias": bn.bias.grad if bn.affine else None, "running_mean": bn.running_mean,
-                "running_var": bn.running_var}
+        seen = {
+            "out": out,
+            "x_grad": x.grad,
+            "weight": bn.weight.grad if bn.affine else None,
+            "bias": bn.bias.grad if bn.affine else None,
+            "running_mean": bn.running_mean,
+            "running_var": bn.running_var,
+        }
         steps.append({k: None if v is None else v.detach().clone() for k, v in seen.items()})
         steps[-1]["batches"] = None if bn.num_batches_tracked is None else int(bn.num_batches_tracked)
     bn.eval()
@@ -68,7 +75,7 @@ def close(got, want, what):
 
 def rank_slice(case, world, rank):
     sizes = worker.rows(case, world)
-    return slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    return slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
 
 
 def check_training(case, world, rank, got, where):

@@ -5,6 +5,7 @@ concatenated batch, the collectives (reducescatter, alltoall, grouped allgather,
 process sets, IndexedSlices, integer scaling) against NumPy references, the gradients Horovod's
 test_tensorflow.py asserts, and the errors. One job per world size runs every check
 (horovod_tf_worker.py, horovod_tf_checks.py)."""
+
 import json
 import os
 import sys
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
-                                              "the adapter needs it")
+tf = pytest.importorskip(
+    "tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - the adapter needs it"
+)
 
 from helpers.cluster import ROOT, once, reducers, run_workers  # noqa: E402
 from helpers.reference import assert_close  # noqa: E402
@@ -24,11 +26,18 @@ import keras_fit  # noqa: E402
 import tf_custom_loop  # noqa: E402
 
 PER = 4
-SPEC = {"loop": {"steps": 4, "per": PER, "lr": 0.1, "predivide": 2.0},
-        "fit": {"steps": 4, "per": PER, "lr": 0.05, "epochs": 2},
-        "warmup": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 3, "warmup": 2},
-        "schedule": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 4,
-                     "schedule": {"multiplier": 0.5, "start_epoch": 1, "end_epoch": 3}}}
+SPEC = {
+    "loop": {"steps": 4, "per": PER, "lr": 0.1, "predivide": 2.0},
+    "fit": {"steps": 4, "per": PER, "lr": 0.05, "epochs": 2},
+    "warmup": {"steps": 2, "per": PER, "lr": 0.08, "epochs": 3, "warmup": 2},
+    "schedule": {
+        "steps": 2,
+        "per": PER,
+        "lr": 0.08,
+        "epochs": 4,
+        "schedule": {"multiplier": 0.5, "start_epoch": 1, "end_epoch": 3},
+    },
+}
 _results = {}
 
 
@@ -36,6 +45,7 @@ def run_job(world):
     def run():
         with reducers(world - 1, workers=world) as group:
             return run_workers(world, group, "horovod_tf_worker.py", [json.dumps(SPEC)], timeout=240)
+
     return once(_results, world, run)
 
 
@@ -60,8 +70,9 @@ def test_fit_matches_a_single_process_and_averages_metrics(job):
     world, results = job
     fit = SPEC["fit"]
     reference = keras_fit.make_model(seed=0)
-    history = keras_fit.fit(reference, fit["steps"], world * PER, rank=0, world=1, lr=fit["lr"],
-                            epochs=fit["epochs"], distributed=False)
+    history = keras_fit.fit(
+        reference, fit["steps"], world * PER, rank=0, world=1, lr=fit["lr"], epochs=fit["epochs"], distributed=False
+    )
     for r in results:
         assert r["fit"]["final"] == results[0]["fit"]["final"], "ranks differ"
         assert r["fit"]["history"]["loss"] == results[0]["fit"]["history"]["loss"], "metrics were not averaged"
@@ -113,14 +124,21 @@ def test_collectives(job):
         assert c["broadcast"] == [float(world - 1)] * 2
         assert c["allgather"] == [[k, k] for k in ranks for _ in range(k + 1)]
         total = float(sum(ranks))
-        assert c["keras_positional"] == [[2.0 * world, 4.0 * total], [total / world] * 2, [[total] * 2],
-                                         [total / world]]
+        assert c["keras_positional"] == [
+            [2.0 * world, 4.0 * total],
+            [total / world] * 2,
+            [[total] * 2],
+            [total / world],
+        ]
         assert c["in_graph"] == [[float(sum(ranks))], [float(k) for k in ranks]]
         assert c["object"] == {"from": 1}
         assert c["objects"] == [10 * k for k in ranks]
         shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
-        assert c["mismatch"] == [f"PreconditionError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its "
-                                 f"shape: {shapes}", True, True]
+        assert c["mismatch"] == [
+            f"PreconditionError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its shape: {shapes}",
+            True,
+            True,
+        ]
         assert "XLA" in c["xla"] and "jit_compile=False" in c["xla"], c["xla"]
 
 
@@ -133,7 +151,7 @@ def share(array, rank, size):
     """rank's rows of `array` as Horovod's reducescatter divides them: the first len % size ranks take one more."""
     counts = [len(array) // size + (r < len(array) % size) for r in range(size)]
     start = sum(counts[:rank])
-    return array[start:start + counts[rank]]
+    return array[start : start + counts[rank]]
 
 
 def is_argument_error(error, words):
@@ -144,12 +162,37 @@ def is_argument_error(error, words):
 def test_exports():
     import reduction_server.client.horovod.keras as hvd_keras
     import reduction_server.client.horovod.tensorflow as hvd
-    for name in ("ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "HorovodInternalError",
-                 "HostsUpdatedInterrupt", "start_timeline", "stop_timeline", "join", "barrier", "reducescatter",
-                 "grouped_reducescatter", "alltoall", "grouped_allgather", "broadcast_object", "allgather_object"):
+
+    for name in (
+        "ProcessSet",
+        "global_process_set",
+        "add_process_set",
+        "remove_process_set",
+        "HorovodInternalError",
+        "HostsUpdatedInterrupt",
+        "start_timeline",
+        "stop_timeline",
+        "join",
+        "barrier",
+        "reducescatter",
+        "grouped_reducescatter",
+        "alltoall",
+        "grouped_allgather",
+        "broadcast_object",
+        "allgather_object",
+    ):
         assert name in hvd.__all__ and name in hvd_keras.__all__ and hasattr(hvd_keras, name), name
-    assert [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(),
-            hvd.ddl_built(), hvd.ccl_built(), hvd.cuda_built(), hvd.rocm_built()] == [False] * 4 + [0] + [False] * 4
+    assert [
+        hvd.mpi_built(),
+        hvd.mpi_enabled(),
+        hvd.gloo_built(),
+        hvd.gloo_enabled(),
+        hvd.nccl_built(),
+        hvd.ddl_built(),
+        hvd.ccl_built(),
+        hvd.cuda_built(),
+        hvd.rocm_built(),
+    ] == [False] * 4 + [0] + [False] * 4
     with pytest.raises(ValueError):
         hvd.mpi_threads_supported()
 
@@ -163,8 +206,10 @@ def test_reducescatter_against_numpy(job):
         np.testing.assert_array_equal(o["reducescatter_sum"], share(total, rank, world))
         np.testing.assert_allclose(o["reducescatter_avg"], share(total / world, rank, world), rtol=1e-6)
         np.testing.assert_allclose(o["reducescatter_scaled"], share(total * 1.5, rank, world), rtol=1e-6)
-        assert o["grouped_reducescatter"] == [share(total, rank, world).tolist(),
-                                              share(total[:world], rank, world).tolist()]
+        assert o["grouped_reducescatter"] == [
+            share(total, rank, world).tolist(),
+            share(total[:world], rank, world).tolist(),
+        ]
         assert is_argument_error(o["reducescatter_scalar"], "at least one dimension"), o["reducescatter_scalar"]
         # In tf.function: the same reducescatter, and an alltoall of the first `world` rows (one to each rank).
         assert o["in_graph"] == [o["reducescatter_sum"], [rows(k, world)[rank].tolist() for k in range(world)]]
@@ -183,8 +228,10 @@ def test_integer_and_half_scaling(job):
         assert o["int_prescale"] == sum((x * 0.35).astype(np.int32) for x in ints).tolist()
         assert o["int_postscale"] == (total * 0.35).astype(np.int32).tolist()
         assert o["int_average"] == (total * (1.0 / world)).astype(np.int32).tolist()
-        assert o["int64_reducescatter_prescale"] == share(sum((b * 0.7).astype(np.int64) for b in big), r["rank"],
-                                                          world).tolist()
+        assert (
+            o["int64_reducescatter_prescale"]
+            == share(sum((b * 0.7).astype(np.int64) for b in big), r["rank"], world).tolist()
+        )
         np.testing.assert_allclose(o["half_prescale"], half_sum.astype(np.float16), rtol=1e-3)
 
 
@@ -206,9 +253,11 @@ def test_alltoall_against_numpy(job):
 def test_grouped_allgather_and_bool_broadcast(job):
     world, results = job
     for r in results:
-        assert r["ops"]["grouped_allgather"] == [["float32", [[float(k)] * 2 for k in range(world) for _ in range(k + 1)]],
-                                                 ["int64", list(range(world))],
-                                                 ["bool", [k % 2 == 0 for k in range(world)]]]
+        assert r["ops"]["grouped_allgather"] == [
+            ["float32", [[float(k)] * 2 for k in range(world) for _ in range(k + 1)]],
+            ["int64", list(range(world))],
+            ["bool", [k % 2 == 0 for k in range(world)]],
+        ]
         assert r["ops"]["broadcast_bool"] == [True, True]
 
 
@@ -248,8 +297,11 @@ def test_indexed_slices_are_gathered(job):
         assert s["sum"] == ["IndexedSlices", reference.tolist()]
         np.testing.assert_allclose(s["average"], reference / world, rtol=1e-6)
         assert s["grouped"] == [reference.tolist(), [float(sum(range(world)))] * 2]
-        assert s["min"] == ["NotImplementedError: Only Sum and Average ops are supported with tf.IndexedSlices",
-                            False, False]
+        assert s["min"] == [
+            "NotImplementedError: Only Sum and Average ops are supported with tf.IndexedSlices",
+            False,
+            False,
+        ]
         assert s["prescale"][0] == "NotImplementedError: Pre/postscale_factor are not supported with tf.IndexedSlices"
         # An embedding's gradient: rank k adds 2 (k + 1) to row k; averaged over the ranks.
         dense = [[2.0 * (k + 1) / world] * 2 for k in range(world)]
@@ -301,9 +353,11 @@ def test_join_and_barrier(job):
         if r["rank"] != 0:
             assert j["sum"] == [float(sum(others))] * 3
             assert j["average"] == pytest.approx([sum(others) / world] * 3)
-            assert j["allgather"] == (f"rank {r['rank']}: tensor 'join.allgather': allgather is not supported with "
-                                      "join (ranks [0] have joined and wait for the others): only allreduce and "
-                                      "barrier are, as in Horovod"), j["allgather"]
+            assert j["allgather"] == (
+                f"rank {r['rank']}: tensor 'join.allgather': allgather is not supported with "
+                "join (ranks [0] have joined and wait for the others): only allreduce and "
+                "barrier are, as in Horovod"
+            ), j["allgather"]
             assert j["barrier_wait"] > 0.3, "the barrier did not wait for rank 0"
 
 
@@ -313,10 +367,14 @@ def test_failed_collectives_raise_horovod_internal_error(job):
     shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in range(world))
     for r in results:
         e, rank = r["errors"], r["rank"]
-        assert e["dtype"] == (f"rank {rank}: tensor 'dtype_mismatch': ranks disagree on its dtype: ranks {even}: float32;"
-                              f" ranks {odd}: int32")
+        assert e["dtype"] == (
+            f"rank {rank}: tensor 'dtype_mismatch': ranks disagree on its dtype: ranks {even}: float32;"
+            f" ranks {odd}: int32"
+        )
         # Inside tf.function a Python error becomes a tf.errors one that carries it (as Horovod's ops raise tf.errors).
         assert e["in_graph"].startswith("UnknownError: ")
-        assert (f"PreconditionError: rank {rank}: tensor 'graph_mismatch': ranks disagree on its shape: {shapes}"
-                in e["in_graph"]), e["in_graph"]
+        assert (
+            f"PreconditionError: rank {rank}: tensor 'graph_mismatch': ranks disagree on its shape: {shapes}"
+            in e["in_graph"]
+        ), e["in_graph"]
         assert e["after"] == [float(world)]  # a mismatch fails that tensor, not the job

@@ -1,6 +1,7 @@
 """Horovod's dynamic timeline (hvd.start_timeline / hvd.stop_timeline) with real reducers and two
 ranks, checked as Horovod's test_timeline_api checks it (that test is skipped in Horovod's own
 file): rank 0 writes the path it is given, with Horovod's names for what happened."""
+
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
@@ -23,4 +24,5 @@ def test_start_and_stop_timeline_write_horovods_events(tmp_path):
         assert ("CYCLE_START" in names) == seen["mark_cycles"], (path, names)
     # the other rank writes its own file beside rank 0's
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"timeline{i}.json" for i in range(4)] + [f"timeline{i}.rank1.json" for i in range(4)])
+        [f"timeline{i}.json" for i in range(4)] + [f"timeline{i}.rank1.json" for i in range(4)]
+    )

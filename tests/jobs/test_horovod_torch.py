@@ -2,6 +2,7 @@
 real rank processes: collectives matched by name across ranks that submit in different orders,
 DistributedOptimizer training equal to a single process on the concatenated batch, the initial
 broadcast, and the example under the launcher."""
+
 import json
 import sys
 
@@ -16,9 +17,15 @@ sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
 
 # Training configurations each rank runs, by name (see horovod_torch_worker.py).
-CONFIGS = {"plain": {}, "momentum": {"momentum": 0.9}, "accumulate": {"passes": 2},
-           "predivide": {"predivide": 2.0}, "fp16": {"fp16": True}, "sum": {"op": "sum"},
-           "explicit_sync": {"explicit_sync": True}}
+CONFIGS = {
+    "plain": {},
+    "momentum": {"momentum": 0.9},
+    "accumulate": {"passes": 2},
+    "predivide": {"predivide": 2.0},
+    "fp16": {"fp16": True},
+    "sum": {"op": "sum"},
+    "explicit_sync": {"explicit_sync": True},
+}
 #: the jobs, by (world size, device); on a GPU machine two ranks share its GPU
 JOBS = [(2, "cpu"), (3, "cpu"), (2, "cuda")]
 _results = {}
@@ -30,8 +37,10 @@ def run_job(key):
 
     def run():
         with reducers(world - 1, workers=world) as group:  # W=2: one reducer, W=3: two
-            return run_workers(world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)], extra_env=env,
-                               timeout=150)
+            return run_workers(
+                world, group, "horovod_torch_worker.py", [json.dumps(CONFIGS)], extra_env=env, timeout=150
+            )
+
     return once(_results, key, run)
 
 
@@ -60,8 +69,11 @@ def test_training_matches_a_single_process_on_the_whole_batch(job):
             # Ranks seeded differently start from rank 0's weights after broadcast_parameters.
             assert torch.equal(torch.tensor(run["initial"]), rank0_start), (name, r["rank"])
             final = torch.tensor(run["final"])
-            assert torch.allclose(final, expected, rtol=rtol, atol=atol), \
-                (name, r["rank"], float((final - expected).abs().max()))
+            assert torch.allclose(final, expected, rtol=rtol, atol=atol), (
+                name,
+                r["rank"],
+                float((final - expected).abs().max()),
+            )
             assert run["final"] == results[0]["train"][name]["final"], f"{name}: ranks differ"
         if config.get("fp16"):
             assert not torch.equal(torch.tensor(results[0]["train"][name]["final"]), expected), "fp16 did not compress"
@@ -81,10 +93,13 @@ def test_collectives_matched_by_name(job):
     world, _, results = job
     ranks = range(world)
     values = [[i + r + 1.0 for i in range(6)] for r in ranks]
-    expect = {"sum": [sum(v[i] for v in values) for i in range(6)],
-              "average": [sum(v[i] for v in values) / world for i in range(6)],
-              "min": values[0], "max": values[-1],
-              "product": [float(torch.tensor([v[i] for v in values], dtype=torch.float64).prod()) for i in range(6)]}
+    expect = {
+        "sum": [sum(v[i] for v in values) for i in range(6)],
+        "average": [sum(v[i] for v in values) / world for i in range(6)],
+        "min": values[0],
+        "max": values[-1],
+        "product": [float(torch.tensor([v[i] for v in values], dtype=torch.float64).prod()) for i in range(6)],
+    }
     total = float(sum(ranks))
     for r in results:
         c = r["collectives"]
@@ -119,10 +134,12 @@ def test_collectives_matched_by_name(job):
             else:
                 assert failure == f"HorovodInternalError: rank(s) {culprit} could not serialize the object", failure
         assert c["parameters"] == [[[float(world - 1)] * 2] * 2, [float(world - 1)] * 2]
-        assert r["refused"] == 'process_sets=\'static\': give a list of ProcessSets, or "dynamic"'
+        assert r["refused"] == "process_sets='static': give a list of ProcessSets, or \"dynamic\""
         shapes = "; ".join(f"ranks [{k}]: [{k + 1}]" for k in ranks)
-        assert c["mismatch"] == f"HorovodInternalError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its " \
-                                f"shape: {shapes}"
+        assert (
+            c["mismatch"] == f"HorovodInternalError: rank {r['rank']}: tensor 'mismatch': ranks disagree on its "
+            f"shape: {shapes}"
+        )
         assert c["after_mismatch"] == [float(world)]  # a mismatch fails that tensor, not the job
 
 
@@ -132,8 +149,12 @@ def test_gradient_predivide_factor_needs_op_average_as_in_horovod():
     model = torch.nn.Linear(2, 2)
     for op in (hvd.Sum, hvd.Min):
         with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(), op=op, gradient_predivide_factor=2.0)
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(),
+                op=op,
+                gradient_predivide_factor=2.0,
+            )
 
 
 def test_example_runs_under_the_launcher(tmp_path):

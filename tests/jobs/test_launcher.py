@@ -4,6 +4,7 @@ Every launcher runs as `python -m reduction_server run ...` under a subprocess t
 broken launcher fails a test instead of hanging it. The worker command is
 tests/scripts/launcher_worker.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,13 +42,14 @@ def launcher_env(**extra: str) -> Dict[str, str]:
 
 
 def run_launcher(*args: str, timeout: float = TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(launcher_argv(*args), env=launcher_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        launcher_argv(*args), env=launcher_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def lines_of(stdout: str, prefix: str) -> List[str]:
     """The payloads of the output lines that start with `prefix`, e.g. "[rank 0] ENV "."""
-    return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
 def alive(pid: int) -> bool:
@@ -117,8 +119,9 @@ def launcher() -> Iterator[List[subprocess.Popen]]:
 
 
 def start_launcher(started: List[subprocess.Popen], *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen(launcher_argv(*args), env=launcher_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        launcher_argv(*args), env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     started.append(proc)
     return proc
 
@@ -128,8 +131,18 @@ def hold(directory: Path, *options: str) -> List[str]:
 
 
 def test_every_rank_gets_the_job_variables_and_the_reducers_listen() -> None:
-    result = run_launcher("-np", "3", "--reducers", "2", "--", *WORKER, "env",
-                          CLUSTER_SPEC='{"cluster": {}}', TF_CONFIG="{}", RS_TEST_PASSTHROUGH="yes")
+    result = run_launcher(
+        "-np",
+        "3",
+        "--reducers",
+        "2",
+        "--",
+        *WORKER,
+        "env",
+        CLUSTER_SPEC='{"cluster": {}}',
+        TF_CONFIG="{}",
+        RS_TEST_PASSTHROUGH="yes",
+    )
     assert result.returncode == 0, result
 
     envs = {rank: json.loads(lines_of(result.stdout, f"[rank {rank}] ENV ")[0]) for rank in range(3)}
@@ -176,8 +189,12 @@ def test_output_lines_carry_their_rank() -> None:
     for rank in range(3):
         mine = lines_of(result.stdout, f"[rank {rank}] ")
         # Whole lines only: a line mixed from two writers would not match.
-        assert [l for l in mine if l.startswith("out ")] == [f"out {rank} {i} " + "x" * 100 for i in range(300)]
-        assert [l for l in mine if l.startswith("err ")] == [f"err {rank} {i} " + "y" * 100 for i in range(300)]
+        assert [line for line in mine if line.startswith("out ")] == [
+            f"out {rank} {i} " + "x" * 100 for i in range(300)
+        ]
+        assert [line for line in mine if line.startswith("err ")] == [
+            f"err {rank} {i} " + "y" * 100 for i in range(300)
+        ]
         assert f"junk \ufffd\ufffd {rank}" in mine
         assert mine[-1] == f"partial {rank}"  # the last line had no newline
         assert len(mine) == 602
@@ -192,8 +209,9 @@ def test_success_stops_the_reducers_and_the_grandchildren(records: Records) -> N
 
 def test_a_failing_worker_stops_the_job_promptly(records: Records) -> None:
     began = time.monotonic()
-    result = run_launcher("-np", "3", "--reducers", "2",
-                          *hold(records.directory, "--grandchild", "--rank", "1", "--code", "3"))
+    result = run_launcher(
+        "-np", "3", "--reducers", "2", *hold(records.directory, "--grandchild", "--rank", "1", "--code", "3")
+    )
     elapsed = time.monotonic() - began
     assert result.returncode == 3, result
     assert elapsed < 30, f"took {elapsed:.1f}s; the other ranks sleep 120s"
@@ -218,8 +236,9 @@ def test_a_reducer_that_dies_early_fails_the_job(records: Records) -> None:
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_launcher_stops_everything(records: Records, launcher: List[subprocess.Popen],
-                                                   signum: int, code: int) -> None:
+def test_a_signal_to_the_launcher_stops_everything(
+    records: Records, launcher: List[subprocess.Popen], signum: int, code: int
+) -> None:
     proc = start_launcher(launcher, "-np", "2", "--reducers", "2", *hold(records.directory, "--grandchild"))
     records.wait_for(2, proc)
     assert len(records.reducers()) == 2
@@ -253,16 +272,19 @@ def test_port_base_is_honoured() -> None:
         assert sorted(lines_of(result.stdout, f"[rank {rank}] CONNECTED ")) == expected
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-np", "0", "--", "true"], "-np must be at least 1"),
-    (["-np", "1", "--reducers", "0", "--", "true"], "--reducers must be at least 1"),
-    (["-np", "1", "--port-base", "0", "--", "true"], "--port-base 0"),
-    (["-np", "1", "--port-base", "70000", "--", "true"], "--port-base 70000"),
-    (["-np", "1", "--reducers", "2", "--port-base", "65535", "--", "true"], "65535-65536, outside 1-65535"),
-    (["-np", "1"], "no command given"),
-    (["-np", "1", "--"], "no command given"),
-    (["-np", "1", "--max-restarts", "-1", "--", "true"], "--max-restarts must be at least 0 (got -1)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-np", "0", "--", "true"], "-np must be at least 1"),
+        (["-np", "1", "--reducers", "0", "--", "true"], "--reducers must be at least 1"),
+        (["-np", "1", "--port-base", "0", "--", "true"], "--port-base 0"),
+        (["-np", "1", "--port-base", "70000", "--", "true"], "--port-base 70000"),
+        (["-np", "1", "--reducers", "2", "--port-base", "65535", "--", "true"], "65535-65536, outside 1-65535"),
+        (["-np", "1"], "no command given"),
+        (["-np", "1", "--"], "no command given"),
+        (["-np", "1", "--max-restarts", "-1", "--", "true"], "--max-restarts must be at least 0 (got -1)"),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_message(args: List[str], message: str) -> None:
     result = run_launcher(*args)
     assert result.returncode == 2, result
@@ -284,8 +306,9 @@ def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_pat
     result = run_launcher("-np", "2", "--reducers", "2", "--max-restarts", "1", "--", *worker, RS_GENERATION="7")
     assert result.returncode == 0, result
     # Whichever the launcher sees first: rank 1's death, or rank 0 failing on the lost rank.
-    assert re.search(r"rank (1 was killed by signal 9 \(SIGKILL\)|0 exited with code 1); stopping the other workers",
-                     result.stderr), result.stderr
+    assert re.search(
+        r"rank (1 was killed by signal 9 \(SIGKILL\)|0 exited with code 1); stopping the other workers", result.stderr
+    ), result.stderr
     assert "restarting the 2 worker(s) (restart 1 of 1)" in result.stderr, result.stderr
     reports = [json.loads(line) for rank in (0, 1) for line in lines_of(result.stdout, f"[rank {rank}] RESULT ")]
     assert [(r["rank"], r["attempt"], r["generation"]) for r in reports] == [(0, 1, 8), (1, 1, 8)], reports

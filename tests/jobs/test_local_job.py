@@ -1,4 +1,5 @@
 """The README's main command: `reduction-server run` of the check script, as a user runs it."""
+
 import re
 import shutil
 import subprocess
@@ -14,9 +15,27 @@ def test_readme_local_job():
     if command is None:
         pytest.skip("the reduction-server console script is not installed (pip install .)")
     proc = subprocess.run(
-        [command, "run", "-np", "4", "--reducers", "2", "--", sys.executable,
-         "examples/allreduce_check.py", "--mib", "8", "--iters", "2"],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
+        [
+            command,
+            "run",
+            "-np",
+            "4",
+            "--reducers",
+            "2",
+            "--",
+            sys.executable,
+            "examples/allreduce_check.py",
+            "--mib",
+            "8",
+            "--iters",
+            "2",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(4):
         assert f"[rank {rank}] rank {rank}: OK" in proc.stdout
@@ -32,8 +51,25 @@ def test_local_job_fails_when_a_worker_finds_a_wrong_result(tmp_path):
         "import sys, numpy as np, reduction_server.client as rs\n"
         "with rs.Communicator.from_env() as c:\n"
         "    y = c.all_reduce(np.ones(10, np.float32))\n"
-        "    sys.exit(0 if c.rank == 0 else int(y[0]) + 1)\n")
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "2", "--reducers", "1", "--",
-                           sys.executable, str(script)], env=child_env(), capture_output=True,
-                          text=True, timeout=120)
+        "    sys.exit(0 if c.rank == 0 else int(y[0]) + 1)\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            "2",
+            "--reducers",
+            "1",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr  # rank 1 saw 2.0 and exited 2 + 1

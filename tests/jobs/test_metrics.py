@@ -4,6 +4,7 @@ The job (two ranks, threads of this process) runs collectives of known sizes and
 ranks disagree on, so every count the reducer reports can be checked exactly against what the
 job did.
 """
+
 import socket
 import subprocess
 import sys
@@ -89,19 +90,41 @@ def test_metrics_show_what_the_job_did():
 
 def test_launcher_gives_reducer_i_metrics_port_base_plus_i():
     base = free_port_range(2)
-    scrape_both = ("import urllib.request, reduction_server.client as rs\n"
-                   "comm = rs.Communicator.from_env()  # once it is admitted, both reducers are up\n"
-                   f"for port in ({base}, {base + 1}):\n"
-                   "    text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read().decode()\n"
-                   "    print(port, [s for s in text.splitlines() if s.startswith('reduction_server_peers_adm')])\n"
-                   "comm.close()\n")
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "run", "-np", "1", "--reducers", "2",
-                           "--metrics-port", str(base), "--", sys.executable, "-c", scrape_both],
-                          env=child_env(), capture_output=True, text=True, timeout=60)
+    scrape_both = (
+        "import urllib.request, reduction_server.client as rs\n"
+        "comm = rs.Communicator.from_env()  # once it is admitted, both reducers are up\n"
+        f"for port in ({base}, {base + 1}):\n"
+        "    text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read().decode()\n"
+        "    print(port, [s for s in text.splitlines() if s.startswith('reduction_server_peers_adm')])\n"
+        "comm.close()\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "run",
+            "-np",
+            "1",
+            "--reducers",
+            "2",
+            "--metrics-port",
+            str(base),
+            "--",
+            sys.executable,
+            "-c",
+            scrape_both,
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for index in range(2):
-        assert f"{base + index} ['reduction_server_peers_admitted_total{{reducer=\"{index}\"}} 1.0']" in proc.stdout, \
+        assert f"{base + index} ['reduction_server_peers_admitted_total{{reducer=\"{index}\"}} 1.0']" in proc.stdout, (
             proc.stdout
+        )
 
 
 def test_a_metrics_port_in_use_is_a_clear_error():
@@ -109,9 +132,25 @@ def test_a_metrics_port_in_use_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1",
-                               "--port", "0", "--metrics-port", str(port)],
-                              cwd="/", env=child_env(), capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                str(port),
+            ],
+            cwd="/",
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port} (--metrics-port / RS_METRICS_PORT)" in proc.stderr
     assert "Traceback" not in proc.stderr

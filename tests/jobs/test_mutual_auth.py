@@ -4,6 +4,7 @@ address in RS_REDUCERS is refused by name; it receives no AUTH, no shared-memory
 DATA, and no collective completes through it (a real one with another token or none does not
 even let the worker's connection through: gate.py). Real reducer processes, and a recording fake
 (one that lets any connection through) for what a rogue would see on the wire."""
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,19 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
+from helpers.cluster import child_env, reducers, run_ranks
 from reduction_server import CollectiveError
 from reduction_server.wire import auth, gate, protocol
 from reduction_server.wire.protocol import MsgType
-
-from helpers.cluster import child_env, reducers, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "the-jobs-token"
 ROGUES = {"another job's token": "another-jobs-token", "no token": ""}
-WHY = {"another job's token": "the job tokens differ",
-       "no token": "it has no job token (it was started without RS_JOB_TOKEN)"}
+WHY = {
+    "another job's token": "the job tokens differ",
+    "no token": "it has no job token (it was started without RS_JOB_TOKEN)",
+}
 
 
 def stopped_summary(log: str) -> dict:
@@ -60,8 +62,7 @@ def refusals(addresses: List[str], world: int) -> List[str]:
 
 @pytest.mark.parametrize("rogue", list(ROGUES))
 def test_a_reducer_that_cannot_prove_the_token_is_refused_and_sent_nothing(rogue):
-    with reducers(1, workers=2, token=TOKEN) as good, \
-            reducers(1, workers=2, token=ROGUES[rogue], first_index=1) as bad:
+    with reducers(1, workers=2, token=TOKEN) as good, reducers(1, workers=2, token=ROGUES[rogue], first_index=1) as bad:
         addresses = [*good.addresses, *bad.addresses]
         errors = refusals(addresses, 2)
         for rank, error in enumerate(errors):
@@ -110,14 +111,17 @@ class FakeReducer:
                     proof = os.urandom(auth.PROOF_BYTES)
                 else:  # knows the token, but proves another index than the one it claims (0)
                     worker_nonce = bytes.fromhex(json.loads(payload)["nonce"])
-                    proof = auth.reducer_proof(TOKEN, worker_nonce, index=1, job=header.job,
-                                               generation=header.generation)
+                    proof = auth.reducer_proof(
+                        TOKEN, worker_nonce, index=1, job=header.job, generation=header.generation
+                    )
                 reply = auth.challenge(auth.new_nonce(), proof)
-                header_bytes = protocol.text_header(MsgType.CHALLENGE, reply, rank=0, world=header.world,
-                                                    job=header.job, aux=1)
+                header_bytes = protocol.text_header(
+                    MsgType.CHALLENGE, reply, rank=0, world=header.world, job=header.job, aux=1
+                )
             else:  # "welcome at once": skips the proof altogether
-                reply = json.dumps({"index": 0, "world_size": header.world, "max_chunk_bytes": 1 << 26,
-                                    "shared_memory": True}).encode()
+                reply = json.dumps(
+                    {"index": 0, "world_size": header.world, "max_chunk_bytes": 1 << 26, "shared_memory": True}
+                ).encode()
                 header_bytes = protocol.text_header(MsgType.WELCOME, reply, world=header.world, job=header.job)
             self.socket.send_multipart([identity, header_bytes, reply])
 
@@ -134,11 +138,14 @@ class AnyConnection(gate.Gate):
         return None
 
 
-@pytest.mark.parametrize("answer, words", [
-    ("forged proof", "did not prove the job token (RS_JOB_TOKEN): its RS_JOB_TOKEN is not this worker's"),
-    ("a proof for index 1", "did not prove the job token (RS_JOB_TOKEN)"),
-    ("welcome at once", "sent WELCOME without proving the job token (RS_JOB_TOKEN) first"),
-])
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        ("forged proof", "did not prove the job token (RS_JOB_TOKEN): its RS_JOB_TOKEN is not this worker's"),
+        ("a proof for index 1", "did not prove the job token (RS_JOB_TOKEN)"),
+        ("welcome at once", "sent WELCOME without proving the job token (RS_JOB_TOKEN) first"),
+    ],
+)
 def test_a_rogue_on_this_host_sees_only_a_hello_without_shared_memory(answer, words):
     """What crosses the wire to a rogue: one HELLO, with no shared-memory segment in it (a reducer
     on this host would be offered one, after proving itself)."""
@@ -168,6 +175,7 @@ def test_a_worker_never_lets_libzmq_reconnect_a_connection():
 def test_a_genuine_reducer_on_this_host_still_gets_the_shared_memory_offer():
     """The offer moved from HELLO to AUTH; a reducer that proved itself maps it as before."""
     with reducers(1, workers=1, token=TOKEN) as group:
+
         def body(comm, rank):
             x = np.arange(1 << 18, dtype=np.float32)
             np.testing.assert_array_equal(comm.all_reduce(x), x)
@@ -180,8 +188,10 @@ def test_a_genuine_reducer_on_this_host_still_gets_the_shared_memory_offer():
 def test_a_reducer_at_the_wrong_position_in_rs_reducers_is_named():
     with reducers(1, workers=1, token=TOKEN, first_index=1) as group:
         (error,) = refusals(group.addresses, 1)
-    assert (f"reducer 0 ({group.addresses[0]}) says it is reducer 1, but RS_REDUCERS lists it as reducer 0: each "
-            "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS") in error
+    assert (
+        f"reducer 0 ({group.addresses[0]}) says it is reducer 1, but RS_REDUCERS lists it as reducer 0: each "
+        "reducer's --index (RS_REDUCER_INDEX) must be its position in RS_REDUCERS"
+    ) in error
 
 
 def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch):
@@ -209,6 +219,9 @@ def test_a_stranger_restarted_at_a_lost_reducers_address_is_refused(monkeypatch)
         finally:
             comm.close()
         log = group.stop()[0]
-    assert re.search(r"reducer 0 (shard \d+ )?\(127\.0\.0\.1:\d+\) came back but refused this worker: the job "
-                     r"tokens differ", error), error
+    assert re.search(
+        r"reducer 0 (shard \d+ )?\(127\.0\.0\.1:\d+\) came back but refused this worker: the job "
+        r"tokens differ",
+        error,
+    ), error
     assert stopped_summary(log)["bytes_in"] == "0"  # the restarted stranger's own summary

@@ -3,6 +3,7 @@
 Ranks are threads of this process, each with its own NcclCommunicator; buffers are passed by
 address (arr.ctypes.data), as CuPy code passes device pointers.
 """
+
 import json
 
 import ml_dtypes
@@ -12,17 +13,24 @@ import pytest
 import reduction_server.client as rs
 from helpers import cluster
 from helpers.cluster import TOKEN
+from helpers.reference import check, make_input, np_dtype
 from reduction_server.client import nccl
 from reduction_server.client.nccl import NcclCommunicator, get_unique_id, parse_unique_id
-from helpers.reference import check, make_input, np_dtype
 
 pytestmark = pytest.mark.timeout(60)
 
 
 DATATYPES = {  # NCCL constant -> dtype name in reference.py
-    nccl.ncclInt8: "int8", nccl.ncclUint8: "uint8", nccl.ncclInt32: "int32", nccl.ncclUint32: "uint32",
-    nccl.ncclInt64: "int64", nccl.ncclUint64: "uint64", nccl.ncclFloat16: "float16",
-    nccl.ncclFloat32: "float32", nccl.ncclFloat64: "float64", nccl.ncclBfloat16: "bfloat16",
+    nccl.ncclInt8: "int8",
+    nccl.ncclUint8: "uint8",
+    nccl.ncclInt32: "int32",
+    nccl.ncclUint32: "uint32",
+    nccl.ncclInt64: "int64",
+    nccl.ncclUint64: "uint64",
+    nccl.ncclFloat16: "float16",
+    nccl.ncclFloat32: "float32",
+    nccl.ncclFloat64: "float64",
+    nccl.ncclBfloat16: "bfloat16",
 }
 OPS = {nccl.ncclSum: "sum", nccl.ncclProd: "prod", nccl.ncclMax: "max", nccl.ncclMin: "min", nccl.ncclAvg: "avg"}
 
@@ -43,9 +51,23 @@ def run_ranks(world, uid, body, limit=30.0):
 
 # -- constants and unique ids --------------------------------------------------------------------
 def test_constants_have_nccls_values():
-    assert (nccl.ncclInt8, nccl.ncclChar, nccl.ncclUint8, nccl.ncclInt32, nccl.ncclInt, nccl.ncclUint32,
-            nccl.ncclInt64, nccl.ncclUint64, nccl.ncclFloat16, nccl.ncclHalf, nccl.ncclFloat32, nccl.ncclFloat,
-            nccl.ncclFloat64, nccl.ncclDouble, nccl.ncclBfloat16) == (0, 0, 1, 2, 2, 3, 4, 5, 6, 6, 7, 7, 8, 8, 9)
+    assert (
+        nccl.ncclInt8,
+        nccl.ncclChar,
+        nccl.ncclUint8,
+        nccl.ncclInt32,
+        nccl.ncclInt,
+        nccl.ncclUint32,
+        nccl.ncclInt64,
+        nccl.ncclUint64,
+        nccl.ncclFloat16,
+        nccl.ncclHalf,
+        nccl.ncclFloat32,
+        nccl.ncclFloat,
+        nccl.ncclFloat64,
+        nccl.ncclDouble,
+        nccl.ncclBfloat16,
+    ) == (0, 0, 1, 2, 2, 3, 4, 5, 6, 6, 7, 7, 8, 8, 9)
     assert (nccl.ncclSum, nccl.ncclProd, nccl.ncclMax, nccl.ncclMin, nccl.ncclAvg) == (0, 1, 2, 3, 4)
     assert all(type(v) is int for v in [*DATATYPES, *OPS])
 
@@ -78,15 +100,29 @@ def _uid(body) -> bytes:
 
 GOOD = {"reducers": ["127.0.0.1:5555"], "token": "t", "job": 1}
 CORRUPT = {
-    "empty": b"", "no-prefix": b"garbage", "other-prefix": b"RSUID0:{}", "no-body": b"RSUID1:",
-    "bad-json": b"RSUID1:{", "not-utf8": b"RSUID1:\xff\xfe", "list": b"RSUID1:[]", "null": b"RSUID1:null",
-    "no-reducers": _uid({"token": "t", "job": 1}), "no-token": _uid({"reducers": ["127.0.0.1:5555"], "job": 1}),
+    "empty": b"",
+    "no-prefix": b"garbage",
+    "other-prefix": b"RSUID0:{}",
+    "no-body": b"RSUID1:",
+    "bad-json": b"RSUID1:{",
+    "not-utf8": b"RSUID1:\xff\xfe",
+    "list": b"RSUID1:[]",
+    "null": b"RSUID1:null",
+    "no-reducers": _uid({"token": "t", "job": 1}),
+    "no-token": _uid({"reducers": ["127.0.0.1:5555"], "job": 1}),
     "no-job": _uid({"reducers": ["127.0.0.1:5555"], "token": "t"}),
-    "job-text": _uid({**GOOD, "job": "x"}), "job-negative": _uid({**GOOD, "job": -1}),
-    "job-65-bits": _uid({**GOOD, "job": 1 << 64}), "job-float": _uid({**GOOD, "job": 1.5}),
-    "job-bool": _uid({**GOOD, "job": True}), "reducers-string": _uid({**GOOD, "reducers": "127.0.0.1:5555"}),
-    "reducers-empty": _uid({**GOOD, "reducers": []}), "reducers-int": _uid({**GOOD, "reducers": [5555]}),
-    "token-null": _uid({**GOOD, "token": None}), "none": None, "int": 12345, "tuple": ("tuple",),
+    "job-text": _uid({**GOOD, "job": "x"}),
+    "job-negative": _uid({**GOOD, "job": -1}),
+    "job-65-bits": _uid({**GOOD, "job": 1 << 64}),
+    "job-float": _uid({**GOOD, "job": 1.5}),
+    "job-bool": _uid({**GOOD, "job": True}),
+    "reducers-string": _uid({**GOOD, "reducers": "127.0.0.1:5555"}),
+    "reducers-empty": _uid({**GOOD, "reducers": []}),
+    "reducers-int": _uid({**GOOD, "reducers": [5555]}),
+    "token-null": _uid({**GOOD, "token": None}),
+    "none": None,
+    "int": 12345,
+    "tuple": ("tuple",),
 }
 
 
@@ -138,12 +174,13 @@ def test_all_reduce_in_place(uid):
 
     for x, b, i in run_ranks(2, uid, body):
         np.testing.assert_array_equal(x, np.arange(3000, dtype=np.float32) * 3)
-        np.testing.assert_allclose(b.astype(np.float32), np.arange(100, dtype=np.float32) + 0.5, rtol=2 ** -7)
+        np.testing.assert_allclose(b.astype(np.float32), np.arange(100, dtype=np.float32) + 0.5, rtol=2**-7)
         assert i.tolist() == [5] * 10  # (5 + 6) / 2 truncated
 
 
 def test_part_of_a_buffer_and_zero_count(uid):
     """count may cover only the start of the buffers; count 0 is a no-op (no rank sends)."""
+
     def body(comm, rank):
         comm.allReduce(0, 0, 0, nccl.ncclFloat32, nccl.ncclSum)
         send = np.full(10, rank + 1.0)

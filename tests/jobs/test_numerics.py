@@ -8,13 +8,13 @@ import pytest
 
 from helpers.jobs import run_job
 
-
 WORLD = 8  # enough contributions for 16-bit accumulation error to show
 
 
 def reduce_everywhere(group, inputs):
-    return run_job(WORLD, lambda comm, r: comm.all_reduce(inputs[r]), group=group, timeout=30, connect_timeout=30,
-                   limit=60)
+    return run_job(
+        WORLD, lambda comm, r: comm.all_reduce(inputs[r]), group=group, timeout=30, connect_timeout=30, limit=60
+    )
 
 
 def in_type_sum(inputs):

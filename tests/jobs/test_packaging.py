@@ -1,6 +1,7 @@
 """What users install: `python -m build` makes an sdist and, from it, a wheel; the wheel installed
 into a fresh virtualenv holds and imports every module of the source tree; the suite itself
 imports the installed package, not the checkout."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,21 @@ COMPILED = ["reduction_server._native"]
 # What a module may lack in the check: the optional extras (torch, tensorflow) and what only they bring.
 OPTIONAL = {"torch", "tensorflow", "keras", "tf_keras", "ml_dtypes", "matplotlib"}
 # Copied for the build: everything but what a build or a run leaves behind.
-_IGNORED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".venv", "venv",
-                                  ".pytest_cache", ".hypothesis", ".benchmarks", "out", "_native.c")
+_IGNORED = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.so",
+    ".venv",
+    "venv",
+    ".pytest_cache",
+    ".hypothesis",
+    ".benchmarks",
+    "out",
+    "_native.c",
+)
 
 _IMPORT_ALL = """
 import importlib, json, sys, traceback
@@ -48,8 +62,9 @@ def distributions(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=_IGNORED)
     out = work / "dist"
-    proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(source)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(source)], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0 and (why := unreachable("https://pypi.org/simple/cython/")):
         pytest.skip(f"python -m build could not make its isolated build environment, and PyPI is unreachable: {why}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -68,9 +83,22 @@ def venv(distributions: Dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     outer = [entry for entry in sys.path if entry.endswith("site-packages")]
     (site_packages(env_dir) / "_outer_site_packages.pth").write_text("\n".join(outer) + "\n")
     python = env_dir / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "--no-index",
-                           "--no-build-isolation", str(distributions["wheel"])], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--ignore-installed",
+            "--no-index",
+            "--no-build-isolation",
+            str(distributions["wheel"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     yield env_dir
     shutil.rmtree(env_dir, ignore_errors=True)
@@ -85,7 +113,8 @@ def test_the_suite_imports_the_installed_package():
     installed = {Path(sysconfig.get_paths()[kind]).resolve() for kind in ("purelib", "platlib")}
     assert where.parent != ROOT / "reduction_server" and installed & set(where.parents), (
         f"reduction_server was imported from {where}, not from this interpreter's site-packages ({installed}): "
-        "install it (pip install .) and run pytest")
+        "install it (pip install .) and run pytest"
+    )
     assert (where.parent / "client").is_dir() and list(where.parent.glob("_native*.so"))
 
 
@@ -94,8 +123,16 @@ def test_sdist_carries_what_builds_the_wheel(distributions: Dict[str, Path]):
 
     with tarfile.open(distributions["sdist"]) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
-    for needed in ("setup.py", "pyproject.toml", "README.md", "native/_native.pyx", "native/kernels.h",
-                   "client/horovod/torch/optimizer.py", "reduction_server/_version.py", "tests/conftest.py"):
+    for needed in (
+        "setup.py",
+        "pyproject.toml",
+        "README.md",
+        "native/_native.pyx",
+        "native/kernels.h",
+        "client/horovod/torch/optimizer.py",
+        "reduction_server/_version.py",
+        "tests/conftest.py",
+    ):
         assert needed in names, f"the sdist lacks {needed}"
     assert "native/_native.c" not in names  # generated from the .pyx at build time, never shipped stale
 
@@ -114,8 +151,13 @@ def test_wheel_imports_every_module_in_a_fresh_venv(venv: Path, tmp_path: Path):
     modules = [name for name in source_modules() if name not in NOT_IMPORTED] + COMPILED
     assert "reduction_server.client.horovod.torch" in modules
     # From an empty directory, so that nothing but the venv can supply reduction_server.
-    proc = subprocess.run([str(venv / "bin" / "python"), "-c", _IMPORT_ALL, *modules], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", _IMPORT_ALL, *modules],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     site = site_packages(venv).resolve()
@@ -129,11 +171,16 @@ def test_wheel_imports_every_module_in_a_fresh_venv(venv: Path, tmp_path: Path):
 
 
 def test_version_comes_from_one_place(venv: Path):
-    proc = subprocess.run([str(venv / "bin" / "reduction-server"), "--version"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [str(venv / "bin" / "reduction-server"), "--version"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"reduction-server {reduction_server.__version__}"
-    metadata = subprocess.run([str(venv / "bin" / "python"), "-c",
-                               "import importlib.metadata as m; print(m.version('reduction-server'))"],
-                              capture_output=True, text=True, timeout=60, cwd=venv)
+    metadata = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.version('reduction-server'))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=venv,
+    )
     assert metadata.stdout.strip() == reduction_server.__version__

@@ -1,6 +1,7 @@
 """A reducer's view of ranks that skip a collective, lose their connection, or reconnect after
 their job was replaced: hand-driven peers (helpers/peers.py), no heartbeats unless they send PINGs.
 The same failures with real worker processes: test_failures.py."""
+
 from __future__ import annotations
 
 import time
@@ -8,9 +9,9 @@ import time
 import pytest
 
 from helpers.cluster import reducers
-from helpers.timing import DETECT, SILENT
 from helpers.handshake import hello_payload
 from helpers.peers import JOB, Peer, data
+from helpers.timing import DETECT, SILENT
 
 pytestmark = pytest.mark.timeout(180)
 

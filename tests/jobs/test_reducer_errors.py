@@ -5,13 +5,14 @@ workers are Communicators in threads, rogue peers are raw ZeroMQ DEALER (or TCP)
 
 Everything is bounded in time: every receive polls with a timeout, every thread is joined with
 one, and Communicators use short timeouts."""
+
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import struct
-import re
 import threading
 import time
 from typing import List
@@ -20,17 +21,15 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server import CollectiveError
-
-from reduction_server.wire import protocol, shared_memory
-from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
-
 from helpers.capture import CapturingSocket
 from helpers.cluster import reducers
-from helpers.probes import rss
 from helpers.handshake import hello_payload
 from helpers.jobs import CHUNK, check_sum_works, communicator, job_loop, ok, parallel, wait_until_idle
 from helpers.peers import JOB, Peer, RawZmtp, data, junk_over_tcp, port_of, raw_header
+from helpers.probes import rss
+from reduction_server import CollectiveError
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,16 +63,32 @@ def test_malformed_frames_are_answered_and_others_keep_being_served():
             valid = data(seq=7)
             cases = [
                 # (frames, expected code, words the error text must contain)
-                ([b"\x00\x01garbage that is no header"], ErrorCode.MALFORMED, ["malformed", f"expected {protocol.HEADER_SIZE}"]),
+                (
+                    [b"\x00\x01garbage that is no header"],
+                    ErrorCode.MALFORMED,
+                    ["malformed", f"expected {protocol.HEADER_SIZE}"],
+                ),
                 ([b""], ErrorCode.MALFORMED, ["malformed", "0 bytes"]),
                 ([valid[:40]], ErrorCode.MALFORMED, ["malformed", "40 bytes"]),
                 ([valid + b"\0"], ErrorCode.MALFORMED, ["malformed", f"{protocol.HEADER_SIZE + 1} bytes"]),
                 ([raw_header(magic=0xDEADBEEF), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "magic"]),
                 ([raw_header(version=2), b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "version 2"]),
                 ([raw_header(mtype=42)], ErrorCode.MALFORMED, ["malformed", "message type 42"]),
-                ([protocol.Header(MsgType.RESULT, dtype=7, world=2, nchunks=1, count=4, total=4, nbytes=16).pack(),
-                  b"\0" * 16], ErrorCode.MALFORMED, ["malformed", "RESULT"]),
-                ([protocol.text_header(MsgType.AUTH, b"x" * 32), b"x" * 32], ErrorCode.MALFORMED, ["AUTH without a HELLO"]),
+                (
+                    [
+                        protocol.Header(
+                            MsgType.RESULT, dtype=7, world=2, nchunks=1, count=4, total=4, nbytes=16
+                        ).pack(),
+                        b"\0" * 16,
+                    ],
+                    ErrorCode.MALFORMED,
+                    ["malformed", "RESULT"],
+                ),
+                (
+                    [protocol.text_header(MsgType.AUTH, b"x" * 32), b"x" * 32],
+                    ErrorCode.MALFORMED,
+                    ["AUTH without a HELLO"],
+                ),
                 ([valid, b"\0" * 16, b"extra", b"frames"], ErrorCode.MALFORMED, ["malformed", "4 frames"]),
                 ([valid, b"\0" * 16, b"extra"], ErrorCode.MALFORMED, ["malformed", "3 frames"]),
                 ([valid, b"\0" * 10], ErrorCode.MALFORMED, ["16 payload bytes", "10 arrived"]),
@@ -124,7 +139,7 @@ def test_a_peer_with_16_malformed_frames_is_ignored_afterwards():
         polite = Peer(group.addresses[0])  # another peer that sends garbage once in a while
         for i in range(20):
             rogue.send(b"garbage %d" % i)
-        for i in range(16):
+        for _ in range(16):
             rogue.expect_error(ErrorCode.MALFORMED, "malformed")
         rogue.expect_silence(0.5)  # frames 17..20: no answer
         rogue.send(data())  # even a well-formed one is ignored now
@@ -203,8 +218,9 @@ def test_multi_chunk_size_mismatch_fails_every_rank_in_bounded_time():
         comms = [communicator(group, r, 2) for r in range(2)]
         sizes = [7 * CHUNK // 4, 3 * CHUNK // 4]  # 7 chunks vs 3 chunks of float32
         start = time.monotonic()
-        results = parallel(*[lambda c=c, n=n: c.all_reduce(np.ones(n, np.float32)) for c, n in zip(comms, sizes)],
-                           timeout=20)
+        results = parallel(
+            *[lambda c=c, n=n: c.all_reduce(np.ones(n, np.float32)) for c, n in zip(comms, sizes)], timeout=20
+        )
         assert time.monotonic() - start < 8
         for rank, (kind, exc) in enumerate(results):
             assert kind == "error" and isinstance(exc, CollectiveError), f"rank {rank}: {exc!r}"
@@ -256,7 +272,9 @@ def test_oversized_chunk_claims_are_refused_without_allocating():
         assert zmtp.closed_by_peer(5), "the reducer kept a connection announcing a 1 TiB frame"
         zmtp.close()
         assert group.alive()
-        assert rss(group.procs[0].pid) - base < 16 << 20, f"reducer RSS grew by {(rss(group.procs[0].pid) - base) >> 20} MiB"
+        assert rss(group.procs[0].pid) - base < 16 << 20, (
+            f"reducer RSS grew by {(rss(group.procs[0].pid) - base) >> 20} MiB"
+        )
         # and it still serves (a new job: the hand-made one is replaced)
         comms = [communicator(group, r, 2) for r in range(2)]
         check_sum_works(comms)
@@ -310,12 +328,14 @@ def test_bad_payloads_and_impersonation_are_answered_to_the_sender():
         # claiming another rank, job or generation is STALE; the sender hears of it, nobody else
         other = Peer(group.addresses[0])
         other.handshake(1, 2, job=0xB0)
-        for header, frames in [(data(rank=1, job=0xB0, seq=3), [b"\0" * 16]),
-                               (data(rank=1, job=0xB0, seq=4), [b"\0" * 10]),  # and a bad payload
-                               (data(rank=1, job=0xB0, seq=5), []),
-                               (data(job=0xB1, seq=6), [b"\0" * 16]),
-                               (data(job=0xB1, seq=7), [b"\0" * 3]),
-                               (data(job=0xB0, generation=1, seq=8), [b"\0" * 3])]:
+        for header, frames in [
+            (data(rank=1, job=0xB0, seq=3), [b"\0" * 16]),
+            (data(rank=1, job=0xB0, seq=4), [b"\0" * 10]),  # and a bad payload
+            (data(rank=1, job=0xB0, seq=5), []),
+            (data(job=0xB1, seq=6), [b"\0" * 16]),
+            (data(job=0xB1, seq=7), [b"\0" * 3]),
+            (data(job=0xB0, generation=1, seq=8), [b"\0" * 3]),
+        ]:
             peer.send(header, *frames)
             peer.expect_error(ErrorCode.STALE, "claiming")
         other.expect_silence(0.3)
@@ -343,10 +363,11 @@ def test_shared_memory_contributions_that_do_not_check_out_fail_naming_what_is_w
         assert plain.handshake(1, 2, job=0xC0)["shared_memory"] is False
         shm = dict(job=0xC0, mtype=MsgType.DATA_SHM)
         for peer, header, frames, words in [
-                (plain, data(rank=1, seq=1, **shm), [], ["rank 1 sent DATA_SHM", "no shared-memory segment"]),
-                (offered, data(seq=2, aux=2, **shm), [], ["slot 2 out of range (0..1)"]),
-                (offered, data(seq=3, count=32, **shm), [], ["128 bytes do not fit", "slot of 64"]),
-                (offered, data(seq=4, **shm), [b"\0" * 16], ["payload in a shared-memory slot, not in a frame"])]:
+            (plain, data(rank=1, seq=1, **shm), [], ["rank 1 sent DATA_SHM", "no shared-memory segment"]),
+            (offered, data(seq=2, aux=2, **shm), [], ["slot 2 out of range (0..1)"]),
+            (offered, data(seq=3, count=32, **shm), [], ["128 bytes do not fit", "slot of 64"]),
+            (offered, data(seq=4, **shm), [b"\0" * 16], ["payload in a shared-memory slot, not in a frame"]),
+        ]:
             peer.send(header, *frames)
             peer.expect_error(ErrorCode.BAD_PAYLOAD, *words)
         offered.send(data(seq=5, op=ReduceOp.BROADCAST, **shm))
@@ -412,7 +433,7 @@ def test_a_mismatch_among_thousands_of_ranks_still_fits_an_error_frame():
     assert sock.sent == []
     deliver(b"r0", data(0, world, job=7, seq=1, count=8), b"\0" * 32)
     assert len(sock.sent) == world // 2 + 1  # every contributor hears of it, and the sender
-    for identity, header, text in sock.sent:
+    for _identity, header, text in sock.sent:
         h = protocol.unpack(header)
         assert (h.type, h.aux, h.nbytes) == (MsgType.ERROR, ErrorCode.MISMATCH, len(text))
         assert h.nbytes <= 4096  # long rank lists are summarized, far inside MAX_TEXT_PAYLOAD

@@ -1,6 +1,7 @@
 """A reducer's log: a summary at stop and nothing else for a clean job at the default level
 (RS_LOG_LEVEL unset; its start is the one short `listening` line on stdout); RS_LOG_LEVEL=INFO adds
 its configuration at start and the per-peer events."""
+
 import json
 import platform
 import re
@@ -14,8 +15,12 @@ from helpers.cluster import ONE_PROCESS, reducers, run_workers
 pytestmark = pytest.mark.timeout(120)
 
 WORLD = 2
-JOB = {"sequential": [{"dtype": "float32", "op": "sum", "count": 1000, "seed": 1},
-                      {"dtype": "float16", "op": "avg", "count": 300, "seed": 2}]}
+JOB = {
+    "sequential": [
+        {"dtype": "float32", "op": "sum", "count": 1000, "seed": 1},
+        {"dtype": "float16", "op": "avg", "count": 300, "seed": 2},
+    ]
+}
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
@@ -25,8 +30,13 @@ def events(log: str) -> List[Dict[str, str]]:
     for line in log.splitlines():
         match = re.match(r"\S+ \S+ (\w+) reduction_server\.(\w+) (\w+) (.*)$", line)
         assert match, f"not a structured log line: {line!r}"
-        out.append({"level": match.group(1), "event": match.group(3),
-                    **{k: v.strip('"') for k, v in _FIELD.findall(match.group(4))}})
+        out.append(
+            {
+                "level": match.group(1),
+                "event": match.group(3),
+                **{k: v.strip('"') for k, v in _FIELD.findall(match.group(4))},
+            }
+        )
     return out
 
 
@@ -58,8 +68,15 @@ def test_info_level_adds_the_configuration_at_start_and_the_per_peer_events():
     assert (started["reducer"], started["workers"], started["auth"], started["metrics"]) == ("0", "2", "token", "off")
     if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
         assert started["heap"] == "kept", started  # reduction_server/reducer/heap.py
-    for field in ("max_chunk_bytes", "max_accumulator_bytes", "timeout_s", "heartbeat_interval_s",
-                  "liveness_timeout_s", "deterministic", "pid"):
+    for field in (
+        "max_chunk_bytes",
+        "max_accumulator_bytes",
+        "timeout_s",
+        "heartbeat_interval_s",
+        "liveness_timeout_s",
+        "deterministic",
+        "pid",
+    ):
         assert field in started, (field, started)
     # and the per-peer events
     names = [e["event"] for e in lines]

@@ -1,17 +1,17 @@
 """The elastic job's rendezvous (reduction_server/launch/rendezvous.py), over real HTTP on loopback:
 rounds form once every live worker asks, ranks follow worker ids, a removed worker lets the
 round form without it, and nothing is answered without the job token."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from reduction_server.launch import rendezvous
-from reduction_server.errors import CollectiveError
-from reduction_server.launch.rendezvous import Rendezvous, Seat
-
 from helpers.jobs import parallel
+from reduction_server.errors import CollectiveError
+from reduction_server.launch import rendezvous
+from reduction_server.launch.rendezvous import Rendezvous, Seat
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "rendezvous-token"
@@ -39,8 +39,9 @@ def test_a_removed_worker_lets_the_round_form_without_it(server):
     for worker in range(3):
         server.add(worker)
     answers = []
-    waiting = [threading.Thread(target=lambda w=w: answers.append(rendezvous.seat(server.address, TOKEN, w)))
-               for w in (0, 1)]
+    waiting = [
+        threading.Thread(target=lambda w=w: answers.append(rendezvous.seat(server.address, TOKEN, w))) for w in (0, 1)
+    ]
     for t in waiting:
         t.start()
     server.remove(2)  # it died before it asked

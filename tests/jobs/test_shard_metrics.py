@@ -3,6 +3,7 @@ shards: real metrics pages beside a shard that is dead, one that never answers, 
 something that is not HTTP, and one whose page stops halfway. Every page that can be read is
 served, labelled with its shard; every other shard is down for that scrape, and nothing else is
 lost. The whole path with real shard processes is in test_shards.py."""
+
 from __future__ import annotations
 
 import socket
@@ -13,9 +14,8 @@ from typing import Iterator, List, Optional
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from reduction_server.reducer.shard_metrics import ShardMetrics, read_page
-
 from helpers.metrics import scrape, value
+from reduction_server.reducer.shard_metrics import ShardMetrics, read_page
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,10 +86,15 @@ def stand_ins() -> Iterator[_Supervisor]:
     cut, _ = _listener(b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\n# HELP x y\n")
     silent, held = _listener(None)
     dead = _page(5.0)
-    shards = [_Shard(0, good[0][1], _Proc()), _Shard(1, good[1][1], _Proc(), restarts=2),
-              _Shard(2, garbage.getsockname()[1], _Proc()), _Shard(3, cut.getsockname()[1], _Proc()),
-              _Shard(4, silent.getsockname()[1], _Proc()), _Shard(5, None, _Proc()),
-              _Shard(6, dead[1], _Proc(code=-9))]  # its page still answers: its port is not its own now
+    shards = [
+        _Shard(0, good[0][1], _Proc()),
+        _Shard(1, good[1][1], _Proc(), restarts=2),
+        _Shard(2, garbage.getsockname()[1], _Proc()),
+        _Shard(3, cut.getsockname()[1], _Proc()),
+        _Shard(4, silent.getsockname()[1], _Proc()),
+        _Shard(5, None, _Proc()),
+        _Shard(6, dead[1], _Proc(code=-9)),
+    ]  # its page still answers: its port is not its own now
     try:
         yield _Supervisor(3, shards)
     finally:
@@ -111,8 +116,11 @@ def test_every_readable_shard_is_served_with_its_label_and_the_rest_are_down(sta
         metrics.stop()
     received = {s: value(samples, "reduction_server_received_bytes_total", reducer="0", shard=str(s)) for s in (0, 1)}
     assert received == {0: 1000.0, 1: 2000.0}
-    assert not [key for key in samples if dict(key[1]).get("shard") in ("2", "3", "4", "5", "6")
-                and not key[0].startswith("reduction_server_shard_")], "a down shard's series were served"
+    assert not [
+        key
+        for key in samples
+        if dict(key[1]).get("shard") in ("2", "3", "4", "5", "6") and not key[0].startswith("reduction_server_shard_")
+    ], "a down shard's series were served"
     up = {s: value(samples, "reduction_server_shard_up", reducer="3", shard=str(s)) for s in range(7)}
     assert up == {0: 1, 1: 1, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
     assert value(samples, "reduction_server_shard_restarts_total", reducer="3", shard="1") == 2

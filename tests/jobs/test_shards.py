@@ -2,6 +2,7 @@
 consecutive ports, every worker's chunks spread over all of them; a shard that dies is started
 again by its supervisor and used again by the workers, and a sharded job's results are the same
 bits as an unsharded one's (deterministic mode)."""
+
 from __future__ import annotations
 
 import os
@@ -21,20 +22,18 @@ import psutil
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError, ConfigError
-from reduction_server.config import settings
-from reduction_server.client.chunking import plan_chunks
-from reduction_server.errors import ListenError
-from reduction_server.reducer import shards as shard_count
-
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from helpers.jobs import until
 from helpers.metrics import scrape, value
 from helpers.ports import free_port_range
 from helpers.source_tree import ROOT
 from helpers.training import FAST, Run
-
+from reduction_server import CollectiveError, ConfigError
+from reduction_server.client.chunking import plan_chunks
 from reduction_server.client.engine.endpoints import Endpoint, check_shard_counts, expand
+from reduction_server.config import settings
+from reduction_server.errors import ListenError
+from reduction_server.reducer import shards as shard_count
 
 _STOPPED = re.compile(r"stopped reducer=(\d+) shard=(\d+) completed=(\d+)")
 _BYTES_IN = re.compile(r"stopped reducer=0 shard=(\d+) .*?\bbytes_in=(\d+)")
@@ -54,7 +53,13 @@ def _completed(logs: List[str]) -> dict:
 def test_the_plan_order_is_shard_by_shard_with_the_spares_last():
     ends, spare = expand(["a:10", "b:20", "c:30"], [2, 1, 3], spares=1)
     assert [(e.reducer, e.shard, e.address) for e in ends] == [
-        (0, 0, "a:10"), (1, 0, "b:20"), (0, 1, "a:11"), (2, 0, "c:30"), (2, 1, "c:31"), (2, 2, "c:32")]
+        (0, 0, "a:10"),
+        (1, 0, "b:20"),
+        (0, 1, "a:11"),
+        (2, 0, "c:30"),
+        (2, 1, "c:31"),
+        (2, 2, "c:32"),
+    ]
     assert spare == 3
     assert Endpoint(0, 1, "a:11", sharded=True).name() == "reducer 0 shard 1 (a:11)"
     assert expand(["[::1]:5"], [2], 0)[0][1].address == "[::1]:6"
@@ -63,8 +68,11 @@ def test_the_plan_order_is_shard_by_shard_with_the_spares_last():
 def test_a_shard_that_names_another_shard_count_than_its_shard_0_is_refused_by_name():
     ends, _ = expand(["a:10", "b:20"], [2, 1], spares=0)
     check_shard_counts(ends, [2, 1, 2], [2, 1], rank=3)  # every shard agrees with its shard 0
-    with pytest.raises(CollectiveError, match=r"rank 3: reducer 0 shard 1 \(a:11\) says its reducer runs 3 "
-                                              r"shards, but its shard 0 said 2"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"rank 3: reducer 0 shard 1 \(a:11\) says its reducer runs 3 "
+        r"shards, but its shard 0 said 2",
+    ):
         check_shard_counts(ends, [2, 1, 3], [2, 1], rank=3)
 
 
@@ -87,8 +95,9 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
         assert len(_shards(group.procs[0])) == len(_shards(group.procs[1])) == 2
 
         def make(rank: int) -> rs.Communicator:
-            return rs.Communicator(group.addresses, rank, 3, job_token=TOKEN, shared_memory=shm == "1",
-                                   connect_timeout=20, timeout=20)
+            return rs.Communicator(
+                group.addresses, rank, 3, job_token=TOKEN, shared_memory=shm == "1", connect_timeout=20, timeout=20
+            )
 
         def body(comm: rs.Communicator, rank: int) -> tuple:
             base = (np.arange(size) % 1000).astype(np.float32)  # sums exact in float32
@@ -101,8 +110,9 @@ def test_chunks_spread_over_every_shard_of_every_reducer_and_sum_right(shm: str)
     assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], logs
 
     def chunks(reducers: int) -> int:
-        return len(plan_chunks(size, 4, reducers, settings.tuning("RS_CHUNK_BYTES"),
-                               settings.tuning("RS_PIPELINE_DEPTH")))
+        return len(
+            plan_chunks(size, 4, reducers, settings.tuning("RS_CHUNK_BYTES"), settings.tuning("RS_PIPELINE_DEPTH"))
+        )
 
     per_collective = chunks(2)
     assert per_collective < chunks(4)
@@ -138,12 +148,15 @@ def test_a_sharded_reducer_serves_every_shards_metrics_on_its_one_metrics_port()
     shards' own pages are on the loopback at ports of their own: nothing listens on port + 1."""
     port = free_port_range(2)
     with reducers(1, extra_env={"RS_SHARDS": "2", "RS_METRICS_PORT": str(port)}) as group:
+
         def make(rank: int) -> rs.Communicator:
             return rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, connect_timeout=20, timeout=20)
 
         def body(comm: rs.Communicator, rank: int) -> bool:
-            return all(np.array_equal(comm.all_reduce(np.ones(1_000_000, np.float32)), np.full(1_000_000, 2.0))
-                       for _ in range(3))
+            return all(
+                np.array_equal(comm.all_reduce(np.ones(1_000_000, np.float32)), np.full(1_000_000, 2.0))
+                for _ in range(3)
+            )
 
         assert run_ranks(2, make, body, limit=60) == [True, True]
         samples = scrape(port)
@@ -170,8 +183,10 @@ def test_a_sharded_reducer_serves_every_shards_metrics_on_its_one_metrics_port()
 
 def test_a_reducer_of_one_shard_beside_a_sharded_one():
     """Shard counts may differ between reducers: the plan takes every endpoint there is."""
-    with reducers(1, extra_env={"RS_SHARDS": "3"}) as sharded, \
-            reducers(1, extra_env={"RS_SHARDS": "1"}, first_index=1) as single:
+    with (
+        reducers(1, extra_env={"RS_SHARDS": "3"}) as sharded,
+        reducers(1, extra_env={"RS_SHARDS": "1"}, first_index=1) as single,
+    ):
         addresses = sharded.addresses + single.addresses
 
         def make(rank: int) -> rs.Communicator:
@@ -241,8 +256,13 @@ def test_shards_start_no_blas_threads_unless_asked(given, expected):
     env.pop("OPENBLAS_NUM_THREADS", None)
     if given is not None:
         env["OPENBLAS_NUM_THREADS"] = given
-    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
-                             "--shards", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0", "--shards", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert "listening" in proc.stdout.readline()
         assert [kid.environ().get("OPENBLAS_NUM_THREADS") for kid in _shards(proc)] == [expected, expected]
@@ -255,23 +275,29 @@ def test_a_shard_that_hangs_while_starting_again_holds_up_nothing(monkeypatch):
     """While one shard's new process has not said it listens, the supervisor still watches the
     others: a shard killed meanwhile is started again at once."""
     monkeypatch.setenv("RS_JOB_TOKEN", TOKEN)
-    supervisor = shard_count.Supervisor(host="127.0.0.1", port=0, index=0, shards=2, workers=None,
-                                        deterministic=False, metrics_port=0)
+    supervisor = shard_count.Supervisor(
+        host="127.0.0.1", port=0, index=0, shards=2, workers=None, deterministic=False, metrics_port=0
+    )
     stop = threading.Event()
     watcher = threading.Thread(target=supervisor.watch, args=(stop.is_set,), daemon=True)
     try:
         supervisor.start()
         command = supervisor._command
-        monkeypatch.setattr(supervisor, "_command",  # shard 1's next process never says it listens
-                            lambda shard, ready: ["sleep", "60"] if shard.number == 1 else command(shard, ready))
+        monkeypatch.setattr(
+            supervisor,
+            "_command",  # shard 1's next process never says it listens
+            lambda shard, ready: ["sleep", "60"] if shard.number == 1 else command(shard, ready),
+        )
         watcher.start()
         zero, one = supervisor.shards
         first = zero.proc.pid
         one.proc.kill()
         until(lambda: one.ready is not None, "shard 1 to be started again")
         zero.proc.kill()
-        until(lambda: zero.proc.pid != first and zero.ready is None and zero.proc.poll() is None,
-              "shard 0 to be started again while shard 1 was starting")
+        until(
+            lambda: zero.proc.pid != first and zero.ready is None and zero.proc.poll() is None,
+            "shard 0 to be started again while shard 1 was starting",
+        )
         assert one.ready is not None and zero.restarts == one.restarts == 1
         with socket.create_connection(("127.0.0.1", zero.port), timeout=5):
             pass  # shard 0 listens again
@@ -289,8 +315,9 @@ def test_a_shard_that_keeps_dying_is_started_again_after_the_longest_backoff_how
     where the doubling once overflowed a float and stopped every shard."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(30)
-    supervisor = shard_count.Supervisor(host="127.0.0.1", port=0, index=0, shards=1, workers=None,
-                                        deterministic=False, metrics_port=0)
+    supervisor = shard_count.Supervisor(
+        host="127.0.0.1", port=0, index=0, shards=1, workers=None, deterministic=False, metrics_port=0
+    )
     shard = shard_count.Shard(0, 0, proc=dead, started=time.monotonic(), failures=1023)
     supervisor.shards = [shard]
     turns = iter([False, True])
@@ -305,15 +332,32 @@ def test_a_taken_shard_port_is_named_and_nothing_is_left_running():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))  # shard 1 would need the taken one
         taken.listen()
-        proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port",
-                               str(port), "--shards", "2"], env=child_env(), capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--shards",
+                "2",
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 1
     # Checked before any shard starts: one line, as an unsharded reducer says it, naming who holds
     # the port (this test's process), and no shard's log.
     [line] = proc.stderr.splitlines()
-    assert line.startswith(f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port + 1}, shard 1's port "
-                           f"(--port + 1): the port is already in use (by pid {os.getpid()} ("), line
+    assert line.startswith(
+        f"reduction-server serve: cannot listen on tcp://127.0.0.1:{port + 1}, shard 1's port "
+        f"(--port + 1): the port is already in use (by pid {os.getpid()} ("
+    ), line
     assert line.endswith("); stop it, or choose another port (--port; 0 picks a free one)"), line
     assert proc.stdout == ""
     with socket.socket() as probe:  # nothing listens at shard 0's port
@@ -340,15 +384,18 @@ def test_a_shard_port_taken_after_the_check_stops_every_shard_and_is_named(monke
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
-        supervisor = shard_count.Supervisor(host="127.0.0.1", port=port, index=0, shards=2, workers=None,
-                                            deterministic=False, metrics_port=0)
+        supervisor = shard_count.Supervisor(
+            host="127.0.0.1", port=port, index=0, shards=2, workers=None, deterministic=False, metrics_port=0
+        )
         try:
             with pytest.raises(ListenError) as failed:
                 supervisor.start()
         finally:
             supervisor.stop()
-    assert str(failed.value) == (f"reducer 0 could not start its 2 shards: shard 1 of reducer 0 (port {port + 1}) "
-                                 "exited with status 1 before it listened (its message is above)")
+    assert str(failed.value) == (
+        f"reducer 0 could not start its 2 shards: shard 1 of reducer 0 (port {port + 1}) "
+        "exited with status 1 before it listened (its message is above)"
+    )
     assert all(shard.proc is None or shard.proc.poll() is not None for shard in supervisor.shards)
     with socket.socket() as probe:  # shard 0 was stopped: its port is free again
         probe.bind(("127.0.0.1", port))
@@ -359,28 +406,60 @@ def test_a_taken_metrics_port_stops_a_sharded_reducer_before_any_shard_starts():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         metrics = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0",
-                               "--shards", "2", "--metrics-port", str(metrics)], env=child_env(),
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--shards",
+                "2",
+                "--metrics-port",
+                str(metrics),
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 2, proc.stderr
     assert f"cannot serve metrics on 127.0.0.1:{metrics}" in proc.stderr, proc.stderr
     assert "shard=" not in proc.stderr, proc.stderr  # a shard that started would have logged it (stderr is shared)
 
 
-@pytest.mark.parametrize("args, words", [(["--shards", "0"], "--shards='0' must be `auto` or 1..256"),
-                                         (["--shards", "lots"], "--shards='lots' is neither `auto` nor"),
-                                         (["--port", "65535", "--shards", "2"], "would pass 65535")])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--shards", "0"], "--shards='0' must be `auto` or 1..256"),
+        (["--shards", "lots"], "--shards='lots' is neither `auto` nor"),
+        (["--port", "65535", "--shards", "2"], "would pass 65535"),
+    ],
+)
 def test_bad_shard_arguments_are_named(args: List[str], words: str):
-    proc = subprocess.run([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", *args],
-                          env=child_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and words in proc.stderr, proc.stderr
 
 
 def test_serve_runs_one_shard_per_core_by_default():
     env = child_env({"RS_JOB_TOKEN": TOKEN})
     del env["RS_SHARDS"]
-    proc = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         cores = shard_count.usable_cores()
@@ -394,8 +473,16 @@ def test_serve_from_a_source_checkouts_root_starts_its_shards_from_the_installed
     """From the clone's root, where the README has users run commands, `python -m` in a shard
     would import the uncompiled tree (no _native) instead of the installed package."""
     env = child_env({"RS_JOB_TOKEN": TOKEN})
-    command = [str(Path(sys.executable).parent / "reduction-server"), "serve", "--host", "127.0.0.1", "--port", "0",
-               "--shards", "2"]
+    command = [
+        str(Path(sys.executable).parent / "reduction-server"),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--shards",
+        "2",
+    ]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -416,15 +503,34 @@ def test_a_process_on_a_shard_port_that_is_not_that_shard_is_refused_by_name():
         shard1.wait(5)
         group.procs[0].send_signal(signal.SIGSTOP)  # its supervisor must not start shard 1 again
         try:
-            stranger = subprocess.Popen([sys.executable, "-m", "reduction_server", "serve", "--host", host, "--port",
-                                         str(int(port) + 1), "--index", "0", "--shards", "1"],
-                                        env=child_env({"RS_JOB_TOKEN": TOKEN}), stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True)
+            stranger = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "reduction_server",
+                    "serve",
+                    "--host",
+                    host,
+                    "--port",
+                    str(int(port) + 1),
+                    "--index",
+                    "0",
+                    "--shards",
+                    "1",
+                ],
+                env=child_env({"RS_JOB_TOKEN": TOKEN}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             try:
                 assert "listening" in stranger.stdout.readline()
-                with pytest.raises(CollectiveError, match=r"reducer 0 shard 1 \(.*\) says it is shard 0 of its "
-                                                          r"reducer, but its port makes it shard 1: RS_REDUCERS "
-                                                          r"must list each reducer's own port"):
+                with pytest.raises(
+                    CollectiveError,
+                    match=r"reducer 0 shard 1 \(.*\) says it is shard 0 of its "
+                    r"reducer, but its port makes it shard 1: RS_REDUCERS "
+                    r"must list each reducer's own port",
+                ):
                     rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, connect_timeout=10)
             finally:
                 stranger.kill()

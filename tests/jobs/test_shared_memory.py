@@ -6,6 +6,7 @@ reducer processes and Communicators in threads: sums through the slots equal Num
 dtype and op, ranks with and without slots mix in one job, a reducer with RS_SHM=0 gets frames,
 and slots come back after a failed collective.
 """
+
 import json
 import os
 import secrets
@@ -21,17 +22,16 @@ import numpy as np
 import pytest
 
 import reduction_server.client as rs
-from reduction_server import CollectiveError
-from reduction_server.client.chunking import plan_chunks
-from reduction_server.wire import protocol, shared_memory
-from reduction_server.client.engine import Engine
-from reduction_server.client.engine.options import EngineOptions
-from reduction_server.wire.protocol import ErrorCode, Header, MsgType
-from reduction_server.wire.shared_memory import Segment, Unavailable
-
 from helpers import cluster
 from helpers.cluster import TOKEN, reducers
 from helpers.jobs import connect, new_job, run_job
+from reduction_server import CollectiveError
+from reduction_server.client.chunking import plan_chunks
+from reduction_server.client.engine import Engine
+from reduction_server.client.engine.options import EngineOptions
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.wire.protocol import ErrorCode, Header, MsgType
+from reduction_server.wire.shared_memory import Segment, Unavailable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,11 +63,15 @@ def test_a_segment_attached_elsewhere_shares_its_slots(segment):
 def test_another_process_attaches_through_proc(segment):
     """What a reducer process does: open /proc/<pid>/fd/<fd> of the worker and check the nonce."""
     segment.slot(1, 5)[:] = b"hello"
-    code = ("import json, sys; from reduction_server.wire.shared_memory import Segment; "
-            "s = Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20); print(bytes(s.slot(1, 5)).decode()); "
-            "s.slot(1, 5)[:] = b'world'")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(segment.offer)], capture_output=True,
-                         text=True, timeout=30, cwd="/")
+    code = (
+        "import json, sys; from reduction_server.wire.shared_memory import Segment; "
+        "s = Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20); "
+        "print(bytes(s.slot(1, 5)).decode()); "
+        "s.slot(1, 5)[:] = b'world'"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(segment.offer)], capture_output=True, text=True, timeout=30, cwd="/"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hello"
     assert bytes(segment.slot(1, 5)) == b"world"
@@ -83,20 +87,23 @@ def test_the_worker_cannot_resize_its_segment(segment):
     assert os.fstat(fd).st_size == size
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda o: o.update(boot_id="0" * 36), "boot id differs"),
-    (lambda o: o.update(net_namespace=[0, 1]), "net namespace differs"),
-    (lambda o: o.update(pid_namespace=[0, 1]), "pid namespace differs"),
-    (lambda o: o.update(nonce="00" * 16), "nonce does not match"),
-    (lambda o: o.update(slots=4), "bytes, expected"),
-    (lambda o: o.update(fd=o["fd"] + 1000), "cannot open the worker's segment"),
-    (lambda o: o.update(pid=0x3FFFFFFF), "cannot open the worker's segment"),
-    (lambda o: o.pop("nonce"), "malformed offer"),
-    (lambda o: o.update(slots="many"), "malformed offer"),
-    (lambda o: o.update(slots=0), "out of range"),
-    (lambda o: o.update(slots=5), "offer of 5 slots of 1000 bytes is out of range"),
-    (lambda o: o.update(slot_bytes=1 << 40), "out of range .at most 4 slots of 4096 bytes, RS_MAX_CHUNK_BYTES"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda o: o.update(boot_id="0" * 36), "boot id differs"),
+        (lambda o: o.update(net_namespace=[0, 1]), "net namespace differs"),
+        (lambda o: o.update(pid_namespace=[0, 1]), "pid namespace differs"),
+        (lambda o: o.update(nonce="00" * 16), "nonce does not match"),
+        (lambda o: o.update(slots=4), "bytes, expected"),
+        (lambda o: o.update(fd=o["fd"] + 1000), "cannot open the worker's segment"),
+        (lambda o: o.update(pid=0x3FFFFFFF), "cannot open the worker's segment"),
+        (lambda o: o.pop("nonce"), "malformed offer"),
+        (lambda o: o.update(slots="many"), "malformed offer"),
+        (lambda o: o.update(slots=0), "out of range"),
+        (lambda o: o.update(slots=5), "offer of 5 slots of 1000 bytes is out of range"),
+        (lambda o: o.update(slot_bytes=1 << 40), "out of range .at most 4 slots of 4096 bytes, RS_MAX_CHUNK_BYTES"),
+    ],
+)
 def test_an_offer_that_does_not_check_out_is_declined_saying_why(segment, change, words):
     offer = dict(segment.offer)
     change(offer)
@@ -109,8 +116,11 @@ def test_descriptors_that_are_not_sealed_memfds_are_declined(segment):
     read, write = os.pipe()
     with tempfile.TemporaryFile() as plain:
         try:
-            for fd, words in [(unsealed, "not sealed against resizing"), (plain.fileno(), "not a sealable memfd"),
-                              (read, "not a regular file")]:  # a pipe could block the reducer's open
+            for fd, words in [
+                (unsealed, "not sealed against resizing"),
+                (plain.fileno(), "not a sealable memfd"),
+                (read, "not a regular file"),
+            ]:  # a pipe could block the reducer's open
                 if fd != read:
                     os.ftruncate(fd, os.fstat(segment.offer["fd"]).st_size)
                 with pytest.raises(Unavailable, match=words):
@@ -125,6 +135,7 @@ def test_descriptors_that_are_not_sealed_memfds_are_declined(segment):
 def test_a_segment_that_cannot_be_mapped_is_declined_not_raised(segment, monkeypatch):
     """An OSError while mapping (address space or map count used up) means frames, never an
     exception out of the reducer's handshake."""
+
     def no_room(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
@@ -143,17 +154,26 @@ def test_slot_bounds_are_checked(segment):
         segment.slot(0, 1001)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                    reason="needs root and iproute2 to make a network namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 to make a network namespace"
+)
 def test_a_process_in_another_network_namespace_declines(segment):
     """Emulated hosts (bench netem) are namespaces of one machine: they must use their links."""
     name = f"rs-shm-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        code = ("import json, sys\nfrom reduction_server.wire.shared_memory import Segment, Unavailable\n"
-                "try:\n    Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20)\nexcept Unavailable as e:\n    print(e)")
-        out = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", code, json.dumps(segment.offer)],
-                             capture_output=True, text=True, timeout=30, cwd="/")
+        code = (
+            "import json, sys\nfrom reduction_server.wire.shared_memory import Segment, Unavailable\n"
+            "try:\n    Segment.attach(json.loads(sys.argv[1]), max_slots=4, max_slot_bytes=1 << 20)\n"
+            "except Unavailable as e:\n    print(e)"
+        )
+        out = subprocess.run(
+            ["ip", "netns", "exec", name, sys.executable, "-c", code, json.dumps(segment.offer)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd="/",
+        )
         assert out.returncode == 0, out.stderr
         assert "net namespace differs" in out.stdout
     finally:
@@ -163,8 +183,20 @@ def test_a_process_in_another_network_namespace_declines(segment):
 def test_an_answer_about_no_chunk_frees_no_slot():
     """An ERROR about a frame rather than a key has job, generation, seq and chunk all 0: it must
     not free the slot of job 0's first chunk, which a reducer may still write its result into."""
-    engine = Engine(EngineOptions.resolve(("127.0.0.1:1",), 0, 1, job_token="", job_id=0, window=2, timeout=1,
-                                          connect_timeout=1, io_threads=1, shared_memory=True))
+    engine = Engine(
+        EngineOptions.resolve(
+            ("127.0.0.1:1",),
+            0,
+            1,
+            job_token="",
+            job_id=0,
+            window=2,
+            timeout=1,
+            connect_timeout=1,
+            io_threads=1,
+            shared_memory=True,
+        )
+    )
     try:
         slots = engine.slots
         slots.free[0], slots.slot_of[0] = [1], {(0, 0, 0): 0}  # slot 0 holds (group 0, seq 0, chunk 0)
@@ -196,8 +228,9 @@ def test_a_result_that_failover_keeps_is_lent_its_slot_until_it_is_kept_no_longe
             slot = slots.take(0, 64)
             slots.put(0, slot, 0, seq, 0)
             slots.view(0, slot, 64)[:] = bytes([seq]) * 64  # the reducer's result
-            answer = Header(MsgType.RESULT_SHM, dtype=7, world=1, seq=seq, nchunks=1, count=16, total=16,
-                            nbytes=64, aux=slot)
+            answer = Header(
+                MsgType.RESULT_SHM, dtype=7, world=1, seq=seq, nchunks=1, count=16, total=16, nbytes=64, aux=slot
+            )
             assert slots.release(0, answer) == slot
             return slot
 
@@ -296,6 +329,7 @@ def test_result_slots_are_read_and_released_over_more_collectives_than_there_are
     accumulator's owner read each result from one result slot, kept for failover and released,
     so 150 collectives (on 64 slots per reducer) never run out of them."""
     from reduction_server.reducer.shared_results import RESULT_SLOTS, SHARED_RESULT_BYTES
+
     world, count, collectives = 3, 300_000, 150
     assert collectives > RESULT_SLOTS
 
@@ -333,6 +367,7 @@ def test_a_rank_that_cannot_map_result_slots_gets_its_result_in_its_own_slot(gro
 
 def test_a_reducer_with_rs_shm_off_answers_with_frames():
     with reducers(1, extra_env={"RS_SHM": "0"}) as group:
+
         def body(comm, rank):
             y = comm.all_reduce(np.full(50_000, rank + 1, np.float32))
             np.testing.assert_array_equal(y, 3)
@@ -415,8 +450,9 @@ def test_only_this_hosts_addresses_are_local():
         assert not shared_memory.is_local(address), address
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                    reason="needs root and iproute2 to make a network namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 to make a network namespace"
+)
 def test_a_reducer_across_a_link_is_offered_no_segment():
     """Only a reducer at one of this host's addresses is offered a segment: one across a link
     (a network namespace behind a veth pair here) never learns the worker's pid, fd or boot id."""
@@ -426,16 +462,39 @@ def test_a_reducer_across_a_link_is_offered_no_segment():
     reducer = None
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        for command in (["link", "add", here, "type", "veth", "peer", "name", there],
-                        ["link", "set", there, "netns", ns], ["addr", "add", f"{subnet}.1/30", "dev", here],
-                        ["link", "set", here, "up"], ["-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
-                        ["-n", ns, "link", "set", there, "up"], ["-n", ns, "link", "set", "lo", "up"]):
+        for command in (
+            ["link", "add", here, "type", "veth", "peer", "name", there],
+            ["link", "set", there, "netns", ns],
+            ["addr", "add", f"{subnet}.1/30", "dev", here],
+            ["link", "set", here, "up"],
+            ["-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
+            ["-n", ns, "link", "set", there, "up"],
+            ["-n", ns, "link", "set", "lo", "up"],
+        ):
             subprocess.run(["ip", *command], check=True, capture_output=True)
         reducer = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "reduction_server", "serve", "--host", f"{subnet}.2",
-             "--port", "5555", "--workers", "1"], cwd="/",
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "reduction_server",
+                "serve",
+                "--host",
+                f"{subnet}.2",
+                "--port",
+                "5555",
+                "--workers",
+                "1",
+            ],
+            cwd="/",
             env=cluster.child_env({"RS_LOG_LEVEL": "INFO", "RS_ALLOW_NO_TOKEN": "1"}),  # the worker has none either
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         said = [reducer.stdout.readline()]  # a sharded reducer's shards may log their start first
         while said[-1] and "listening on" not in said[-1]:
             said.append(reducer.stdout.readline())

@@ -1,5 +1,6 @@
 """`reduction-server size`: Google's sizing rule, and a real measurement of one reducer's CPU
 cost, per core and per host."""
+
 import re
 import subprocess
 import sys
@@ -11,19 +12,23 @@ from reduction_server.tools.reducer_load import GBIT_PER_GIB
 from reduction_server.tools.sizing import Measurement, explain, measure, reducers_needed
 
 
-@pytest.mark.parametrize("workers,worker_gbps,reducer_gbps,expected", [
-    (8, 100, 32, 25),   # Google's example: (8 worker VMs x 100 Gbps) / 32 Gbps = 25 reducer VMs
-    (5, 100, 32, 16),   # and its other one: 5 x 100 Gbps matched by 16 x 32 Gbps (512 >= 500)
-    (4, 32, 32, 4),
-    (1, 10, 100, 1),
-    (3, 10, 7, 5),
-])
+@pytest.mark.parametrize(
+    "workers,worker_gbps,reducer_gbps,expected",
+    [
+        (8, 100, 32, 25),  # Google's example: (8 worker VMs x 100 Gbps) / 32 Gbps = 25 reducer VMs
+        (5, 100, 32, 16),  # and its other one: 5 x 100 Gbps matched by 16 x 32 Gbps (512 >= 500)
+        (4, 32, 32, 4),
+        (1, 10, 100, 1),
+        (3, 10, 7, 5),
+    ],
+)
 def test_reducers_needed(workers, worker_gbps, reducer_gbps, expected):
     assert reducers_needed(workers, worker_gbps, reducer_gbps) == expected
 
 
-@pytest.mark.parametrize("args,match", [((0, 100, 32), "--workers"), ((8, 0, 32), "--worker-gbps"),
-                                        ((8, 100, -1), "--reducer-gbps")])
+@pytest.mark.parametrize(
+    "args,match", [((0, 100, 32), "--workers"), ((8, 0, 32), "--worker-gbps"), ((8, 100, -1), "--reducer-gbps")]
+)
 def test_bad_arguments(args, match):
     with pytest.raises(ConfigError, match=match):
         reducers_needed(*args)
@@ -48,13 +53,43 @@ def test_explanation_counts_hosts_and_names_the_binding_limit():
 
 
 def test_cli_prints_the_arithmetic():
-    out = subprocess.run([sys.executable, "-m", "reduction_server", "size", "--workers", "8", "--worker-gbps", "100",
-                          "--reducer-gbps", "32"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "size",
+            "--workers",
+            "8",
+            "--worker-gbps",
+            "100",
+            "--reducer-gbps",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "8 worker hosts x 100 Gbit/s = 800 Gbit/s" in out.stdout
     assert out.stdout.strip().endswith("= 25 (one `serve` each).")
-    bad = subprocess.run([sys.executable, "-m", "reduction_server", "size", "--workers", "0", "--worker-gbps", "1",
-                          "--reducer-gbps", "1"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reduction_server",
+            "size",
+            "--workers",
+            "0",
+            "--worker-gbps",
+            "1",
+            "--reducer-gbps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--workers must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -64,6 +99,9 @@ def test_measure_runs_a_real_reducer_and_reads_its_cpu_time():
     assert 0.02 < m.cpu_s_per_gib < 60 and m.gbps_in > 0.05, m
     lines = explain(8, 100, 1e6, m, cores=3)  # a NIC no CPU keeps up with: the CPU must bind
     assert "the CPU binds" in lines[3]
-    assert re.search(r"a reducer spends \d+\.\d{3} CPU-seconds per GiB of incoming float32 gradient \(2 local workers, "
-                     r"8 MiB all-reduces, 4 steps", lines[1])
+    assert re.search(
+        r"a reducer spends \d+\.\d{3} CPU-seconds per GiB of incoming float32 gradient \(2 local workers, "
+        r"8 MiB all-reduces, 4 steps",
+        lines[1],
+    )
     assert f"{3 * m.per_core_gbps:.1f} Gbit/s" in lines[2]

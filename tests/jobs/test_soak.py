@@ -12,6 +12,7 @@ Also here, in process: a send that finds a peer gone keeps nothing of its caller
 a reducer keeps about peers that are not admitted (strike counts of malformed frames, HELLOs never
 followed by AUTH) is dropped when they go away.
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,16 +27,15 @@ import pytest
 import zmq
 
 import reduction_server.client as rs
-from reduction_server.wire import protocol
-from reduction_server.reducer import admission as admission_module
-from reduction_server.wire.protocol import MsgType
-from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
-from reduction_server.reducer.outbox import Outbox
-
 from helpers.capture import CapturingSocket
 from helpers.cluster import SCRIPTS, TOKEN, child_env, collect, reducers, run_ranks
-from helpers.probes import fd_targets, open_fds, rss, settled_fds
 from helpers.handshake import hello_payload
+from helpers.probes import fd_targets, open_fds, rss, settled_fds
+from reduction_server.reducer import FORGET_AFTER_S, MAX_STRIKES, Reducer
+from reduction_server.reducer import admission as admission_module
+from reduction_server.reducer.outbox import Outbox
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import MsgType
 
 SOAK_SECONDS = float(os.environ.get("RS_SOAK_SECONDS", "20"))
 WARMUP_SECONDS = min(6.0, SOAK_SECONDS / 3)
@@ -50,17 +50,33 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
     with reducers(2, workers=WORLD, extra_env={"RS_TIMEOUT": "60"}) as group:
         # A first short job: libzmq and pyzmq open some files on first use (I/O thread mailboxes,
         # the zero-copy tracker's thread), which stay open; after it the reducers are idle.
-        run_ranks(WORLD, lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN),
-                  lambda comm, r: comm.all_reduce(np.ones(1 << 20, np.float32)))
+        run_ranks(
+            WORLD,
+            lambda r: rs.Communicator(group.addresses, r, WORLD, job_token=TOKEN),
+            lambda comm, r: comm.all_reduce(np.ones(1 << 20, np.float32)),
+        )
         idle = [settled_fds(p.pid, None) for p in group.procs]
         idle_targets = [fd_targets(p.pid) for p in group.procs]
         procs: List[subprocess.Popen] = []
         for rank in range(WORLD):
-            env = child_env({"RS_REDUCERS": group.spec, "RS_RANK": str(rank), "RS_WORLD_SIZE": str(WORLD),
-                             "RS_JOB_TOKEN": TOKEN, "RS_CHUNK_BYTES": str(256 << 10)})
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "soak_worker.py"), str(SOAK_SECONDS),
-                                           str(WARMUP_SECONDS)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+            env = child_env(
+                {
+                    "RS_REDUCERS": group.spec,
+                    "RS_RANK": str(rank),
+                    "RS_WORLD_SIZE": str(WORLD),
+                    "RS_JOB_TOKEN": TOKEN,
+                    "RS_CHUNK_BYTES": str(256 << 10),
+                }
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPTS / "soak_worker.py"), str(SOAK_SECONDS), str(WARMUP_SECONDS)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         first = procs[0].stdout.readline()  # rank 0 is warm: every size, dtype and op has been seen
         assert '"warm"' in first, first + (procs[0].stderr.read() if procs[0].poll() is not None else "")
         warm = [{"rss": rss(p.pid), "fds": open_fds(p.pid)} for p in group.procs]
@@ -77,18 +93,24 @@ def test_thousands_of_mixed_collectives_leave_memory_and_open_files_where_they_w
     for r, result in enumerate(results):
         assert result["failures"] == [], f"rank {r}: {result['failures']}"
         grown = result["end"]["rss"] - result["warm"]["rss"]
-        print(f"worker {r}: RSS {result['warm']['rss'] >> 20} -> {result['end']['rss'] >> 20} MiB, "
-              f"open files {result['warm']['fds']} -> {result['end']['fds']}")
+        print(
+            f"worker {r}: RSS {result['warm']['rss'] >> 20} -> {result['end']['rss'] >> 20} MiB, "
+            f"open files {result['warm']['fds']} -> {result['end']['fds']}"
+        )
         assert grown < WORKER_RSS_GROWTH, f"worker {r} grew by {grown >> 20} MiB"
         assert result["end"]["fds"] <= result["warm"]["fds"], f"worker {r} opened files: {result}"
     assert done >= 1000 or SOAK_SECONDS < 20, f"only {done} collectives"
     for i, (before, after) in enumerate(zip(warm, end)):
-        print(f"reducer {i}: RSS {before['rss'] >> 20} -> {after['rss'] >> 20} MiB; open files {idle[i]} idle, "
-              f"{before['fds']} during the job, {after_job[i]} after it")
+        print(
+            f"reducer {i}: RSS {before['rss'] >> 20} -> {after['rss'] >> 20} MiB; open files {idle[i]} idle, "
+            f"{before['fds']} during the job, {after_job[i]} after it"
+        )
         assert after["rss"] - before["rss"] < REDUCER_RSS_GROWTH, f"reducer {i} grew: {before} -> {after}"
         # the workers have gone: their connections are closed, and nothing else stays open
-        assert after_job[i] == idle[i], (f"reducer {i}: {idle[i]} open files idle, {after_job[i]} after the job; "
-                                         f"new: {sorted(set(after_targets[i]) - set(idle_targets[i]))}")
+        assert after_job[i] == idle[i], (
+            f"reducer {i}: {idle[i]} open files idle, {after_job[i]} after the job; "
+            f"new: {sorted(set(after_targets[i]) - set(idle_targets[i]))}"
+        )
     for log in logs:
         assert "internal error" not in log and "round_failed" not in log, log[-3000:]
 

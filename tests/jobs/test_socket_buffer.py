@@ -4,6 +4,7 @@ a fixed size, the kernel's autotuning (0), and `auto`, the default, where each c
 buffer, a worker's and a reducer's, follows its segments and what it measures
 (reduction_server/wire/send_buffers.py): loopback keeps autotuning, a connection over a shaped
 Ethernet link gets a few segments' worth on both ends."""
+
 import json
 import os
 import re
@@ -18,13 +19,17 @@ import pytest
 
 import reduction_server.client as rs
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers, run_ranks
-from reduction_server.wire import send_buffers as sizing
-from reduction_server.errors import ConfigError
 from reduction_server.config.settings import SNDBUF_AUTO, socket_send_buffer
+from reduction_server.errors import ConfigError
+from reduction_server.wire import send_buffers as sizing
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("ss") is None,
-                                 reason="reads the sockets' buffers with iproute2's ss, on Linux")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or shutil.which("ss") is None,
+        reason="reads the sockets' buffers with iproute2's ss, on Linux",
+    ),
+]
 
 REQUESTED = 24576
 
@@ -48,8 +53,9 @@ def test_rs_sndbuf_sets_both_ends_of_every_connection(monkeypatch):
             comm.barrier()
             return y, buffers
 
-        make = lambda rank: rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, timeout=10,
-                                            connect_timeout=10)
+        def make(rank: int) -> rs.Communicator:
+            return rs.Communicator(group.addresses, rank, 2, job_token=TOKEN, timeout=10, connect_timeout=10)
+
         for y, buffers in run_ranks(2, make, body):
             np.testing.assert_array_equal(y, x * 3)
             # 2 ranks x 2 reducers, each connection seen from both ends; Linux doubles what is asked
@@ -133,19 +139,58 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
     token, world = os.urandom(16).hex(), 2
     env = child_env({"RS_JOB_TOKEN": token, "RS_SHARDS": "1", "RS_SNDBUF": "auto"})
     with EmulatedNetwork(4, 100) as net:
-        servers = [net.spawn(world + j, [sys.executable, "-m", "reduction_server", "serve", "--host",
-                                         net.address(world + j), "--port", "5555", "--workers", str(world),
-                                         "--index", str(j)], env) for j in range(2)]
+        servers = [
+            net.spawn(
+                world + j,
+                [
+                    sys.executable,
+                    "-m",
+                    "reduction_server",
+                    "serve",
+                    "--host",
+                    net.address(world + j),
+                    "--port",
+                    "5555",
+                    "--workers",
+                    str(world),
+                    "--index",
+                    str(j),
+                ],
+                env,
+            )
+            for j in range(2)
+        ]
         for proc in servers:
             assert "listening on" in proc.stdout.readline()
         reducers_spec = ",".join(f"{net.address(world + j)}:5555" for j in range(2))
-        workers = [net.spawn(i, [sys.executable, str(SCRIPTS / "send_buffer_job.py"), "4", "8", "3"],
-                             dict(env, RS_REDUCERS=reducers_spec, RS_RANK=str(i), RS_WORLD_SIZE=str(world)))
-                   for i in range(world)]
+        workers = [
+            net.spawn(
+                i,
+                [sys.executable, str(SCRIPTS / "send_buffer_job.py"), "4", "8", "3"],
+                dict(env, RS_REDUCERS=reducers_spec, RS_RANK=str(i), RS_WORLD_SIZE=str(world)),
+            )
+            for i in range(world)
+        ]
         lines = [next(line for line in proc.stdout if line.startswith("{")) for proc in workers]
-        ends = [subprocess.run(["ip", "netns", "exec", net.namespace(world + j), "ss", "-tmnH", "state", "established",
-                                "( sport = :5555 )"], capture_output=True, text=True, check=True).stdout
-                for j in range(2)]
+        ends = [
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    net.namespace(world + j),
+                    "ss",
+                    "-tmnH",
+                    "state",
+                    "established",
+                    "( sport = :5555 )",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            for j in range(2)
+        ]
         for proc in workers:
             proc.communicate(timeout=120)
         net.stop(servers)
@@ -166,8 +211,9 @@ def test_auto_gives_connections_over_a_shaped_link_a_few_segments():
 def test_a_reducer_refuses_a_bad_rs_sndbuf():
     serve = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.run(serve, env=child_env({"RS_SNDBUF": "1000"}), capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and "RS_SNDBUF=1000 must be `auto`, 0 (the kernel's autotuning) or 4096" in \
-        proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 2 and "RS_SNDBUF=1000 must be `auto`, 0 (the kernel's autotuning) or 4096" in proc.stderr
+    ), proc.stderr
 
 
 def test_send_buffer_takes_auto_or_integers_of_any_kind_and_nothing_else(monkeypatch):

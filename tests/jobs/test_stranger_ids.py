@@ -10,6 +10,7 @@ libzmq attaches their connections, and serve its job afterwards.
 
 Bounded: a few dozen connections on loopback, every receive with a timeout, sockets that never
 reconnect (ZMQ_RECONNECT_IVL=-1)."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def unseeded_ids() -> List[bytes]:
     host's C library has it (computed in one, so nothing here has called rand() yet), read as
     libzmq's generate_random() reads it, for each of the first STARTS starting points."""
     code = "import ctypes; libc = ctypes.CDLL(None); print([libc.rand() for _ in range(%d)])" % (STARTS + 1)
-    r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                  timeout=30).stdout)
+    r = json.loads(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30).stdout
+    )
     starts = [((r[j + 1] & 1) << 31) | r[j] for j in range(STARTS)]
     ids = {b"\x00" + ((start + k) % (1 << 32)).to_bytes(4, "big") for start in starts for k in range(AHEAD)}
     return sorted(ids)
@@ -53,8 +55,9 @@ def unseeded_ids() -> List[bytes]:
 class Stranger:
     """One DEALER connection of a stranger, naming `routing_id` (or none), never reconnecting."""
 
-    def __init__(self, context: zmq.Context, address: str, routing_id: Optional[bytes] = None,
-                 plain: Optional[tuple] = None) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str, routing_id: Optional[bytes] = None, plain: Optional[tuple] = None
+    ) -> None:
         self.sock = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
@@ -67,8 +70,9 @@ class Stranger:
         info = hello_payload(host="stranger", pid=0, version="test")
         self.outcome: Optional[str] = None  # "answered" or "refused", once known
         try:
-            self.sock.send_multipart([protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=JOB), info],
-                                     zmq.NOBLOCK)
+            self.sock.send_multipart(
+                [protocol.text_header(MsgType.HELLO, info, rank=0, world=2, job=JOB), info], zmq.NOBLOCK
+            )
         except zmq.Again:  # the reducer already refused the connection, and libzmq dropped it
             self.outcome = "refused"
 
@@ -80,8 +84,13 @@ class Stranger:
             self.outcome = "answered"
         while self.outcome is None and self.monitor.poll(0):
             event = zmq.utils.monitor.parse_monitor_message(self.monitor.recv_multipart())["event"]
-            if event & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
+            if event & (
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_CLOSED
+            ):
                 self.outcome = "refused"
 
     def close(self) -> None:
@@ -114,8 +123,12 @@ def all_reduce_works(group, world: int = 2) -> None:
     """A real job of `world` ranks all-reduces over `group`, exactly."""
     job, count = new_job(), 10_000
     xs = [np.arange(count, dtype=np.float32) * (r + 1) for r in range(world)]
-    out = run_ranks(world, lambda rank: connect(group, rank, world, job, timeout=10, connect_timeout=10),
-                    lambda comm, rank: comm.all_reduce(xs[rank], "sum"), limit=60)
+    out = run_ranks(
+        world,
+        lambda rank: connect(group, rank, world, job, timeout=10, connect_timeout=10),
+        lambda comm, rank: comm.all_reduce(xs[rank], "sum"),
+        limit=60,
+    )
     for y in out:
         np.testing.assert_array_equal(y, sum(xs))
 
@@ -143,16 +156,21 @@ def test_strangers_naming_the_reducers_next_routing_ids_cannot_abort_it(knows_th
         strangers = attack(group.addresses[0], plain)
         outcomes = [s.outcome for s in strangers]
         outlives(group, strangers)
-        assert outcomes == ["refused"] * len(strangers), \
+        assert outcomes == ["refused"] * len(strangers), (
             f"strangers without the token: {outcomes.count('answered')} answered, {outcomes.count(None)} unsettled"
+        )
 
 
 def test_a_job_already_running_keeps_running_through_the_attack():
     """The same attack while two ranks are admitted and connected: their job goes on after it."""
     with reducers(1, extra_env=ONE_PROCESS) as group:
         job, world = new_job(), 2
-        comms = run_ranks(world, lambda rank: connect(group, rank, world, job, timeout=10, connect_timeout=10),
-                          lambda comm, rank: None, limit=30)
+        comms = run_ranks(
+            world,
+            lambda rank: connect(group, rank, world, job, timeout=10, connect_timeout=10),
+            lambda comm, rank: None,
+            limit=30,
+        )
         assert comms == [None, None]
         strangers = attack(group.addresses[0])
         outlives(group, strangers)

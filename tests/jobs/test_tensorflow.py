@@ -8,6 +8,7 @@ A TensorFlow import costs seconds per process, so the rank processes are few: th
 themselves under the launcher with 2 workers, and one 3-worker job (this file run as a script)
 that runs both styles and every multi-rank check.
 """
+
 import json
 import os
 import sys
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - "
-                                              "the adapter needs it")
+tf = pytest.importorskip(
+    "tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - the adapter needs it"
+)
 keras = pytest.importorskip("keras", reason="keras 3 is not installed (it comes with tensorflow >= 2.16)")
 
 if __name__ == "__main__":  # a rank's script: tests/, which holds helpers, is not on sys.path then
@@ -33,6 +35,7 @@ sys.path.insert(0, str(SCRIPTS))  # report, when this module runs as a rank's sc
 import keras_fit  # noqa: E402
 import tf_custom_loop  # noqa: E402
 from report import report  # noqa: E402
+
 from helpers.reference import assert_close  # noqa: E402
 
 PER = 4  # rows per rank per step
@@ -49,12 +52,14 @@ def loop_reference(world):
 
 def fit_reference(world):
     model = keras_fit.make_model(seed=0)
-    keras_fit.fit(model, FIT["steps"], world * PER, rank=0, world=1, lr=FIT["lr"], epochs=FIT["epochs"],
-                  distributed=False)
+    keras_fit.fit(
+        model, FIT["steps"], world * PER, rank=0, world=1, lr=FIT["lr"], epochs=FIT["epochs"], distributed=False
+    )
     return keras_fit.weights(model)
 
 
 # -- the examples under the launcher, 2 workers -------------------------------------------------
+
 
 def launch_example(tmp_path, script, *args):
     """Both ranks' JSON reports (written to files: the launcher caps its output lines)."""
@@ -64,8 +69,9 @@ def launch_example(tmp_path, script, *args):
 
 
 def test_custom_loop_example_matches_single_process(tmp_path):
-    results = launch_example(tmp_path, "tf_custom_loop.py", "--steps", str(LOOP["steps"]), "--batch", str(PER),
-                             "--lr", str(LOOP["lr"]))
+    results = launch_example(
+        tmp_path, "tf_custom_loop.py", "--steps", str(LOOP["steps"]), "--batch", str(PER), "--lr", str(LOOP["lr"])
+    )
     start = tf_custom_loop.weights(tf_custom_loop.make_model(seed=0))
     assert results[1]["before"] != results[0]["before"], "ranks were meant to start from different weights"
     for r in results:
@@ -75,8 +81,18 @@ def test_custom_loop_example_matches_single_process(tmp_path):
 
 
 def test_keras_fit_example_matches_single_process(tmp_path):
-    results = launch_example(tmp_path, "keras_fit.py", "--steps", str(FIT["steps"]), "--epochs", str(FIT["epochs"]),
-                             "--batch", str(PER), "--lr", str(FIT["lr"]))
+    results = launch_example(
+        tmp_path,
+        "keras_fit.py",
+        "--steps",
+        str(FIT["steps"]),
+        "--epochs",
+        str(FIT["epochs"]),
+        "--batch",
+        str(PER),
+        "--lr",
+        str(FIT["lr"]),
+    )
     assert results[0]["final"] == results[1]["final"], "ranks ended with different weights"
     assert results[0]["history"] == results[1]["history"], "MetricAverageCallback left the ranks' logs apart"
     assert_close(results[0]["final"], fit_reference(2), "model.fit, 2 ranks vs one process")
@@ -90,8 +106,14 @@ _job = {}
 def three_ranks():
     if not _job:
         with reducers(2, workers=3) as group:
-            results = run_workers(3, group, str(ROOT / "tests" / "jobs" / "test_tensorflow.py"), ["worker"], timeout=240,
-                                  extra_env={"RS_FUSION_THRESHOLD": "256"})  # several buckets per step
+            results = run_workers(
+                3,
+                group,
+                str(ROOT / "tests" / "jobs" / "test_tensorflow.py"),
+                ["worker"],
+                timeout=240,
+                extra_env={"RS_FUSION_THRESHOLD": "256"},
+            )  # several buckets per step
         _job["results"] = results
     return _job["results"]
 
@@ -183,6 +205,7 @@ def test_a_rank_with_a_different_variable_shape_gets_the_plan_error():
 
 # -- in-process checks (no collective is issued) ------------------------------------------------
 
+
 def test_xla_compiled_step_is_refused():
     variable = tf.Variable(tf.ones(3))
 
@@ -239,6 +262,7 @@ def test_all_none_needs_no_communicator():
 
 # -- the 3-worker job's rank process ------------------------------------------------------------
 
+
 class _Fp16:
     """Horovod's Compression.fp16 shape: float32 -> float16 on the wire, back after."""
 
@@ -251,10 +275,16 @@ class _Fp16:
 
 def _mixed(rank, world):
     """A group of tensors of every float dtype, a None and an IndexedSlices, eager and in a graph."""
+
     def tensors():
-        return [tf.fill([3], float(rank + 1)), None, tf.fill([2, 2], tf.constant(0.5 * (rank + 1), tf.float16)),
-                tf.fill([4], tf.constant(rank + 1, tf.bfloat16)), tf.constant(float(rank), tf.float64),
-                tf.IndexedSlices(tf.fill([1, 2], float(rank + 1)), tf.constant([rank]), tf.constant([world, 2]))]
+        return [
+            tf.fill([3], float(rank + 1)),
+            None,
+            tf.fill([2, 2], tf.constant(0.5 * (rank + 1), tf.float16)),
+            tf.fill([4], tf.constant(rank + 1, tf.bfloat16)),
+            tf.constant(float(rank), tf.float64),
+            tf.IndexedSlices(tf.fill([1, 2], float(rank + 1)), tf.constant([rank]), tf.constant([world, 2])),
+        ]
 
     def run():
         summed = rstf.grouped_allreduce(tensors(), op="sum", name="mixed")
@@ -266,10 +296,15 @@ def _mixed(rank, world):
     for mode, fn in (("eager", run), ("graph", tf.function(run))):
         summed, averaged, ops = fn()
         present = [t for t in summed if t is not None]
-        out[mode] = {"none": summed[1], "dtypes": [t.dtype.name for t in present],
-                     "sum": [np.asarray(tf.cast(t, tf.float64)).tolist() for t in present],
-                     "avg": [np.asarray(averaged[0]).tolist()],
-                     "min": float(ops[0]), "max": float(ops[1]), "prod": float(ops[2])}
+        out[mode] = {
+            "none": summed[1],
+            "dtypes": [t.dtype.name for t in present],
+            "sum": [np.asarray(tf.cast(t, tf.float64)).tolist() for t in present],
+            "avg": [np.asarray(averaged[0]).tolist()],
+            "min": float(ops[0]),
+            "max": float(ops[1]),
+            "prod": float(ops[2]),
+        }
     return out
 
 
@@ -285,9 +320,12 @@ def _tape(rank):
         return tape.gradient(loss, {"used": used, "unused": unused, "embedding": embedding})
 
     g = grads()
-    return {"used": g["used"].numpy().tolist(), "unused": g["unused"],
-            "embedding": g["embedding"].numpy().tolist(), "embedding_type": type(g["embedding"]).__name__.replace(
-                "EagerTensor", "Tensor")}
+    return {
+        "used": g["used"].numpy().tolist(),
+        "unused": g["unused"],
+        "embedding": g["embedding"].numpy().tolist(),
+        "embedding_type": type(g["embedding"]).__name__.replace("EagerTensor", "Tensor"),
+    }
 
 
 def _mismatch(rank, world):
@@ -317,8 +355,11 @@ def _worker():
     rstf.broadcast_variables(model.weights, root_rank=0)
     initial = tf_custom_loop.weights(model)
     tf_custom_loop.train(model, LOOP["steps"], PER, rank, world, LOOP["lr"])
-    out["loop"] = {"before": before.tolist(), "initial": initial.tolist(),
-                   "final": tf_custom_loop.weights(model).tolist()}
+    out["loop"] = {
+        "before": before.tolist(),
+        "initial": initial.tolist(),
+        "final": tf_custom_loop.weights(model).tolist(),
+    }
 
     class Record(keras.callbacks.Callback):  # runs after the broadcast, before the metric averaging
         def on_train_begin(self, logs=None):
@@ -331,8 +372,12 @@ def _worker():
     record = Record()
     model = keras_fit.make_model(seed=rank)
     history = keras_fit.fit(model, FIT["steps"], PER, rank, world, FIT["lr"], FIT["epochs"], callbacks=(record,))
-    out["fit"] = {"initial": record.initial.tolist(), "final": keras_fit.weights(model).tolist(),
-                  "history": history, "raw_logs": record.raw}
+    out["fit"] = {
+        "initial": record.initial.tolist(),
+        "final": keras_fit.weights(model).tolist(),
+        "history": history,
+        "raw_logs": record.raw,
+    }
 
     out["mixed"] = _mixed(rank, world)
     out["tape"] = _tape(rank)

@@ -1,5 +1,6 @@
 """RS_TIMELINE: each rank of a real job writes a Chrome trace of its collectives, which loads as
 JSON (also on the rank that exits without closing its communicator) and nests properly."""
+
 import json
 from collections import defaultdict
 from typing import Dict, List
@@ -29,8 +30,13 @@ def collectives(events: List[dict]) -> Dict[int, dict]:
             out[e["args"]["seq"]] = {"event": e, "phases": []}
     for e in events:
         if e.get("cat") == "phase":
-            owners = [c for c in out.values() if c["event"]["tid"] == e["tid"]
-                      and c["event"]["ts"] <= e["ts"] and e["ts"] + e["dur"] <= c["event"]["ts"] + c["event"]["dur"]]
+            owners = [
+                c
+                for c in out.values()
+                if c["event"]["tid"] == e["tid"]
+                and c["event"]["ts"] <= e["ts"]
+                and e["ts"] + e["dur"] <= c["event"]["ts"] + c["event"]["dur"]
+            ]
             assert len(owners) == 1, f"phase {e} is not inside exactly one collective"
             owners[0]["phases"].append(e)
     for c in out.values():
@@ -58,13 +64,20 @@ def test_each_rank_writes_a_trace_of_its_collectives_and_buckets(tmp_path):
         # Two plain all-reduces, the fusion plan's check, the buckets in the order they filled
         # (their tensors were given in reverse), and the all-reduce that failed.
         names = [by_seq[seq]["event"]["name"] for seq in sorted(by_seq)]
-        assert names == ["all_reduce sum #0", "all_reduce sum #1", "all_reduce sum #2",
-                         "bucket 2: w3", "bucket 1: w2, b2", "bucket 0: w1, b1", "all_reduce sum #6"], names
+        assert names == [
+            "all_reduce sum #0",
+            "all_reduce sum #1",
+            "all_reduce sum #2",
+            "bucket 2: w3",
+            "bucket 1: w2, b2",
+            "bucket 0: w1, b1",
+            "all_reduce sum #6",
+        ], names
         failed = by_seq[6]["event"]
         assert failed["args"]["status"] == "failed" and "disagree" in failed["args"]["error"], failed
         starts = [by_seq[seq]["event"]["ts"] for seq in sorted(by_seq)]
         assert starts[:3] == sorted(starts[:3]), starts  # submitted one after the other
-        for seq, c in by_seq.items():
+        for c in by_seq.values():
             e, phases = c["event"], c["phases"]
             if e is failed:
                 continue

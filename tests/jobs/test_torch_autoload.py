@@ -10,6 +10,7 @@
   then unknown to torch.
 - The hook never raises, whatever it meets, so a broken install cannot break `import torch`.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -74,8 +75,9 @@ def probe(mode: str) -> dict:
         if mode == "on":
             env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
         args = ["--try-init"] if mode in OFF else []
-        proc = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True,
-                              timeout=180)
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=180
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         _reports[mode] = dict(json.loads(proc.stdout.strip().splitlines()[-1]), stderr=proc.stderr)
     return _reports[mode]
@@ -110,8 +112,9 @@ def test_each_switch_turns_it_off(variable):
 def test_the_hooks_off_values_are_the_registrys():
     hook = pytest.importorskip(HOOK)  # a plain ImportError before self-registration existed
     for word in ("0", "false", "no", "off", "1", "true", "yes", "on", "", "  OFF "):
-        assert (word.strip().lower() in hook._OFF) == (settings.read("RS_TORCH_AUTOLOAD", {"RS_TORCH_AUTOLOAD": word})
-                                                       is False), word
+        assert (word.strip().lower() in hook._OFF) == (
+            settings.read("RS_TORCH_AUTOLOAD", {"RS_TORCH_AUTOLOAD": word}) is False
+        ), word
     assert settings.BY_NAME["RS_TORCH_AUTOLOAD"].kind is bool
 
 
@@ -129,17 +132,21 @@ def test_the_hook_never_raises(monkeypatch):
 
 
 def test_the_hook_imports_only_the_standard_library():
-    code = ("import json, sys; before = set(sys.modules); import reduction_server_torch_autoload; "
-            "print(json.dumps(sorted(set(sys.modules) - before)))")
+    code = (
+        "import json, sys; before = set(sys.modules); import reduction_server_torch_autoload; "
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [HOOK]
 
 
 def test_a_malformed_switch_is_an_error_once_the_backend_is_asked_for():
-    code = ("import torch, torch.distributed as dist\n"
-            "assert 'REDUCTION_SERVER' in dist.Backend._plugins\n"
-            "dist.init_process_group('reduction_server', store=dist.HashStore(), rank=0, world_size=1)\n")
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "assert 'REDUCTION_SERVER' in dist.Backend._plugins\n"
+        "dist.init_process_group('reduction_server', store=dist.HashStore(), rank=0, world_size=1)\n"
+    )
     env = child_env({"RS_TORCH_AUTOLOAD": "sometimes", "RS_REDUCERS": "127.0.0.1:1"})
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0 and "RS_TORCH_AUTOLOAD='sometimes' is not a switch" in proc.stderr, proc.stderr[-3000:]
@@ -174,16 +181,35 @@ def test_an_unmodified_torchrun_script_runs_on_the_backend(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     with reducers(1, workers=2) as group:
-        env = child_env({"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30",
-                         "RS_TIMEOUT": "60"})
+        env = child_env(
+            {"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": "60"}
+        )
         env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(script), "--backend", "reduction_server"], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(script),
+                "--backend",
+                "reduction_server",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                     key=lambda r: r["rank"])
-    assert [(r["rank"], r["world"], r["backend"]) for r in results] == [(0, 2, "reduction_server"),
-                                                                         (1, 2, "reduction_server")]
+    results = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
+    assert [(r["rank"], r["world"], r["backend"]) for r in results] == [
+        (0, 2, "reduction_server"),
+        (1, 2, "reduction_server"),
+    ]
     assert all(r["sum"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0] and r["broadcast"] == 1.0 for r in results)
     assert all(r["before"] == [] and r["adapter"] for r in results)  # imported by torch, when it made the backend

@@ -2,6 +2,7 @@
 DDP over init_process_group("reduction_server") against a single-process reference and against
 gloo, the comm hooks, overlap of bucket all-reduces with backward, plain collectives, and the
 device checks."""
+
 import json
 import sys
 import time
@@ -14,10 +15,10 @@ if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 import reduction_server.client.torch as rst  # noqa: E402
-from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
 from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
 from helpers.devices import TOLERANCE, label, on_device  # noqa: E402
 from helpers.ports import free_ports  # noqa: E402
+from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
@@ -55,12 +56,16 @@ def run_job(key):
 
     def run():
         reducer_count, setups = JOBS[key]
-        spec = {"setups": setups, "master_ports": free_ports(len(setups)),
-                "rs_without_master": world == 3,  # W=3: the discovery-only rendezvous; W=2: TCP store
-                "bucket_cap_mb": 0.001,  # several buckets: one per tensor
-                "overlap_bucket_cap_mb": 0.25}
+        spec = {
+            "setups": setups,
+            "master_ports": free_ports(len(setups)),
+            "rs_without_master": world == 3,  # W=3: the discovery-only rendezvous; W=2: TCP store
+            "bucket_cap_mb": 0.001,  # several buckets: one per tensor
+            "overlap_bucket_cap_mb": 0.25,
+        }
         with reducers(reducer_count, workers=world) as group:
             return run_workers(world, group, "torch_ddp.py", [json.dumps(spec)], extra_env=env, timeout=150)
+
     return once(_results, key, run)
 
 
@@ -135,6 +140,7 @@ def test_example_runs_under_the_launcher(tmp_path):
 
 
 # -- in-process checks -------------------------------------------------------------------------
+
 
 def test_module_imports_the_real_torch_and_registers_the_backend():
     assert rst_tensors.torch is sys.modules["torch"] and hasattr(rst_tensors.torch, "nn")

@@ -3,6 +3,7 @@ real ranks (tests/scripts/torch_fsdp.py): sharded training equals a single proce
 the concatenated batch, over a 1-D mesh (W=2, W=4) and as HSDP over a 2-D replicate x shard mesh
 (W=4), whose replicate dimension's all-reduce runs in a subgroup; and with bf16 parameters and
 fp32 reduction, equal to the same job over Gloo."""
+
 import re
 
 import numpy as np

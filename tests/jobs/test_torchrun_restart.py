@@ -2,6 +2,7 @@
 the middle of a run, torchrun's agent restarts the group (TORCHELASTIC_RESTART_COUNT, which the
 workers add to their generation), the same reducers serve it, it resumes from the checkpoint, and
 the final model equals an undisturbed run's bit for bit."""
+
 import subprocess
 import sys
 
@@ -16,9 +17,27 @@ STEPS = 12
 
 def torchrun(group, directory, kill_step: int) -> subprocess.CompletedProcess:
     env = child_env({"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_TIMEOUT": "30"})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "1", str(SCRIPTS / "torchrun_restart.py"), str(directory), str(STEPS),
-                           str(kill_step)], env=env, capture_output=True, text=True, timeout=240, cwd=directory)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(SCRIPTS / "torchrun_restart.py"),
+            str(directory),
+            str(STEPS),
+            str(kill_step),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=directory,
+    )
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_training_ends_as_undisturbed(tmp_path):

@@ -18,6 +18,7 @@ own part of the data (asserted), so ranks whose gradients were not all-reduced w
 The Gloo reference of each is the framework's own way to run Gloo, run once per module. Deselect
 them all with -m "not trainers"; a framework that is not installed skips, naming its package.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,10 +42,31 @@ TOLERANCE = 1e-5
 JOB_TIMEOUT = 180  # seconds; a job takes 10-30 s on 2 free cores
 #: every variable through which a launcher places a process: none may leak in from the test's own
 #: environment, so that each job sees only what its launcher sets
-PLACEMENT_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "HOROVOD_", "PL_",
-                      "ACCELERATE_")
-PLACEMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "NODE_RANK", "GROUP_RANK",
-             "MASTER_ADDR", "MASTER_PORT", "TORCH_DEVICE_BACKEND_AUTOLOAD", "CLUSTER_SPEC", "TF_CONFIG")
+PLACEMENT_PREFIXES = (
+    "TORCHELASTIC_",
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCAL",
+    "HOROVOD_",
+    "PL_",
+    "ACCELERATE_",
+)
+PLACEMENT = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "CLUSTER_SPEC",
+    "TF_CONFIG",
+)
 _references: Dict[str, List[dict]] = {}
 
 
@@ -58,16 +80,30 @@ def needs(*packages: str) -> None:
 
 def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {k: v for k, v in child_env().items() if k not in PLACEMENT and not k.startswith(PLACEMENT_PREFIXES)}
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", **(extra or {})})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            **(extra or {}),
+        }
+    )
     return env
 
 
 def run_job(command: List[str], out: Path, env: Dict[str, str], world: int = 2) -> List[dict]:
     """Run one job (a launcher and the ranks it starts) in its own session, so that nothing it
     started outlives it; each rank's OUT/rank<r>.json, by rank."""
-    proc = subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=out.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -96,15 +132,24 @@ def stop_tree(proc: subprocess.Popen) -> None:
 
 
 def torchrun(script: str, *args: str) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(SCRIPTS / script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / script),
+        *args,
+    ]
 
 
 def on_reducers(command: List[str], out: Path) -> List[dict]:
     """The job through one real reducer, its rank processes given only RS_REDUCERS and the token."""
     with reducers(1, workers=2) as group:
-        env = job_env({"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30",
-                       "RS_TIMEOUT": "60"})
+        env = job_env(
+            {"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_CONNECT_TIMEOUT": "30", "RS_TIMEOUT": "60"}
+        )
         results = run_job(command, out, env)
         assert group.alive(), "the reducer died during the job"
     return results
@@ -112,9 +157,11 @@ def on_reducers(command: List[str], out: Path) -> List[dict]:
 
 def reference(key: str, command: Callable[[Path], List[str]], tmp_path_factory) -> List[dict]:
     """The same training on Gloo (the job that command(OUT) starts), run once per module."""
+
     def run() -> List[dict]:
         out = tmp_path_factory.mktemp(key.replace(" ", "-")) / "out"
         return run_job(command(out), out, job_env())
+
     results = once(_references, key, run)
     assert [r["backend"] for r in results] == ["gloo", "gloo"]
     return results
@@ -128,8 +175,10 @@ def max_difference(a: List[float], b: List[float]) -> float:
 def check(results: List[dict], gloo: List[dict]) -> float:
     """Both ranks on the backend, trained the same steps on different data, equal to each other and
     to Gloo's within TOLERANCE; the largest difference from Gloo."""
-    assert [(r["rank"], r["world"], r["backend"]) for r in results] == [(0, 2, "reduction_server"),
-                                                                        (1, 2, "reduction_server")]
+    assert [(r["rank"], r["world"], r["backend"]) for r in results] == [
+        (0, 2, "reduction_server"),
+        (1, 2, "reduction_server"),
+    ]
     assert [r["steps"] for r in results] == [r["steps"] for r in gloo] and results[0]["steps"] > 0
     assert results[0]["seen"] != results[1]["seen"], "both ranks saw the same data: synchronisation is unproven"
     assert [r["seen"] for r in results] == [r["seen"] for r in gloo]
@@ -143,6 +192,7 @@ def check(results: List[dict], gloo: List[dict]) -> float:
 
 
 # --- PyTorch Lightning ----------------------------------------------------------------------------
+
 
 def lightning(backend: str, strategy: str, out: Path) -> List[str]:
     # `python train.py`: Lightning's launcher starts the second process itself
@@ -172,6 +222,7 @@ def test_lightning_fsdp2_model_parallel_strategy_on_cpu(tmp_path, tmp_path_facto
 
 # --- Hugging Face Accelerate ----------------------------------------------------------------------
 
+
 def test_accelerate_cpu_recipe_group_first(tmp_path, tmp_path_factory):
     needs("accelerate")
     gloo = reference("accelerate", lambda out: torchrun("trainer_accelerate.py", "gloo", str(out)), tmp_path_factory)
@@ -179,8 +230,11 @@ def test_accelerate_cpu_recipe_group_first(tmp_path, tmp_path_factory):
     results = on_reducers(torchrun("trainer_accelerate.py", "reduction_server", str(out)), out)
     check(results, gloo)
     # Accelerate took the group for its own: multi-CPU data parallel, the model in DDP
-    assert all(r["accelerate"] == {"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 2,
-                                   "wrapped": "DistributedDataParallel"} for r in results + gloo)
+    assert all(
+        r["accelerate"]
+        == {"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 2, "wrapped": "DistributedDataParallel"}
+        for r in results + gloo
+    )
 
 
 def test_accelerate_refuses_a_custom_backend_on_cpu(tmp_path):
@@ -189,23 +243,30 @@ def test_accelerate_refuses_a_custom_backend_on_cpu(tmp_path):
     needs("accelerate")
     out = tmp_path / "out"
     env = job_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-    (result,) = run_job([sys.executable, str(SCRIPTS / "trainer_accelerate.py"), "kwargs:reduction_server", str(out)],
-                        out, env, world=1)
-    assert result["error"] == ("ValueError: Your assigned backend reduction_server is not available, "
-                               "please use gloo"), result
+    (result,) = run_job(
+        [sys.executable, str(SCRIPTS / "trainer_accelerate.py"), "kwargs:reduction_server", str(out)], out, env, world=1
+    )
+    assert result["error"] == (
+        "ValueError: Your assigned backend reduction_server is not available, please use gloo"
+    ), result
 
 
 # --- Hugging Face Transformers' Trainer -----------------------------------------------------------
 
+
 def test_transformers_trainer_on_a_group_initialised_first(tmp_path, tmp_path_factory):
     needs("transformers", "accelerate")
-    gloo = reference("transformers", lambda out: torchrun("trainer_transformers.py", "gloo", str(out)),
-                     tmp_path_factory)
+    gloo = reference(
+        "transformers", lambda out: torchrun("trainer_transformers.py", "gloo", str(out)), tmp_path_factory
+    )
     out = tmp_path / "out"
     results = on_reducers(torchrun("trainer_transformers.py", "reduction_server", str(out)), out)
     check(results, gloo)
-    assert all(r["trainer"] == {"parallel_mode": "ParallelMode.DISTRIBUTED", "world_size": 2,
-                                "wrapped": "DistributedDataParallel"} for r in results + gloo)
+    assert all(
+        r["trainer"]
+        == {"parallel_mode": "ParallelMode.DISTRIBUTED", "world_size": 2, "wrapped": "DistributedDataParallel"}
+        for r in results + gloo
+    )
 
 
 def test_transformers_ddp_backend_refuses_the_name(tmp_path):
@@ -214,8 +275,13 @@ def test_transformers_ddp_backend_refuses_the_name(tmp_path):
     needs("transformers", "accelerate")
     out = tmp_path / "out"
     env = job_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-    (result,) = run_job([sys.executable, str(SCRIPTS / "trainer_transformers.py"), "ddp_backend:reduction_server",
-                         str(out)], out, env, world=1)
-    assert result["error"] == ("ValueError: Your assigned backend reduction_server is not available, "
-                               "please use gloo"), result
+    (result,) = run_job(
+        [sys.executable, str(SCRIPTS / "trainer_transformers.py"), "ddp_backend:reduction_server", str(out)],
+        out,
+        env,
+        world=1,
+    )
+    assert result["error"] == (
+        "ValueError: Your assigned backend reduction_server is not available, please use gloo"
+    ), result
     assert "invalid choice: 'reduction_server'" in result["parser"], result

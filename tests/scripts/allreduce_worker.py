@@ -1,5 +1,6 @@
 """One rank of a test job: run the cases given as JSON, check each against the reference
 computed from every rank's deterministic inputs, print one JSON summary line."""
+
 import json
 import sys
 from pathlib import Path
@@ -7,10 +8,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from report import report  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
 from helpers.reference import check, make_input  # noqa: E402
-from report import report  # noqa: E402
 
 
 def main() -> None:

@@ -4,21 +4,28 @@ and checks every result against NumPy. Prints one JSON line: rank, world, reduce
 
 EXPECT_RANK and EXPECT_WORLD, when set, are what discovery must have found.
 """
+
 import os
 import sys
 
 import numpy as np
+from report import report
 
 import reduction_server.client as rs
 from reduction_server.config.discovery import discover_worker
-from report import report
 
 # (dtype, op, element count): small and multi-chunk buffers (RS_CHUNK_BYTES is set small by the
 # test, so the larger ones are spread over every reducer).
 CASES = [
-    ("float32", "sum", 1), ("float32", "sum", 1000), ("float32", "sum", 300_001),
-    ("float32", "avg", 65_536), ("float64", "max", 50_000), ("float64", "min", 50_000),
-    ("int32", "sum", 100_003), ("int64", "prod", 4_097), ("float16", "sum", 70_000),
+    ("float32", "sum", 1),
+    ("float32", "sum", 1000),
+    ("float32", "sum", 300_001),
+    ("float32", "avg", 65_536),
+    ("float64", "max", 50_000),
+    ("float64", "min", 50_000),
+    ("int32", "sum", 100_003),
+    ("int64", "prod", 4_097),
+    ("float16", "sum", 70_000),
 ]
 
 
@@ -53,13 +60,14 @@ def main() -> None:
             inputs = [make_input(dtype, op, count, case, r) for r in range(comm.world_size)]
             got = comm.all_reduce(inputs[comm.rank], op=op)
             want = expected(inputs, dtype, op)
-            rtol = 2.0 ** -9 if dtype == "float16" else 1e-6
+            rtol = 2.0**-9 if dtype == "float16" else 1e-6
             if got.dtype != want.dtype or got.shape != want.shape:
                 failures.append(f"{dtype} {op} {count}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
             elif np.dtype(dtype).kind == "i" and not np.array_equal(got, want):
                 failures.append(f"{dtype} {op} {count}: {np.count_nonzero(got != want)} elements differ")
-            elif np.dtype(dtype).kind == "f" and not np.allclose(got.astype(np.float64), want.astype(np.float64),
-                                                                 rtol=rtol, atol=1e-3 if dtype == "float16" else 1e-9):
+            elif np.dtype(dtype).kind == "f" and not np.allclose(
+                got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=1e-3 if dtype == "float16" else 1e-9
+            ):
                 failures.append(f"{dtype} {op} {count}: not close to NumPy's result")
             checks += 1
         x = np.full(1000, comm.rank, np.float32)
@@ -68,8 +76,16 @@ def main() -> None:
             failures.append("broadcast from the last rank gave the wrong values")
         checks += 1
         comm.barrier()
-        report({"rank": comm.rank, "world": comm.world_size, "reducers": list(comm.reducers),
-                "source": place.source, "checks": checks, "failures": failures})
+        report(
+            {
+                "rank": comm.rank,
+                "world": comm.world_size,
+                "reducers": list(comm.reducers),
+                "source": place.source,
+                "checks": checks,
+                "failures": failures,
+            }
+        )
     sys.exit(1 if failures else 0)
 
 

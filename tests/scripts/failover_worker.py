@@ -7,6 +7,7 @@ each result is checked against a NumPy reference computed from every rank's inpu
 the int32 sums and the broadcasts always bitwise. The parameters take a plain SGD step. Rank 0
 prints `STEP n` as it goes; every rank ends with one JSON line: its mismatches, a digest of its
 final parameters, and what its failover did."""
+
 import hashlib
 import json
 import sys
@@ -35,7 +36,9 @@ def main() -> None:
             ints = np.full(INTS, step * world + rank, np.int32)
             handles = [comm.all_reduce_async(g) for g in grads] + [comm.all_reduce_async(ints)]
             root = step % world
-            shared = np.full(BROADCAST, -1.0, np.float32) if rank != root else np.arange(BROADCAST, dtype=np.float32) + step
+            shared = (
+                np.full(BROADCAST, -1.0, np.float32) if rank != root else np.arange(BROADCAST, dtype=np.float32) + step
+            )
             if step % 10 == 0:
                 handles.append(comm.broadcast_async(shared, root))
             results = [h.wait() for h in handles]
@@ -43,7 +46,9 @@ def main() -> None:
                 want = gradient(step, 0, i, n)
                 for r in range(1, world):
                     want += gradient(step, r, i, n)  # rank order, as the reducers fold in deterministic mode
-                same = np.array_equal(results[i], want) if exact else np.allclose(results[i], want, rtol=1e-5, atol=1e-6)
+                same = (
+                    np.array_equal(results[i], want) if exact else np.allclose(results[i], want, rtol=1e-5, atol=1e-6)
+                )
                 if not same:
                     mismatches.append(f"step {step} tensor {i}: max diff {np.abs(results[i] - want).max()}")
                 params[i] -= 0.1 * results[i]
@@ -56,14 +61,25 @@ def main() -> None:
         failover = comm._engine.failover
         ends = comm._engine.endpoints  # failover counts each shard of a reducer (RS_SHARDS) apart
         digest = hashlib.sha256(b"".join(p.tobytes() for p in params)).hexdigest()
-        print(json.dumps({"rank": rank, "mismatches": mismatches[:5], "mismatch_count": len(mismatches),
-                          "digest": digest, "lost": sorted({ends[e].reducer for e in failover.lost}),
-                          "lost_endpoints": sorted(failover.lost), "endpoints": len(ends),
-                          "moved": failover.moved_chunks,
-                          "finals": failover.finals, "joins": failover.joins,
-                          "rejoined_chunks": failover.rejoined_chunks,
-                          "results_read": comm._engine.slots.results_read}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "mismatches": mismatches[:5],
+                    "mismatch_count": len(mismatches),
+                    "digest": digest,
+                    "lost": sorted({ends[e].reducer for e in failover.lost}),
+                    "lost_endpoints": sorted(failover.lost),
+                    "endpoints": len(ends),
+                    "moved": failover.moved_chunks,
+                    "finals": failover.finals,
+                    "joins": failover.joins,
+                    "rejoined_chunks": failover.rejoined_chunks,
+                    "results_read": comm._engine.slots.results_read,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ last. Times are wall-clock (time.time()), to compare with the test's own clock o
 - close: every rank runs "before" collectives; rank "closer" then closes its communicator and
   exits; the others start one more collective, which must fail naming the closer.
 """
+
 import json
 import os
 import sys
@@ -23,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from report import report  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
 from reduction_server import CollectiveError  # noqa: E402
-from report import report  # noqa: E402
 
 
 def say(**fields) -> None:

@@ -14,11 +14,11 @@ and that the memory accounting adds up: the pool's per-rank charges equal the ch
 open rounds plus the frames they hold. Exits 0 after SECONDS (printing what the reducer answered,
 by type), non-zero on the first violation (its input goes to ARTIFACT_DIR).
 """
+
 import json
 import os
 import sys
 import time
-
 from pathlib import Path
 
 import atheris
@@ -30,9 +30,9 @@ from helpers.capture import CapturingSocket  # noqa: E402
 os.environ.setdefault("RS_LOG_LEVEL", "ERROR")  # a warning per rejected input would drown the fuzzer's output
 
 with atheris.instrument_imports(include=["reduction_server"]):
+    from reduction_server.reducer import MAX_STRIKES, Reducer
     from reduction_server.wire import auth, protocol
     from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
-    from reduction_server.reducer import MAX_STRIKES, Reducer
 
 TOKEN = "fuzz-token"
 WORLD = 2
@@ -68,15 +68,28 @@ def data_message(fdp: atheris.FuzzedDataProvider):
     op = OPS[fdp.ConsumeIntInRange(0, len(OPS) - 1)]
     nchunks = fdp.ConsumeIntInRange(1, 3)
     count = fdp.ConsumeIntInRange(1, 64)
-    fields = dict(type=MsgType.DATA, dtype=int(dtype), op=op, rank=rank, world=WORLD, job=JOB,
-                  seq=fdp.ConsumeIntInRange(0, 6), chunk=fdp.ConsumeIntInRange(0, nchunks - 1), nchunks=nchunks,
-                  offset=0, count=count, total=count * nchunks, aux=fdp.ConsumeIntInRange(0, 1),
-                  nbytes=count * dtype.itemsize)
+    fields = dict(
+        type=MsgType.DATA,
+        dtype=int(dtype),
+        op=op,
+        rank=rank,
+        world=WORLD,
+        job=JOB,
+        seq=fdp.ConsumeIntInRange(0, 6),
+        chunk=fdp.ConsumeIntInRange(0, nchunks - 1),
+        nchunks=nchunks,
+        offset=0,
+        count=count,
+        total=count * nchunks,
+        aux=fdp.ConsumeIntInRange(0, 1),
+        nbytes=count * dtype.itemsize,
+    )
     if op == ReduceOp.BROADCAST and rank != fields["aux"]:
         fields["nbytes"] = 0
     if fdp.ConsumeIntInRange(0, 7) == 7:  # one field broken (not when the input has run out: that gives 0s)
         name = ["dtype", "op", "rank", "world", "job", "seq", "count", "total", "nbytes", "aux", "generation"][
-            fdp.ConsumeIntInRange(0, 10)]
+            fdp.ConsumeIntInRange(0, 10)
+        ]
         fields[name] = fdp.ConsumeIntInRange(0, 1 << 20) if fdp.ConsumeBool() else fdp.ConsumeInt(4) & 0xFFFFFFFF
     try:
         header = protocol.Header(**fields).pack()
@@ -104,8 +117,12 @@ def any_message(fdp: atheris.FuzzedDataProvider):
     if kind == 8:  # a handshake message with a wrong proof, or out of order
         mtype = MsgType.HELLO if fdp.ConsumeBool() else MsgType.AUTH
         text = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
-        return b"stranger", [protocol.text_header(mtype, text, rank=fdp.ConsumeIntInRange(0, 2), world=WORLD,
-                                                  job=JOB if fdp.ConsumeBool() else JOB + 1), text]
+        return b"stranger", [
+            protocol.text_header(
+                mtype, text, rank=fdp.ConsumeIntInRange(0, 2), world=WORLD, job=JOB if fdp.ConsumeBool() else JOB + 1
+            ),
+            text,
+        ]
     return identity, [protocol.text_header(MsgType.BYE if fdp.ConsumeIntInRange(0, 3) == 0 else MsgType.PING, b"")]
 
 
@@ -134,9 +151,16 @@ def check(reducer: Reducer, seen: dict) -> None:
 
 def main() -> None:
     seconds, artifacts = float(sys.argv[1]), sys.argv[2]
-    reducer = Reducer(CapturingSocket(), world_size=WORLD, job_token=TOKEN, max_chunk_bytes=1 << 16,
-                      max_accumulator_bytes=1 << 20, max_peer_bytes=1 << 12, max_rounds=16,
-                      deterministic=sys.argv[3:] == ["deterministic"])
+    reducer = Reducer(
+        CapturingSocket(),
+        world_size=WORLD,
+        job_token=TOKEN,
+        max_chunk_bytes=1 << 16,
+        max_accumulator_bytes=1 << 20,
+        max_peer_bytes=1 << 12,
+        max_rounds=16,
+        deterministic=sys.argv[3:] == ["deterministic"],
+    )
     runs = [0]
     seen: dict = {}  # answers sent, by type: how deep the inputs reach
     stop = time.monotonic() + seconds

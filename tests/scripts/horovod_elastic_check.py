@@ -2,6 +2,7 @@
 its own `__main__`, then checks what the example itself cannot print: that every rank ends with
 the same committed model. Rank 0 prints one JSON line: the final world size, the epoch, and
 whether the ranks' model digests agree."""
+
 import hashlib
 import json
 import runpy
@@ -18,8 +19,17 @@ def main() -> None:
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
     digests = hvd.allgather_object(digest)
     if hvd.rank() == 0:
-        print(json.dumps({"size": hvd.size(), "epoch": state.epoch, "same_model": len(set(digests)) == 1,
-                          "digests": len(digests)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "size": hvd.size(),
+                    "epoch": state.epoch,
+                    "same_model": len(set(digests)) == 1,
+                    "digests": len(digests),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ on its slice of one batch, for each case of CASES, then evaluates them. Prints o
 The cases and their data live here so that the test builds the same batches for its reference:
 one torch.nn.BatchNorm1d/2d in one process over the whole (concatenated) batch.
 """
+
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -57,8 +58,11 @@ def parameters(case: str) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def layer_args(case: str) -> Dict:
     config = CASES[case]
-    return {"momentum": config.get("momentum", 0.1), "affine": config.get("affine", True),
-            "track_running_stats": config.get("track", True)}
+    return {
+        "momentum": config.get("momentum", 0.1),
+        "affine": config.get("affine", True),
+        "track_running_stats": config.get("track", True),
+    }
 
 
 def flat(t):
@@ -86,12 +90,24 @@ def run_case(hvd, case: str, rank: int, world: int, process_set=None) -> Dict:
         (out * grad[mine]).sum().backward()
         # Horovod leaves the weight and bias gradients local (DistributedOptimizer sums them):
         # their sum over the ranks is the whole batch's.
-        grads = {} if not bn.affine else {
-            "weight": flat(hvd.allreduce(bn.weight.grad, op=hvd.Sum, name=f"{case}.{step}.weight", **sets)),
-            "bias": flat(hvd.allreduce(bn.bias.grad, op=hvd.Sum, name=f"{case}.{step}.bias", **sets))}
-        steps.append({"out": flat(out), "x_grad": flat(x.grad), **grads,
-                      "running_mean": flat(bn.running_mean), "running_var": flat(bn.running_var),
-                      "batches": None if bn.num_batches_tracked is None else int(bn.num_batches_tracked)})
+        grads = (
+            {}
+            if not bn.affine
+            else {
+                "weight": flat(hvd.allreduce(bn.weight.grad, op=hvd.Sum, name=f"{case}.{step}.weight", **sets)),
+                "bias": flat(hvd.allreduce(bn.bias.grad, op=hvd.Sum, name=f"{case}.{step}.bias", **sets)),
+            }
+        )
+        steps.append(
+            {
+                "out": flat(out),
+                "x_grad": flat(x.grad),
+                **grads,
+                "running_mean": flat(bn.running_mean),
+                "running_var": flat(bn.running_var),
+                "batches": None if bn.num_batches_tracked is None else int(bn.num_batches_tracked),
+            }
+        )
     bn.eval()
     x, _ = batch(case, world, STEPS)
     with torch.no_grad():
@@ -101,14 +117,14 @@ def run_case(hvd, case: str, rank: int, world: int, process_set=None) -> Dict:
 
 def main() -> None:
     # Imported here: the test imports this file for its data.
-    import reduction_server.client.horovod.torch as hvd
     from report import report
+
+    import reduction_server.client.horovod.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    result = {"rank": rank, "size": world,
-              "cases": {case: run_case(hvd, case, rank, world) for case in CASES}}
+    result = {"rank": rank, "size": world, "cases": {case: run_case(hvd, case, rank, world) for case in CASES}}
     if world == 3:  # ranks 0 and 2 share statistics; rank 1 computes none of them
         pair = hvd.add_process_set([0, 2])
         if rank in pair.ranks:

@@ -2,6 +2,7 @@
 rank: reducescatter, alltoall, grouped allgather, process sets, join, barrier, the ops'
 gradients, IndexedSlices, integer scaling and the errors. Each returns plain values (lists,
 strings) for test_horovod_tensorflow.py to compare with NumPy references."""
+
 import time
 
 import keras
@@ -16,8 +17,11 @@ def _error(call):
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return [f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError),
-                isinstance(exc, tf.errors.InvalidArgumentError)]
+        return [
+            f"{type(exc).__name__}: {exc}",
+            isinstance(exc, ValueError),
+            isinstance(exc, tf.errors.InvalidArgumentError),
+        ]
     return None
 
 
@@ -33,20 +37,31 @@ def ops(rank, world):
     x = rows_tensor(rank, rows)
     out["reducescatter_sum"] = hvd.reducescatter(x, op=hvd.Sum).numpy().tolist()
     out["reducescatter_avg"] = hvd.reducescatter(x).numpy().tolist()
-    out["reducescatter_scaled"] = hvd.reducescatter(x, op=hvd.Sum, prescale_factor=0.5,
-                                                    postscale_factor=3.0).numpy().tolist()
-    out["grouped_reducescatter"] = [t.numpy().tolist() for t in hvd.grouped_reducescatter(
-        [x, tf.cast(x[:world], tf.float64)], op=hvd.Sum)]
+    out["reducescatter_scaled"] = (
+        hvd.reducescatter(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0).numpy().tolist()
+    )
+    out["grouped_reducescatter"] = [
+        t.numpy().tolist() for t in hvd.grouped_reducescatter([x, tf.cast(x[:world], tf.float64)], op=hvd.Sum)
+    ]
     out["reducescatter_scalar"] = _error(lambda: hvd.reducescatter(tf.constant(1.0)))
     ints = tf.constant([7, -7, 5, 100], tf.int32) * (rank + 1)
     out["int_prescale"] = hvd.allreduce(ints, op=hvd.Sum, prescale_factor=0.35).numpy().tolist()
     out["int_postscale"] = hvd.allreduce(ints, op=hvd.Sum, postscale_factor=0.35).numpy().tolist()
     out["int_average"] = hvd.allreduce(ints, op=hvd.Average).numpy().tolist()
-    out["int64_reducescatter_prescale"] = hvd.reducescatter(
-        tf.cast(tf.reshape(tf.range(world * 2) * (rank + 3), [world * 2, 1]), tf.int64), op=hvd.Sum,
-        prescale_factor=0.7).numpy().tolist()
-    out["half_prescale"] = hvd.allreduce(tf.constant([1.5, 3.0], tf.float16) * (rank + 1), op=hvd.Sum,
-                                         prescale_factor=0.1).numpy().tolist()
+    out["int64_reducescatter_prescale"] = (
+        hvd.reducescatter(
+            tf.cast(tf.reshape(tf.range(world * 2) * (rank + 3), [world * 2, 1]), tf.int64),
+            op=hvd.Sum,
+            prescale_factor=0.7,
+        )
+        .numpy()
+        .tolist()
+    )
+    out["half_prescale"] = (
+        hvd.allreduce(tf.constant([1.5, 3.0], tf.float16) * (rank + 1), op=hvd.Sum, prescale_factor=0.1)
+        .numpy()
+        .tolist()
+    )
     # alltoall: rank r sends (r + i) % 3 rows to rank i (some none); row values name sender and receiver.
     splits = [(rank + i) % 3 for i in range(world)]
     sent = np.concatenate([np.full((n, 2), 100 * rank + i, np.float32) for i, n in enumerate(splits)])
@@ -57,8 +72,9 @@ def ops(rank, world):
     out["alltoall_indivisible"] = _error(lambda: hvd.alltoall(tf.ones([world + 1])))
     out["alltoall_too_many"] = _error(lambda: hvd.alltoall(tf.ones([world - 1]), splits=[1] * world))
     out["alltoall_length"] = _error(lambda: hvd.alltoall(tf.ones([4]), splits=[1] * (world + 1)))
-    gathered = hvd.grouped_allgather([tf.fill([rank + 1, 2], float(rank)), tf.fill([1], tf.constant(rank, tf.int64)),
-                                      tf.constant([rank % 2 == 0])])
+    gathered = hvd.grouped_allgather(
+        [tf.fill([rank + 1, 2], float(rank)), tf.fill([1], tf.constant(rank, tf.int64)), tf.constant([rank % 2 == 0])]
+    )
     out["grouped_allgather"] = [[t.dtype.name, t.numpy().tolist()] for t in gathered]
     out["broadcast_bool"] = hvd.broadcast(tf.constant([rank == 1, True]), root_rank=1).numpy().tolist()
 
@@ -74,6 +90,7 @@ def ops(rank, world):
 def gradients(rank, world):
     """The gradients as Horovod's test_tensorflow.py computes them: ones for the output's
     gradient unless said; each result as (shape, sorted distinct values)."""
+
     def summary(grad):
         grad = tf.convert_to_tensor(grad).numpy()
         return [list(grad.shape), np.unique(grad).tolist()]
@@ -88,8 +105,9 @@ def gradients(rank, world):
     square = tf.random.uniform([5, 5], -100, 100)
     out["allreduce_sum"] = grad_of(lambda v: hvd.allreduce(v, op=hvd.Sum), square, tf.ones([5, 5]))
     out["allreduce_average"] = grad_of(lambda v: hvd.allreduce(v, op=hvd.Average), square, tf.ones([5, 5]))
-    out["allreduce_scaled"] = grad_of(lambda v: hvd.allreduce(v, op=hvd.Sum, prescale_factor=2.0,
-                                                              postscale_factor=0.25), square, tf.ones([5, 5]))
+    out["allreduce_scaled"] = grad_of(
+        lambda v: hvd.allreduce(v, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25), square, tf.ones([5, 5])
+    )
     variables = [tf.Variable(square), tf.Variable(tf.cast(square, tf.float64))]
     with tf.GradientTape(persistent=True) as tape:
         summed = hvd.grouped_allreduce(variables, op=hvd.Sum)
@@ -101,7 +119,9 @@ def gradients(rank, world):
     with tf.GradientTape(persistent=True) as tape:
         gathered = hvd.grouped_allgather(variables)
     out["grouped_allgather"] = [summary(tape.gradient(g, v, grad_ys)) for g, v in zip(gathered, variables)]
-    out["broadcast"] = [grad_of(lambda v: hvd.broadcast(v, root), tf.ones([5, 5]) * rank) for root in range(world)]
+    out["broadcast"] = [
+        grad_of(lambda v, root=root: hvd.broadcast(v, root), tf.ones([5, 5]) * rank) for root in range(world)
+    ]
     splits = tf.constant([rank + 1] * world)
     values = tf.constant(np.repeat(np.arange(world), rank + 1)[:, None] * np.ones([1, 3]), tf.float32)
     out["alltoall"] = grad_of(lambda v: hvd.alltoall(v, splits)[0], values)
@@ -131,6 +151,7 @@ def gradients(rank, world):
 
 def sparse(rank, world):
     """tf.IndexedSlices all-reduced by gathering, as in Horovod's test_horovod_allreduce_indexed_slices."""
+
     def dense(result):
         return tf.math.unsorted_segment_sum(result.values, result.indices, world + 1).numpy().tolist()
 
@@ -158,10 +179,13 @@ def process_sets(rank, world, even, odd):
     mine, other = (even, odd) if rank % 2 == 0 else (odd, even)
     out = {"ranks": mine.ranks, "size": mine.size(), "rank": mine.rank()}
     out["allreduce"] = hvd.allreduce(tf.fill([2], float(rank + 1)), op=hvd.Sum, process_set=mine).numpy().tolist()
-    out["grouped"] = [t.numpy().tolist() for t in hvd.grouped_allreduce(
-        [tf.fill([2], float(rank)), tf.fill([1], rank)], op=hvd.Sum, process_set=mine)]
-    out["broadcast"] = hvd.broadcast(tf.fill([2], float(rank)), root_rank=mine.ranks[-1],
-                                     process_set=mine).numpy().tolist()
+    out["grouped"] = [
+        t.numpy().tolist()
+        for t in hvd.grouped_allreduce([tf.fill([2], float(rank)), tf.fill([1], rank)], op=hvd.Sum, process_set=mine)
+    ]
+    out["broadcast"] = (
+        hvd.broadcast(tf.fill([2], float(rank)), root_rank=mine.ranks[-1], process_set=mine).numpy().tolist()
+    )
     out["allgather"] = hvd.allgather(tf.fill([rank + 1], rank), process_set=mine).numpy().tolist()
     out["reducescatter"] = hvd.reducescatter(rows_tensor(rank, 3), op=hvd.Sum, process_set=mine).numpy().tolist()
     out["alltoall"] = hvd.alltoall(tf.fill([mine.size()], rank), process_set=mine).numpy().tolist()

@@ -3,6 +3,7 @@ DIE_AT`. Ranks start with different weights (seeded by rank); hvd.elastic.run's 
 them rank 0's. Worker 1 SIGKILLs itself at the end of epoch DIE_AT; the others go on from their
 last commit. Each rank prints JSON lines: its digest after the first sync, and at the end its
 size, the epochs done and whether every rank holds the same weights."""
+
 import hashlib
 import json
 import os
@@ -29,8 +30,17 @@ class Die(keras.callbacks.Callback):
 
 class Report(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
-        print(json.dumps({"worker": os.environ["RS_WORKER_ID"], "size": hvd.size(), "epoch": state.epoch,
-                          "synced": digest(self.model)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "worker": os.environ["RS_WORKER_ID"],
+                    "size": hvd.size(),
+                    "epoch": state.epoch,
+                    "synced": digest(self.model),
+                }
+            ),
+            flush=True,
+        )
 
 
 hvd.init()
@@ -51,20 +61,32 @@ synced = counter.numpy().tolist() + [plain.steps]
 counter.assign([7.0, 7.0, 7.0])
 plain.steps = 9
 plain.restore()  # back to what sync saved
-print(json.dumps({"worker": os.environ["RS_WORKER_ID"], "tensorflow_state": [synced, counter.numpy().tolist() + [plain.steps]]}),
-      flush=True)
+print(
+    json.dumps(
+        {"worker": os.environ["RS_WORKER_ID"], "tensorflow_state": [synced, counter.numpy().tolist() + [plain.steps]]}
+    ),
+    flush=True,
+)
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-callbacks = [Report(), hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
-             hvd.elastic.CommitStateCallback(state, batches_per_commit=2), Die()]
+callbacks = [
+    Report(),
+    hvd.elastic.UpdateEpochStateCallback(state),
+    hvd.elastic.UpdateBatchStateCallback(state),
+    hvd.elastic.CommitStateCallback(state, batches_per_commit=2),
+    Die(),
+]
 
 
 @hvd.elastic.run
 def train(state):
-    state.model.fit(x, y, batch_size=32, steps_per_epoch=8, epochs=EPOCHS - state.epoch, callbacks=callbacks,
-                    verbose=0)
+    state.model.fit(x, y, batch_size=32, steps_per_epoch=8, epochs=EPOCHS - state.epoch, callbacks=callbacks, verbose=0)
 
 
 train(state)
 same = len(set(hvd.allgather_object(digest(model)))) == 1
-print(json.dumps({"worker": os.environ["RS_WORKER_ID"], "final_size": hvd.size(), "epoch": state.epoch,
-                  "same_model": same}), flush=True)
+print(
+    json.dumps(
+        {"worker": os.environ["RS_WORKER_ID"], "final_size": hvd.size(), "epoch": state.epoch, "same_model": same}
+    ),
+    flush=True,
+)

@@ -2,6 +2,7 @@
 a custom loop with hvd.DistributedGradientTape, model.fit with hvd.DistributedOptimizer and
 hvd.callbacks, the collectives, and horovod_tf_checks.py's (new ops, process sets, join,
 barrier, gradients, IndexedSlices, errors). Prints one JSON line."""
+
 import json
 import os
 import sys
@@ -10,14 +11,14 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 import horovod_tf_checks as checks  # noqa: E402
+import keras  # noqa: E402
 import keras_fit  # noqa: E402
-import reduction_server.client.horovod.keras as hvd  # noqa: E402
+import tensorflow as tf  # noqa: E402
 import tf_custom_loop  # noqa: E402
 from report import report  # noqa: E402
+
+import reduction_server.client.horovod.keras as hvd  # noqa: E402
 
 
 def custom_loop(rank, world, steps, per, lr, predivide):
@@ -38,7 +39,7 @@ def custom_loop(rank, world, steps, per, lr, predivide):
 
     for s in range(steps):
         x, y = tf_custom_loop.global_batch(s, world * per)
-        step(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        step(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
     return {"initial": initial.tolist(), "final": tf_custom_loop.weights(model).tolist()}
 
 
@@ -51,8 +52,15 @@ def fit(rank, world, steps, per, lr, epochs, warmup=None, schedule=None):
         callbacks.append(hvd.callbacks.LearningRateScheduleCallback(initial_lr=lr, **schedule))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse", jit_compile=False)
     x, y = keras_fit.dataset(steps, per, world)
-    history = model.fit(keras_fit.shard(x, per, rank, world), keras_fit.shard(y, per, rank, world),
-                        batch_size=per, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(
+        keras_fit.shard(x, per, rank, world),
+        keras_fit.shard(y, per, rank, world),
+        batch_size=per,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
     return {"final": keras_fit.weights(model).tolist(), "history": history.history}
 
 
@@ -67,22 +75,29 @@ def local_variables(rank):
 
 def collectives(rank, world):
     out = {}
-    for name, op in (("sum", hvd.Sum), ("average", hvd.Average), ("min", hvd.Min), ("max", hvd.Max),
-                     ("product", hvd.Product)):
+    for name, op in (
+        ("sum", hvd.Sum),
+        ("average", hvd.Average),
+        ("min", hvd.Min),
+        ("max", hvd.Max),
+        ("product", hvd.Product),
+    ):
         out[name] = hvd.allreduce(tf.constant([1.0, 2.0]) * (rank + 1), op=op, name=f"op.{name}").numpy().tolist()
     out["scaled"] = hvd.allreduce(tf.ones(2), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).numpy().tolist()
     out["fp16"] = hvd.allreduce(tf.fill([3], 0.5 + rank), op=hvd.Sum, compression=hvd.Compression.fp16)
     out["fp16"] = [out["fp16"].dtype.name, out["fp16"].numpy().tolist()]
-    out["grouped"] = [t.numpy().tolist() for t in
-                      hvd.grouped_allreduce([tf.ones(2) * rank, tf.ones(3, tf.float64)], op=hvd.Sum)]
+    out["grouped"] = [
+        t.numpy().tolist() for t in hvd.grouped_allreduce([tf.ones(2) * rank, tf.ones(3, tf.float64)], op=hvd.Sum)
+    ]
     out["broadcast"] = hvd.broadcast(tf.fill([2], float(rank)), root_rank=world - 1).numpy().tolist()
     out["allgather"] = hvd.allgather(tf.fill([rank + 1, 2], rank)).numpy().tolist()
     # Keras's signatures (hvd is the keras module): the name second, reducescatter averaging by default
-    out["keras_positional"] = [hvd.allreduce([1.0, 2.0 * rank], "keras.allreduce", None, 2.0, 1.0, hvd.Sum).numpy().tolist(),
-                               hvd.allreduce(tf.fill([2], float(rank)), "keras.average").numpy().tolist(),
-                               hvd.reducescatter(tf.fill([world, 2], float(rank)), "keras.reducescatter",
-                                                 hvd.Sum).numpy().tolist(),
-                               hvd.reducescatter(tf.fill([world], float(rank)), "keras.rs.average").numpy().tolist()]
+    out["keras_positional"] = [
+        hvd.allreduce([1.0, 2.0 * rank], "keras.allreduce", None, 2.0, 1.0, hvd.Sum).numpy().tolist(),
+        hvd.allreduce(tf.fill([2], float(rank)), "keras.average").numpy().tolist(),
+        hvd.reducescatter(tf.fill([world, 2], float(rank)), "keras.reducescatter", hvd.Sum).numpy().tolist(),
+        hvd.reducescatter(tf.fill([world], float(rank)), "keras.rs.average").numpy().tolist(),
+    ]
 
     @tf.function(jit_compile=False)
     def in_graph(x):
@@ -97,8 +112,11 @@ def collectives(rank, world):
         out["mismatch"] = None
     except Exception as exc:  # noqa: BLE001 - reported to the test
         # Horovod's ops fail so with FailedPreconditionError; this API's failures are HorovodInternalError
-        out["mismatch"] = [f"{type(exc).__name__}: {exc}", isinstance(exc, tf.errors.FailedPreconditionError),
-                           isinstance(exc, hvd.HorovodInternalError)]
+        out["mismatch"] = [
+            f"{type(exc).__name__}: {exc}",
+            isinstance(exc, tf.errors.FailedPreconditionError),
+            isinstance(exc, hvd.HorovodInternalError),
+        ]
     try:
         tf.function(lambda x: hvd.allreduce(x, name="xla"), jit_compile=True)(tf.ones(1))
         out["xla"] = None
@@ -113,13 +131,23 @@ def main():
     even, odd = hvd.ProcessSet(range(0, world, 2)), hvd.ProcessSet(range(1, world, 2))
     hvd.init(process_sets=[even, odd])
     rank = hvd.rank()
-    result = {"rank": rank, "size": world, "local_rank": hvd.local_rank(), "collectives": collectives(rank, world),
-              "ops": checks.ops(rank, world), "gradients": checks.gradients(rank, world),
-              "sparse": checks.sparse(rank, world), "process_sets": checks.process_sets(rank, world, even, odd),
-              "join": checks.join_and_barrier(rank, world), "errors": checks.errors(rank, world),
-              "loop": custom_loop(rank, world, **spec["loop"]), "fit": fit(rank, world, **spec["fit"]),
-              "warmup": fit(rank, world, **spec["warmup"])["history"],
-              "schedule": fit(rank, world, **spec["schedule"])["history"], "local": local_variables(rank)}
+    result = {
+        "rank": rank,
+        "size": world,
+        "local_rank": hvd.local_rank(),
+        "collectives": collectives(rank, world),
+        "ops": checks.ops(rank, world),
+        "gradients": checks.gradients(rank, world),
+        "sparse": checks.sparse(rank, world),
+        "process_sets": checks.process_sets(rank, world, even, odd),
+        "join": checks.join_and_barrier(rank, world),
+        "errors": checks.errors(rank, world),
+        "loop": custom_loop(rank, world, **spec["loop"]),
+        "fit": fit(rank, world, **spec["fit"]),
+        "warmup": fit(rank, world, **spec["warmup"])["history"],
+        "schedule": fit(rank, world, **spec["schedule"])["history"],
+        "local": local_variables(rank),
+    }
     hvd.shutdown()
     report(result)
 

@@ -1,14 +1,15 @@
 """One rank of tests/jobs/test_horovod_timeline.py: Horovod's dynamic timeline API
 (hvd.start_timeline / hvd.stop_timeline) as Horovod's own test_timeline_api drives it, which
 Horovod's file skips (its issue 2496). Prints each file's events as rank 0 read them."""
+
 import json
 import sys
 import time
 
 import torch
+from report import report
 
 import reduction_server.client.horovod.torch as hvd
-from report import report
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 collectives, submitted in a different order on every rank, then training runs with
 DistributedOptimizer in several configurations, on RS_TEST_DEVICE's tensors (cpu, or cuda in the
 tests' GPU runs). Prints one JSON line."""
+
 import json
 import random
 import sys
@@ -11,10 +12,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from report import report  # noqa: E402
+from torch_model import DEVICE, LR, STEPS, batch, make_model  # noqa: E402
 
 import reduction_server.client.horovod.torch as hvd  # noqa: E402
-from torch_model import DEVICE, LR, STEPS, batch, make_model  # noqa: E402
-from report import report  # noqa: E402
 
 
 def flat(model):
@@ -37,14 +38,17 @@ def collectives(rank, world):
     while not hvd.poll(h):
         pass
     out["inplace"] = [hvd.synchronize(h) is t, t.tolist()]
-    out["scaled"] = hvd.allreduce(torch.ones(2), name="scaled", op=hvd.Sum, prescale_factor=2.0,
-                                  postscale_factor=0.25).tolist()
+    out["scaled"] = hvd.allreduce(
+        torch.ones(2), name="scaled", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25
+    ).tolist()
     out["average_flag"] = hvd.allreduce(torch.ones(2) * rank, average=True, name="avgflag").tolist()
-    out["fp16"] = hvd.allreduce(torch.full((4,), 0.5 + rank, dtype=torch.float32), name="fp16",
-                                compression=hvd.Compression.fp16, op=hvd.Sum)
+    out["fp16"] = hvd.allreduce(
+        torch.full((4,), 0.5 + rank, dtype=torch.float32), name="fp16", compression=hvd.Compression.fp16, op=hvd.Sum
+    )
     out["fp16"] = [str(out["fp16"].dtype), out["fp16"].tolist()]
-    grouped = hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3, dtype=torch.int64) * rank],
-                                    name="grouped", op=hvd.Sum)
+    grouped = hvd.grouped_allreduce(
+        [torch.ones(2) * rank, torch.ones(3, dtype=torch.int64) * rank], name="grouped", op=hvd.Sum
+    )
     out["grouped"] = [g.tolist() for g in grouped]
 
     b = torch.full((2, 2), float(rank))
@@ -70,10 +74,13 @@ def collectives(rank, world):
 
     def scaled(x):  # a local function, as Horovod's cloudpickle carries it
         return x * (rank + 1)
+
     out["function"] = hvd.broadcast_object(lambda x: x + 100 * rank, root_rank=world - 1)(1)
     out["functions"] = [f(1) for f in hvd.allgather_object(scaled)]
-    for call in (lambda: hvd.broadcast_object(threading.Lock(), root_rank=1),  # nothing can serialize a lock
-                 lambda: hvd.allgather_object(threading.Lock() if rank == 0 else rank)):
+    for call in (
+        lambda: hvd.broadcast_object(threading.Lock(), root_rank=1),  # nothing can serialize a lock
+        lambda: hvd.allgather_object(threading.Lock() if rank == 0 else rank),
+    ):
         try:
             call()
             out.setdefault("unserializable", []).append(None)
@@ -104,15 +111,20 @@ def train(rank, world, config):
     started = []  # per backward: the all-reduces already started when the first layer's grads arrive
     for p in model.a.parameters():  # registered before the optimizer's hooks: these run first
         p.register_post_accumulate_grad_hook(
-            lambda p: started.append(sum(h is not None for h, _ in dist_opt._handles.values())))
+            lambda p: started.append(sum(h is not None for h, _ in dist_opt._handles.values()))
+        )
     opt = dist_opt = hvd.DistributedOptimizer(
-        opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+        opt,
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
         compression=hvd.Compression.fp16 if config.get("fp16") else hvd.Compression.none,
-        op=hvd.Sum if summing else hvd.Average, gradient_predivide_factor=config.get("predivide", 1.0))
+        op=hvd.Sum if summing else hvd.Average,
+        gradient_predivide_factor=config.get("predivide", 1.0),
+    )
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     x, y = batch(world)
     per = x.shape[0] // world
-    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
     for _ in range(STEPS):
         opt.zero_grad()
         for part in range(passes):  # gradient accumulation: the mean over this rank's rows
@@ -140,9 +152,16 @@ def main():
     hvd.init(process_sets="dynamic")  # Horovod's switch: here process sets may always come and go
     rank, world = hvd.rank(), hvd.size()
     with torch.device(DEVICE):  # every tensor made below: on the GPU in the tests' CUDA runs
-        result = {"refused": refused, "rank": rank, "size": world, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
-                  "cross_size": hvd.cross_size(), "collectives": collectives(rank, world),
-                  "train": {name: train(rank, world, config) for name, config in configs.items()}}
+        result = {
+            "refused": refused,
+            "rank": rank,
+            "size": world,
+            "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(),
+            "cross_size": hvd.cross_size(),
+            "collectives": collectives(rank, world),
+            "train": {name: train(rank, world, config) for name, config in configs.items()},
+        }
     hvd.shutdown()
     report(result)
 

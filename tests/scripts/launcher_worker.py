@@ -8,6 +8,7 @@ Modes:
           with --code / kill itself with --signal (on --rank only, once every rank has
           recorded itself), kill reducer 0 (--kill-reducer, rank 0), or sleep --sleep seconds.
 """
+
 import argparse
 import json
 import os
@@ -19,9 +20,24 @@ import time
 
 import psutil
 
-JOB_VARS = ("RS_REDUCERS", "RS_RANK", "RS_WORLD_SIZE", "RS_JOB_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED", "CLUSTER_SPEC", "TF_CONFIG",
-            "RS_TEST_PASSTHROUGH", "RS_REDUCER_INDEX", "RS_PIPELINE_DEPTH")
+JOB_VARS = (
+    "RS_REDUCERS",
+    "RS_RANK",
+    "RS_WORLD_SIZE",
+    "RS_JOB_TOKEN",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTHONUNBUFFERED",
+    "CLUSTER_SPEC",
+    "TF_CONFIG",
+    "RS_TEST_PASSTHROUGH",
+    "RS_REDUCER_INDEX",
+    "RS_PIPELINE_DEPTH",
+)
 RANK = int(os.environ["RS_RANK"])
 
 
@@ -63,10 +79,18 @@ def env_mode(args):
     if RANK == 0:
         for proc in reducer_processes():
             env = proc.environ()
-            print("REDUCER " + json.dumps({
-                "index": flag(proc.cmdline(), "--index"), "port": flag(proc.cmdline(), "--port"),
-                "host": flag(proc.cmdline(), "--host"), "workers": flag(proc.cmdline(), "--workers"),
-                **{name: env.get(name) for name in JOB_VARS}}))
+            print(
+                "REDUCER "
+                + json.dumps(
+                    {
+                        "index": flag(proc.cmdline(), "--index"),
+                        "port": flag(proc.cmdline(), "--port"),
+                        "host": flag(proc.cmdline(), "--host"),
+                        "workers": flag(proc.cmdline(), "--workers"),
+                        **{name: env.get(name) for name in JOB_VARS},
+                    }
+                )
+            )
 
 
 def output_mode(args):

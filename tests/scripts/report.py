@@ -7,6 +7,7 @@ CI: a 200 KB line of weights cut at 128 KiB). It also writes the text and its ne
 two processes that share a stdout (torchrun's workers) can join their lines (seen once in CI).
 A buffered binary stream retries until every byte is out, and writes a short line in one piece.
 """
+
 import json
 import os
 import sys

@@ -7,6 +7,7 @@ TORCHELASTIC_RESTART_COUNT > 0) resumes from that file, as training scripts do. 
 attempt rank 1 kills itself (SIGKILL) before contributing to step KILL_STEP. Each rank prints
 `RESULT {json}` at the end.
 """
+
 import json
 import os
 import signal
@@ -35,8 +36,19 @@ def main() -> None:
                 tmp = checkpoint.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"step": step + 1, "state": state.tolist()}))
                 tmp.replace(checkpoint)  # whole or not at all
-        print("RESULT " + json.dumps({"rank": comm.rank, "attempt": attempt, "resumed_from": start,
-                                      "generation": comm.generation, "state": state.tolist()}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "rank": comm.rank,
+                    "attempt": attempt,
+                    "resumed_from": start,
+                    "generation": comm.generation,
+                    "state": state.tolist(),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

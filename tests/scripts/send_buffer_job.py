@@ -3,6 +3,7 @@ ITERS HOLD`. All-reduces MIB MiB of float32 ITERS times (checking each sum), the
 line: the send buffers its engine gave each reducer connection (reduction_server/wire/send_buffers.py)
 and the kernel's view of them (ss's `tb`, per reducer port); then keeps its connections HOLD
 seconds (the test reads the reducers' ends meanwhile)."""
+
 import json
 import re
 import subprocess
@@ -30,8 +31,12 @@ def main() -> None:
                 peer = fields[3]
             elif fields and peer is not None:
                 kernel[peer] = int(re.search(r"\btb(\d+)", line).group(1))
-        print(json.dumps({"rank": comm.rank, "right": bool(right), "locked": locked, "kernel": kernel,
-                          "found": len(buffers.fds)}), flush=True)
+        print(
+            json.dumps(
+                {"rank": comm.rank, "right": bool(right), "locked": locked, "kernel": kernel, "found": len(buffers.fds)}
+            ),
+            flush=True,
+        )
         time.sleep(float(sys.argv[3]))
         comm.barrier()
 

@@ -6,6 +6,7 @@ broadcast), every result checked against tests/helpers/reference.py, until rank 
 `{"warm": ...}` once WARMUP_SECONDS have passed (its RSS and open files then) and a last JSON line
 with the counts, the failures, and its RSS and open files at the end.
 """
+
 import sys
 import time
 from pathlib import Path
@@ -14,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
+from report import report  # noqa: E402
 
 import reduction_server.client as rs  # noqa: E402
 from helpers.reference import DTYPES, OPS, check, make_input  # noqa: E402
-from report import report  # noqa: E402
 
 COUNTS = [1, 7, 1000, 4099, 65_537, 300_000]  # a fixed set: a training job repeats its sizes
 
@@ -70,8 +71,16 @@ def main() -> None:
                 if comm.all_reduce(go, "max")[0] == 0:
                     break
         end = usage()  # with the communicator still open, like the warm-up figure
-    report({"rank": rank, "done": done, "failures": failures[:20], "warm": warm, "end": end,
-            "seconds": time.monotonic() - start})
+    report(
+        {
+            "rank": rank,
+            "done": done,
+            "failures": failures[:20],
+            "warm": warm,
+            "end": end,
+            "seconds": time.monotonic() - start,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A job that all-reduces steadily for tests/jobs/test_chaos.py: `python steady_worker.py STEPS PAUSE`.
 Each step all-reduces (rank + 1) * ones and checks the sum; rank 0 prints `STEP n` as it goes and
 `DONE` at the end. A failed collective ends the rank with its error (exit 1)."""
+
 import sys
 import time
 

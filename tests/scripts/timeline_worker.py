@@ -1,14 +1,15 @@
 """One rank of the timeline test: plain all-reduces, one fused step whose tensors arrive in
 reverse order, then an all-reduce the ranks disagree on (it fails). Rank 0 closes its
 communicator; the others leave the timeline to the exit hook."""
+
 import sys
 
 import numpy as np
+from report import report
 
 import reduction_server.client as rs
 from reduction_server.client.fusion import FusedAllReduce, FusionPlan, TensorSpec
 from reduction_server.wire.protocol import DType
-from report import report
 
 PLAIN = [1000, 300_000]  # one chunk; several chunks
 TENSORS = [("w1", 1000), ("b1", 10), ("w2", 2000), ("b2", 20), ("w3", 500)]

@@ -8,6 +8,7 @@ Setups: "gloo" (gloo process group), "rs" (init_process_group("reduction_server"
 "fp16", "bf16" (gloo process group with the reduction_server comm hooks). Ranks seed their
 models differently, so identical starting weights show DDP's initial broadcast worked.
 """
+
 import json
 import os
 import sys
@@ -17,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import reduction_server.client.torch as rst  # noqa: E402
 import torch_ops  # noqa: E402
 import torch_overlap  # noqa: E402
-from torch_model import STEPS, batch, make_model, train  # noqa: E402
 from report import report  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch_model import STEPS, batch, make_model, train  # noqa: E402
+
+import reduction_server.client.torch as rst  # noqa: E402
 
 
 def flat(model):
@@ -46,15 +47,22 @@ def run(setup, spec, rank, world):
     state = None
     if setup in ("hook", "fp16", "bf16"):
         state = rst.ReductionServerHookState.from_env()
-        hook = {"hook": rst.reduction_server_hook, "fp16": rst.reduction_server_fp16_hook,
-                "bf16": rst.reduction_server_bf16_hook}[setup]
+        hook = {
+            "hook": rst.reduction_server_hook,
+            "fp16": rst.reduction_server_fp16_hook,
+            "bf16": rst.reduction_server_bf16_hook,
+        }[setup]
         ddp.register_comm_hook(state, hook)
     initial = flat(model)
     x, y = batch(world)
     per = x.shape[0] // world
-    train(ddp, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], STEPS)
-    result = {"initial": initial, "final": flat(model), "before": before,
-              "buffers": {k: v.tolist() for k, v in model.named_buffers()}}
+    train(ddp, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per], STEPS)
+    result = {
+        "initial": initial,
+        "final": flat(model),
+        "before": before,
+        "buffers": {k: v.tolist() for k, v in model.named_buffers()},
+    }
     if state is not None:
         state.close()
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ Worker processes place the model and data on RS_TEST_DEVICE ("cuda" in the GPU r
 tests); both are made on the CPU first, so every device starts from the same numbers as the
 tests' reference, which runs on the CPU.
 """
+
 import os
 
 import torch

@@ -1,20 +1,34 @@
 """One rank: plain torch.distributed collectives through init_process_group("reduction_server")
 (no MASTER_ADDR: the discovery-only rendezvous). Checks every result against what each rank's
 known inputs give and prints {"rank", "done", "failures"} as one JSON line."""
+
 import os
 import time
 
 import torch
 import torch.distributed as dist
-
-import reduction_server.client.torch  # noqa: F401  (registers the backend)
 from report import report  # noqa: E402
 from torch_model import DEVICE  # noqa: E402  (RS_TEST_DEVICE: "cuda" in the tests' GPU runs)
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
-          torch.uint8]
-OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
-       "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
+import reduction_server.client.torch  # noqa: F401  (registers the backend)
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+]
+OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "AVG": dist.ReduceOp.AVG,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+}
 
 
 def value(rank, dtype, n=37):
@@ -116,9 +130,11 @@ def _checks():
     # broadcast from every root, several dtypes (int16 and bool go as bytes).
     for root in range(world):
         for dtype in (torch.float32, torch.int16, torch.bool, torch.bfloat16):
-            def pattern(k):
+
+            def pattern(k, dtype=dtype):
                 x = torch.arange(11) * (k + 1)
                 return (x % 2 if dtype == torch.bool else x).to(dtype)
+
             t = pattern(rank)
             dist.broadcast(t, src=root)
             check(f"broadcast {dtype} root {root}", t, pattern(root))
@@ -128,8 +144,11 @@ def _checks():
         outs = [torch.full(shape, -1).to(dtype) for _ in range(world)]
         dist.all_gather(outs, mine)
         for r in range(world):
-            check(f"all_gather {dtype} slot {r}",
-                  outs[r], (torch.arange(torch.Size(shape).numel()).reshape(shape) + 100 * r).to(dtype))
+            check(
+                f"all_gather {dtype} slot {r}",
+                outs[r],
+                (torch.arange(torch.Size(shape).numel()).reshape(shape) + 100 * r).to(dtype),
+            )
     work = dist.barrier(async_op=True)
     work.wait()
     dist.barrier()
@@ -148,9 +167,10 @@ def _checks():
     dist.all_reduce(t)
     check("default group after new_group", t, torch.full((3,), float(world)))
     n = 3 if rank == 0 else 4  # the ranks disagree on a size: the reducers fail it on every rank
-    for name, call in (("all_reduce", lambda: dist.all_reduce(torch.ones(n))),
-                       ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.ones(n * world),
-                                                                                      torch.ones(n)))):
+    for name, call in (
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(n))),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.ones(n * world), torch.ones(n))),
+    ):
         try:
             call()
             failures.append(f"an {name} the reducers failed returned")
@@ -169,6 +189,7 @@ def _checks():
 
 def relays_and_reductions(rank, world, check):
     """The collectives composed of all-reduces and relays, against exact values."""
+
     def mine(r, n=6, dtype=torch.float32):  # rank r's input: distinct in every rank and position
         return (torch.arange(n) + 10 * r + 1).to(dtype)
 
@@ -210,19 +231,28 @@ def relays_and_reductions(rank, world, check):
     ins = [torch.full((rank + r + 1,), float(100 * rank + r)) for r in range(world)]
     outs = [torch.zeros(j + rank + 1) for j in range(world)]
     dist.all_to_all(outs, ins)
-    check("all_to_all", torch.cat(outs), torch.cat([torch.full((j + rank + 1,), float(100 * j + rank))
-                                                    for j in range(world)]))
+    check(
+        "all_to_all",
+        torch.cat(outs),
+        torch.cat([torch.full((j + rank + 1,), float(100 * j + rank)) for j in range(world)]),
+    )
     x = torch.arange(world * 2, dtype=torch.float64).reshape(world, 2) + 10 * rank  # row r to rank r
     out = torch.zeros(world, 2, dtype=torch.float64)
     dist.all_to_all_single(out, x)
-    check("all_to_all_single", out, torch.stack([torch.tensor([2 * rank, 2 * rank + 1], dtype=torch.float64) + 10 * j
-                                                 for j in range(world)]))
+    check(
+        "all_to_all_single",
+        out,
+        torch.stack([torch.tensor([2 * rank, 2 * rank + 1], dtype=torch.float64) + 10 * j for j in range(world)]),
+    )
     sizes_in = [r + 1 for r in range(world)]  # rank j sends r + 1 rows to rank r
     x = torch.cat([torch.full((r + 1, 2), float(10 * rank + r)) for r in range(world)])
     out = torch.zeros((rank + 1) * world, 2)
     dist.all_to_all_single(out, x, [rank + 1] * world, sizes_in)
-    check("all_to_all_single uneven", out, torch.cat([torch.full((rank + 1, 2), float(10 * j + rank))
-                                                      for j in range(world)]))
+    check(
+        "all_to_all_single uneven",
+        out,
+        torch.cat([torch.full((rank + 1, 2), float(10 * j + rank)) for j in range(world)]),
+    )
     # sparse all_reduce: the coalesced sum of every rank's entries.
     idx = torch.tensor([[rank, world], [0, 1]])
     sparse = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0]), (world + 1, 2))
@@ -246,7 +276,10 @@ def point_to_point(rank, world, check):
         other = world - 1 - rank
         first, second = torch.zeros(4), torch.zeros(4)
         if rank == 0:  # sends wait for their receives (as NCCL's): two in flight, received in reverse
-            works = [dist.isend(torch.arange(4.0), dst=other, tag=7), dist.isend(torch.arange(4.0) * 3, dst=other, tag=8)]
+            works = [
+                dist.isend(torch.arange(4.0), dst=other, tag=7),
+                dist.isend(torch.arange(4.0) * 3, dst=other, tag=8),
+            ]
             for work in works:
                 work.wait()
             dist.recv(first, src=other)
@@ -263,8 +296,9 @@ def point_to_point(rank, world, check):
         work.wait()
     check("batch_isend_irecv", buf, torch.full((3,), prv, dtype=torch.int64))
     big = torch.zeros(1 << 20)  # many chunks, receive posted first: each pair's group has its own window
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, big, prv),
-                                        dist.P2POp(dist.isend, torch.full((1 << 20,), float(rank)), nxt)]):
+    for work in dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, big, prv), dist.P2POp(dist.isend, torch.full((1 << 20,), float(rank)), nxt)]
+    ):
         work.wait()
     check("batch_isend_irecv, receive first, 4 MiB", big[::4096], torch.full((256,), float(prv)))
 
@@ -295,8 +329,11 @@ def subgroups(rank, world, check):
     out = torch.zeros(2)
     dist.reduce_scatter_tensor(out, torch.arange(2.0 * len(members)) + rank, group=mine)
     position = members.index(rank)
-    check("subgroup reduce_scatter_tensor", out,
-          torch.arange(2.0 * len(members))[2 * position:2 * position + 2] * len(members) + sum(members))
+    check(
+        "subgroup reduce_scatter_tensor",
+        out,
+        torch.arange(2.0 * len(members))[2 * position : 2 * position + 2] * len(members) + sum(members),
+    )
     t = torch.ones(2)
     dist.all_reduce(t)  # the default group goes on beside them
     check("default group beside subgroups", t, torch.full((2,), float(world)))
@@ -308,6 +345,7 @@ def another_default_device(rank, world, check):
     scripts do) still gets the backend's host buffers on the host: "meta" stands in for "cuda"
     here. Each collective below makes buffers of its own (scratch pieces, non-contiguous outputs,
     received sparse parts)."""
+
     def mine(r, n=6, dtype=torch.float32):
         return (torch.arange(n, device="cpu") + 10 * r + 1).to(dtype)
 
@@ -330,8 +368,9 @@ def another_default_device(rank, world, check):
         out = torch.zeros(3 * world, device="cpu")
         dist.all_to_all_single(out, torch.cat([mine(rank, 3)] * world))
         check("default meta: all_to_all_single", out, pieces)
-        sparse = torch.sparse_coo_tensor(torch.tensor([[rank]], device="cpu"), torch.tensor([1.0], device="cpu"),
-                                         (world,), device="cpu")
+        sparse = torch.sparse_coo_tensor(
+            torch.tensor([[rank]], device="cpu"), torch.tensor([1.0], device="cpu"), (world,), device="cpu"
+        )
         dist.all_reduce(sparse)
         check("default meta: sparse all_reduce", sparse.to_dense(), torch.ones(world, device="cpu"))
 
@@ -372,8 +411,9 @@ def stream_order(rank, world, check):
         while not work.is_completed():
             time.sleep(0.001)
         if rank:
-            check("cuda: the caller's write was still queued when the broadcast ended", busy(side),
-                  torch.tensor([True]))
+            check(
+                "cuda: the caller's write was still queued when the broadcast ended", busy(side), torch.tensor([True])
+            )
         work.wait()
         check("cuda: the result lands after the caller's last write", z, torch.zeros(n))
         y = torch.full((n,), rank + 1.0)
@@ -387,8 +427,11 @@ def stream_order(rank, world, check):
         for work in works:
             work.wait()
         seen_y, seen_got = y.clone(), got.clone()  # before anything waits on the host
-        check("cuda: the copies back were still queued when wait() returned", busy(torch.cuda.default_stream()),
-              torch.tensor([True]))
+        check(
+            "cuda: the copies back were still queued when wait() returned",
+            busy(torch.cuda.default_stream()),
+            torch.tensor([True]),
+        )
         check("cuda: all_reduce's result is seen by the waiting stream", seen_y, torch.full((n,), total))
         want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * j for j in range(world)])
         check("cuda: all_to_all_single's result is seen by the waiting stream", seen_got, want)

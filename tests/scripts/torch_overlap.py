@@ -1,15 +1,16 @@
 """One rank: DDP through the reduction_server backend on a model of several buckets, recording
 in one sequence when each bucket's all-reduce is handed to the Communicator and when the first
 layer's weight gradient (the last one backward computes) is computed. Prints the order."""
+
 import sys
 import threading
 
 import torch
 import torch.distributed as dist
+from report import report
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import reduction_server.client.torch  # noqa: F401  (registers the backend)
-from report import report
 
 LAYERS, WIDTH = 6, 256  # each layer's weight is 256 KiB: one bucket each at bucket_cap_mb=0.25
 
@@ -18,8 +19,9 @@ def main(bucket_cap_mb=0.25):
     dist.init_process_group("reduction_server")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
-                                  for _ in range(LAYERS)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(LAYERS)]
+    )
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     events, lock = [], threading.Lock()
     comm = dist.distributed_c10d._get_default_group().communicator

@@ -13,6 +13,7 @@ again, 3-5 s a test on a 2-core machine against under one forked. This process r
 and starts no engine before it forks (as torch's DataLoader forks its workers after torch is
 imported); the backend is registered on import here, and so in every rank.
 """
+
 import functools
 import itertools
 import os
@@ -20,10 +21,11 @@ import re
 import time
 import unittest
 
-import reduction_server.client.torch  # noqa: F401  (registers the backend)
 import torch.multiprocessing
 from torch.testing._internal.common_distributed import DistTestCases
 from torch.testing._internal.common_utils import run_tests
+
+import reduction_server.client.torch  # noqa: F401  (registers the backend)
 
 BACKEND = os.environ["BACKEND"]
 if BACKEND != "gloo":  # the peer runs the same selection unchanged
@@ -33,22 +35,41 @@ if BACKEND != "gloo":  # the peer runs the same selection unchanged
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 #: torch's tests of what the backend does not do yet, and why; each is skipped saying so
-UNSUPPORTED = {name: ("a receive from any source cannot be matched by the reducers, which relay each message "
-                      "within its pair of ranks; the backend raises NotImplementedError naming the way out")
-               for name in ["test_send_recv_any_source", "test_send_recv_any_source_autograd_profiler",
-                            "test_send_recv_any_source_torch_profiler"]}
+UNSUPPORTED = {
+    name: (
+        "a receive from any source cannot be matched by the reducers, which relay each message "
+        "within its pair of ranks; the backend raises NotImplementedError naming the way out"
+    )
+    for name in [
+        "test_send_recv_any_source",
+        "test_send_recv_any_source_autograd_profiler",
+        "test_send_recv_any_source_torch_profiler",
+    ]
+}
 
 #: torch's tests that torch gates to other backends (by name, not by what they need) and that
 #: exercise what this one does: run here with their gates taken off
 RUN_ANYWAY = [
-    "test_all_to_all", "test_all_to_all_complex", "test_all_to_all_full_group", "test_all_to_all_single_equal_split",
-    "test_all_to_all_single_equal_split_complex", "test_all_to_all_single_unequal_split",
-    "test_all_to_all_single_unequal_split_complex", "test_all_to_all_single_equal_split_full_group",
+    "test_all_to_all",
+    "test_all_to_all_complex",
+    "test_all_to_all_full_group",
+    "test_all_to_all_single_equal_split",
+    "test_all_to_all_single_equal_split_complex",
+    "test_all_to_all_single_unequal_split",
+    "test_all_to_all_single_unequal_split_complex",
+    "test_all_to_all_single_equal_split_full_group",
     "test_all_to_all_single_unequal_split_full_group",
-    "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_product", "test_all_reduce_coalesced_min",
-    "test_all_reduce_coalesced_max", "test_all_reduce_coalesced_full_group_sum",
-    "test_all_gather_object_default_pg", "test_gather_object", "test_scatter_object_list",
-    "test_sparse_all_reduce_sum", "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags",
+    "test_all_reduce_coalesced_sum",
+    "test_all_reduce_coalesced_product",
+    "test_all_reduce_coalesced_min",
+    "test_all_reduce_coalesced_max",
+    "test_all_reduce_coalesced_full_group_sum",
+    "test_all_gather_object_default_pg",
+    "test_gather_object",
+    "test_scatter_object_list",
+    "test_sparse_all_reduce_sum",
+    "test_batch_isend_irecv_gloo",
+    "test_batch_isend_irecv_gloo_tags",
 ]
 
 
@@ -62,6 +83,7 @@ def _ungated(test):
     @functools.wraps(test)
     def run(self):
         return test(self)
+
     run.__unittest_skip__ = False
     return run
 

@@ -7,6 +7,7 @@ torchrun's agent restarted (TORCHELASTIC_RESTART_COUNT > 0) resumes from it. On 
 rank 1 SIGKILLs itself at step KILL_STEP (-1: never). Rank 0 writes the final parameters to
 DIR/final.pt.
 """
+
 import os
 import signal
 import sys
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from report import say
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import reduction_server.client.torch  # noqa: F401 - registers the backend
-from report import say
 
 
 def main() -> None:
@@ -46,8 +47,10 @@ def main() -> None:
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         optimizer.step()
         if rank == 0:
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
-                       directory / "checkpoint.tmp")
+            torch.save(
+                {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+                directory / "checkpoint.tmp",
+            )
             os.replace(directory / "checkpoint.tmp", checkpoint)  # whole or not at all
     if rank == 0:
         torch.save(model.module.state_dict(), directory / "final.pt")

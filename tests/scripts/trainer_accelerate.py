@@ -14,6 +14,7 @@ any other backend name (e.g. "reduction_server"): the recipe, init_process_group
 is refused (the error is then written instead of parameters) unless Accelerate is patched
 (docs/frameworks.md).
 """
+
 import json
 import os
 import sys
@@ -46,8 +47,9 @@ def main() -> None:
             dist.init_process_group(mode)  # first: Accelerator then keeps this group
         accelerator = Accelerator(cpu=True)
     set_seed(1234)
-    model = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                          nn.Linear(WIDTH, 1))
+    model = nn.Sequential(
+        nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)
+    )
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, FEATURES, generator=g)
     y = x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(SAMPLES, 1, generator=g)
@@ -64,11 +66,23 @@ def main() -> None:
             steps += 1
     params = [p.detach().reshape(-1) for p in accelerator.unwrap_model(model).parameters()]
     rank = dist.get_rank()
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world": dist.get_world_size(), "backend": dist.get_backend(),
-        "accelerate": {"distributed_type": str(accelerator.distributed_type),
-                       "num_processes": accelerator.num_processes, "wrapped": type(model).__name__},
-        "steps": steps, "seen": seen, "params": torch.cat(params).tolist()}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": dist.get_world_size(),
+                "backend": dist.get_backend(),
+                "accelerate": {
+                    "distributed_type": str(accelerator.distributed_type),
+                    "num_processes": accelerator.num_processes,
+                    "wrapped": type(model).__name__,
+                },
+                "steps": steps,
+                "seen": seen,
+                "params": torch.cat(params).tolist(),
+            }
+        )
+    )
     accelerator.end_training()
 
 

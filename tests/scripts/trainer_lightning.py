@@ -11,6 +11,7 @@ ModelParallelStrategy with fully_shard in configure_model), OUT (a directory).
 Run as `python trainer_lightning.py ...` (Lightning's own launcher starts rank 1 itself) or under
 `torchrun --nproc-per-node 2` (Lightning then starts nothing).
 """
+
 import json
 import os
 import sys
@@ -30,8 +31,9 @@ class MLP(L.LightningModule):
     def __init__(self, out: Path, shard: bool) -> None:
         super().__init__()
         self.out, self.shard, self.seen = out, shard, 0.0
-        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                                 nn.Linear(WIDTH, 1))
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)
+        )
 
     def configure_model(self) -> None:
         if self.shard:  # FSDP2 over the data-parallel mesh, each layer then the root
@@ -60,9 +62,18 @@ class MLP(L.LightningModule):
             flat += p.reshape(-1).tolist()
         rank = self.global_rank
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "world": self.trainer.world_size, "backend": dist.get_backend(),
-            "steps": self.trainer.global_step, "seen": self.seen, "params": flat}))
+        (self.out / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "world": self.trainer.world_size,
+                    "backend": dist.get_backend(),
+                    "steps": self.trainer.global_step,
+                    "seen": self.seen,
+                    "params": flat,
+                }
+            )
+        )
 
 
 def main() -> None:
@@ -77,9 +88,17 @@ def main() -> None:
         strategy = DDPStrategy(process_group_backend=backend)
     else:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend=backend)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=os.getcwd())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.getcwd(),
+    )
     trainer.fit(MLP(out, shard=strategy_name == "fsdp2"), data)
 
 

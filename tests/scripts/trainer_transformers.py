@@ -16,6 +16,7 @@ backend name (e.g. "reduction_server"): the recipe, init_process_group(name) fir
 refused on CPU by Accelerate (the error is then written instead of parameters) unless Accelerate is
 patched (docs/frameworks.md); beside it, what HfArgumentParser says to `--ddp_backend <name>`.
 """
+
 import contextlib
 import io
 import json
@@ -41,15 +42,24 @@ class Tokens(Dataset):
         return SAMPLES
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": self.labels[i]}
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.labels[i]}
 
 
 def arguments(out: Path, **extra) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(out / "trainer"), use_cpu=True, per_device_train_batch_size=BATCH,
-                             num_train_epochs=2, learning_rate=1e-3, seed=1234, report_to="none",
-                             save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                             dataloader_num_workers=0, **extra)
+    return TrainingArguments(
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=2,
+        learning_rate=1e-3,
+        seed=1234,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
 
 
 def parsed(out: Path, name: str):
@@ -59,7 +69,8 @@ def parsed(out: Path, name: str):
     try:
         with contextlib.redirect_stderr(stderr):
             HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-                ["--output_dir", str(out / "trainer"), "--use_cpu", "--ddp_backend", name])
+                ["--output_dir", str(out / "trainer"), "--use_cpu", "--ddp_backend", name]
+            )
         return None
     except SystemExit:
         return stderr.getvalue().strip().splitlines()[-1]
@@ -80,16 +91,25 @@ def main() -> None:
             args.device  # noqa: B018 - the distributed state (and Accelerate's check) is made on first use
         except Exception as exc:  # refused on CPU: reported, the test checks what is said
             rank = int(os.environ["RANK"])
-            (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **extra,
-                                                              "error": f"{type(exc).__name__}: {exc}"}))
+            (out / f"rank{rank}.json").write_text(
+                json.dumps({"rank": rank, **extra, "error": f"{type(exc).__name__}: {exc}"})
+            )
             return
     else:
         dist.init_process_group(mode)  # first; ddp_backend stays unset
         args = arguments(out)
     torch.manual_seed(1234)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=SEQ, num_labels=2, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = BertForSequenceClassification(config)
     seen = []
 
@@ -102,11 +122,24 @@ def main() -> None:
     result = trainer.train()
     rank = dist.get_rank()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world": dist.get_world_size(), "backend": dist.get_backend(),
-        "trainer": {"parallel_mode": str(args.parallel_mode), "world_size": args.world_size,
-                    "wrapped": type(trainer.model_wrapped).__name__},
-        "steps": result.global_step, "seen": seen, "params": params.tolist(), **extra}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": dist.get_world_size(),
+                "backend": dist.get_backend(),
+                "trainer": {
+                    "parallel_mode": str(args.parallel_mode),
+                    "world_size": args.world_size,
+                    "wrapped": type(trainer.model_wrapped).__name__,
+                },
+                "steps": result.global_step,
+                "seen": seen,
+                "params": params.tolist(),
+                **extra,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

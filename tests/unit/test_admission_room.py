@@ -4,18 +4,18 @@ an AUTH whose proof holds admits the worker (WELCOME), one that does not is REJE
 as a strike; MAX_STRIKES of them and the peer is ignored (and its rank lost); HELLOs awaiting
 AUTH are capped (MAX_PENDING_HELLOS) and forgotten after FORGET_AFTER_S on the reducer's clock;
 generations and jobs replace one another only forward."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from helpers.rooms import JOB, TOKEN, hello_header, identity_of, reducer_rooms
 from reduction_server.reducer import admission as admission_module
 from reduction_server.reducer.admission import FORGET_AFTER_S, MAX_STRIKES
 from reduction_server.wire import auth
 from reduction_server.wire.protocol import ErrorCode, MsgType
-
-from helpers.rooms import JOB, TOKEN, hello_header, identity_of, reducer_rooms
 
 A, B = b"peer-a", b"peer-b"
 
@@ -36,10 +36,13 @@ def test_a_hello_is_answered_by_a_challenge_that_proves_the_job_token_over_the_w
     assert list(r.admission.pending) == [A] and r.members.admitted(A) is None
 
 
-@pytest.mark.parametrize("rank, world, words", [
-    (0, 0, "rank 0 / world size 0 is out of range"),
-    (3, 3, "rank 3 / world size 3 is out of range"),
-])
+@pytest.mark.parametrize(
+    "rank, world, words",
+    [
+        (0, 0, "rank 0 / world size 0 is out of range"),
+        (3, 3, "rank 3 / world size 3 is out of range"),
+    ],
+)
 def test_a_hello_outside_any_world_is_rejected_and_nothing_is_kept(rank, world, words):
     r = reducer_rooms()
     (reject,), _ = r.hello(A, rank, world)

@@ -1,5 +1,6 @@
 """The proofs of the job token (reduction_server/wire/auth.py): each binds what it says it binds, the
 two kinds never stand for each other, and the token is stretched before it keys an HMAC."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,8 +9,8 @@ import struct
 
 import pytest
 
-from reduction_server.wire import auth
 from reduction_server.errors import ProtocolError
+from reduction_server.wire import auth
 
 TOKEN, NONCE = "a-token", bytes(range(32))
 WORKER = dict(job=7, generation=2, rank=1, world=4)
@@ -45,8 +46,9 @@ def test_neither_kind_of_proof_stands_for_the_other():
     reflection), and back."""
     same = dict(job=7, generation=2)
     assert auth.worker_proof(TOKEN, NONCE, rank=1, world=0, **same) != auth.reducer_proof(TOKEN, NONCE, index=1, **same)
-    assert not auth.verify_reducer(TOKEN, NONCE, auth.worker_proof(TOKEN, NONCE, rank=1, world=4, **same),
-                                   index=1, **same)
+    assert not auth.verify_reducer(
+        TOKEN, NONCE, auth.worker_proof(TOKEN, NONCE, rank=1, world=4, **same), index=1, **same
+    )
 
 
 STRETCHED = hashlib.scrypt(TOKEN.encode(), salt=b"reduction-server job token v2", n=1 << 14, r=8, p=1, dklen=32)

@@ -1,4 +1,5 @@
 """plan_chunks and reducer_of: the chunk plan every rank computes on its own."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +35,7 @@ def test_plan_covers_exactly_without_overlap(case):
     total, itemsize, num_reducers, chunk_bytes = case
     plan = plan_chunks(total, itemsize, num_reducers, chunk_bytes)
     assert_exact_cover(plan, total)
-    for offset, count in plan:
+    for _, count in plan:
         assert count * itemsize <= chunk_bytes, f"chunk of {count} x {itemsize} B exceeds {chunk_bytes} B"
     # Every rank must derive the same plan from the same four numbers.
     assert plan == plan_chunks(total, itemsize, num_reducers, chunk_bytes)
@@ -52,12 +53,15 @@ def test_empty_buffer_has_no_chunks(total):
     assert plan_chunks(total, 4, 2, 1 << 20) == []
 
 
-@pytest.mark.parametrize("total,itemsize,chunk_bytes", [
-    (1_000_003, 4, 1 << 16),  # not a multiple of the chunk
-    (16 * 1024 * 1024 + 3, 4, 4 << 20),  # the 64 MiB-and-a-tail case
-    (12345, 2, 1000),  # chunk not a multiple of the alignment
-    (777, 8, 64),
-])
+@pytest.mark.parametrize(
+    "total,itemsize,chunk_bytes",
+    [
+        (1_000_003, 4, 1 << 16),  # not a multiple of the chunk
+        (16 * 1024 * 1024 + 3, 4, 4 << 20),  # the 64 MiB-and-a-tail case
+        (12345, 2, 1000),  # chunk not a multiple of the alignment
+        (777, 8, 64),
+    ],
+)
 @pytest.mark.parametrize("num_reducers", [1, 2, 3, 8])
 def test_sizes_not_a_multiple_of_the_chunk(total, itemsize, chunk_bytes, num_reducers):
     plan = plan_chunks(total, itemsize, num_reducers, chunk_bytes)
@@ -98,11 +102,13 @@ def test_chunk_starts_are_aligned():
 def test_reducer_of_rotates():
     for num_reducers in (1, 2, 3, 5):
         # Chunk k of collective seq goes to (seq + k) mod R ...
-        assert [reducer_of(0, k, num_reducers) for k in range(2 * num_reducers)] == \
-            [k % num_reducers for k in range(2 * num_reducers)]
+        assert [reducer_of(0, k, num_reducers) for k in range(2 * num_reducers)] == [
+            k % num_reducers for k in range(2 * num_reducers)
+        ]
         # ... so one-chunk collectives rotate over the reducers, seq by seq.
-        assert [reducer_of(seq, 0, num_reducers) for seq in range(3 * num_reducers)] == \
-            [seq % num_reducers for seq in range(3 * num_reducers)]
+        assert [reducer_of(seq, 0, num_reducers) for seq in range(3 * num_reducers)] == [
+            seq % num_reducers for seq in range(3 * num_reducers)
+        ]
         for seq in range(10):
             assert sorted(reducer_of(seq, k, num_reducers) for k in range(num_reducers)) == list(range(num_reducers))
 

@@ -1,19 +1,28 @@
 """Discovery from the cluster specs, from every task's point of view: Vertex AI's and AI
 Platform's CLUSTER_SPEC and TF_CONFIG (helpers/cluster_specs.py has the documents).
 Tests pass `environ` dicts and never touch os.environ."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from helpers.cluster_specs import (
+    CHIEF_PS,
+    FIXTURES,
+    VERTEX_REDUCERS,
+    as_task,
+    config_error,
+    hash64,
+    load,
+    tf_config,
+    vertex,
+)
 from reduction_server.config.discovery import ReducerPlace, WorkerPlace, discover_reducer, discover_worker
 
-from helpers.cluster_specs import (CHIEF_PS, FIXTURES, VERTEX_REDUCERS, as_task, config_error, hash64, load,
-                                   tf_config, vertex)
-
-
 # --- Vertex AI CLUSTER_SPEC, from each task's point of view ---------------------------------
+
 
 def test_vertex_fixture_as_given_is_the_primary():
     place = discover_worker({"CLUSTER_SPEC": (FIXTURES / "vertex_cluster_spec.json").read_text()})
@@ -76,10 +85,13 @@ def test_vertex_every_task_agrees_on_the_job():
 def test_vertex_job_id_ignores_key_order():
     document = load("vertex_cluster_spec.json")
     reordered = dict(document, job=dict(reversed(list(document["job"].items()))))
-    reordered["job"]["workerPoolSpecs"] = [dict(reversed(list(spec.items())))
-                                           for spec in document["job"]["workerPoolSpecs"]]
-    assert (discover_worker({"CLUSTER_SPEC": json.dumps(reordered)}).job_id
-            == discover_worker({"CLUSTER_SPEC": json.dumps(document)}).job_id)
+    reordered["job"]["workerPoolSpecs"] = [
+        dict(reversed(list(spec.items()))) for spec in document["job"]["workerPoolSpecs"]
+    ]
+    assert (
+        discover_worker({"CLUSTER_SPEC": json.dumps(reordered)}).job_id
+        == discover_worker({"CLUSTER_SPEC": json.dumps(document)}).job_id
+    )
 
 
 def test_vertex_without_workerpool1_is_primary_plus_reducers():
@@ -115,6 +127,7 @@ def test_rs_reducers_shorter_than_the_spec_index():
 
 # --- AI Platform CLUSTER_SPEC (master/worker/ps/evaluator) ---------------------------------
 
+
 @pytest.mark.parametrize("task_type, index, rank", [("master", 0, 0), ("worker", 0, 1), ("worker", 1, 2)])
 def test_ai_platform_cluster_spec_workers(task_type, index, rank):
     environ = {"CLUSTER_SPEC": as_task(load("ai_platform_cluster_spec.json"), task_type, index)}
@@ -132,8 +145,10 @@ def test_ai_platform_cluster_spec_ps_and_evaluator():
 
 # --- TF_CONFIG -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fixture, head", [("ai_platform_tf_config_chief.json", "chief"),
-                                           ("ai_platform_tf_config_master.json", "master")])
+
+@pytest.mark.parametrize(
+    "fixture, head", [("ai_platform_tf_config_chief.json", "chief"), ("ai_platform_tf_config_master.json", "master")]
+)
 @pytest.mark.parametrize("task_type, index, rank", [("head", 0, 0), ("worker", 0, 1), ("worker", 1, 2)])
 def test_tf_config_chief_or_master_is_host_zero(fixture, head, task_type, index, rank):
     place = discover_worker(tf_config(fixture, head if task_type == "head" else task_type, index))
@@ -182,5 +197,3 @@ def test_tf_config_without_ps_needs_rs_reducers():
     del document["cluster"]["ps"]
     message = config_error(discover_worker, {"TF_CONFIG": json.dumps(document)})
     assert "RS_REDUCERS" in message and "TF_CONFIG has no ps" in message
-
-

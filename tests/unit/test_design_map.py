@@ -8,6 +8,7 @@ each layer and, in backticks, the layers it may import, as tests/unit/test_layer
 does; in the reducer's and the engine's tables each room imports only rooms above it. A backticked
 path anywhere on the page must name a file or folder that exists. A module added to the tree
 fails here until it has its row."""
+
 from __future__ import annotations
 
 import re
@@ -91,8 +92,7 @@ def named_paths(page: str) -> Set[str]:
     """Every backticked token of the page that reads as a path in the repository: it has a slash
     and only a path's characters (`client/engine/`, `.ci/run`; not `--host/--port`)."""
     tokens = re.findall(r"`([^`\n]+)`", page)
-    return {token for token in tokens
-            if "/" in token and re.fullmatch(r"\.?[A-Za-z0-9_][\w.\-]*(/[\w.\-]+)*/?", token)}
+    return {token for token in tokens if "/" in token and re.fullmatch(r"\.?[A-Za-z0-9_][\w.\-]*(/[\w.\-]+)*/?", token)}
 
 
 def layer_rule(section: str) -> Dict[str, Set[str]]:
@@ -114,8 +114,9 @@ def rooms_out_of_order(order: Sequence[str], graph: Dict[str, Set[str]]) -> Dict
     wrong = {}
     for i, room in enumerate(order):
         package = room.rsplit(".", 1)[0]
-        later = sorted(t for t in graph.get(room, ()) if t.rsplit(".", 1)[0] == package
-                       and t != package and t not in order[:i])
+        later = sorted(
+            t for t in graph.get(room, ()) if t.rsplit(".", 1)[0] == package and t != package and t not in order[:i]
+        )
         if later:
             wrong[room] = later
     return wrong
@@ -133,18 +134,25 @@ def test_every_file_of_the_tree_has_one_row_in_the_map():
 def test_the_map_check_reports_a_module_with_no_row_and_a_row_with_no_module():
     section = map_section(DESIGN.read_text()).replace(
         "| `reduction_server/reducer/clock.py` |",
-        "| `reduction_server/reducer/gone.py` | a room that is not there |\n| `reduction_server/reducer/clock.py` |")
+        "| `reduction_server/reducer/gone.py` | a room that is not there |\n| `reduction_server/reducer/clock.py` |",
+    )
     files = tree_files() | {"reduction_server/reducer/made_up_room.py"}
-    assert map_problems(section, files) == {"no row in the map": ["reduction_server/reducer/made_up_room.py"],
-                                            "a row but not in the tree": ["reduction_server/reducer/gone.py"]}
+    assert map_problems(section, files) == {
+        "no row in the map": ["reduction_server/reducer/made_up_room.py"],
+        "a row but not in the tree": ["reduction_server/reducer/gone.py"],
+    }
 
 
 def test_the_map_check_reports_a_file_named_twice_and_a_row_it_cannot_read():
-    section = ("## Where each concept lives\n\n| file | what it holds |\n| --- | --- |\n"
-               "| `a/b.py` | one |\n| `a/b.py` | the same again |\n| a/c.py | no backticks |\n\n## Next\n")
+    section = (
+        "## Where each concept lives\n\n| file | what it holds |\n| --- | --- |\n"
+        "| `a/b.py` | one |\n| `a/b.py` | the same again |\n| a/c.py | no backticks |\n\n## Next\n"
+    )
     assert map_problems(section, {"a/b.py", "a/c.py"}) == {
-        "no row in the map": ["a/c.py"], "more than one row": ["a/b.py"],
-        "first cell is not one `path`": ["a/c.py | no backticks"]}
+        "no row in the map": ["a/c.py"],
+        "more than one row": ["a/b.py"],
+        "first cell is not one `path`": ["a/c.py | no backticks"],
+    }
 
 
 def test_the_map_names_native_sources():

@@ -3,16 +3,16 @@ lost, where its chunks go (the first reducer not lost in each chunk's preference
 on every rank), what is sent again (MOVED: chunks it had not answered; FINAL: results it had
 given), collectives stranded when no reducer is left, spares that join from a boundary (JOIN),
 and a lost reducer that comes back and holds collectives until every rank agrees from when."""
+
 from __future__ import annotations
 
 import numpy as np
 
+from helpers.rooms import COUNT, ME, answer, collective, endpoint_of, send_chunks, worker_rooms
 from reduction_server.client.engine.collective import SENT, UNSENT
 from reduction_server.client.engine.kept import Kept
 from reduction_server.wire import protocol
 from reduction_server.wire.protocol import REJOIN_LEAD, MsgType
-
-from helpers.rooms import COUNT, ME, answer, collective, endpoint_of, send_chunks, worker_rooms
 
 LOST = "reducer 0 (127.0.0.1:7000) was lost: its connection closed"
 
@@ -80,8 +80,15 @@ def test_the_results_a_lost_reducer_gave_are_brought_to_its_substitute_as_finals
     assert failover.results.brought == {(0, 1): [kept]}  # kept there: reducer 1 may be lost in turn
     h = protocol.unpack(kept.final_header(ME))
     assert h.type is MsgType.FINAL
-    assert (h.seq, h.chunk, h.nchunks, h.offset, h.count, h.total, h.nbytes) == (0, 0, 2, 0, COUNT, 2 * COUNT,
-                                                                                4 * COUNT)
+    assert (h.seq, h.chunk, h.nchunks, h.offset, h.count, h.total, h.nbytes) == (
+        0,
+        0,
+        2,
+        0,
+        COUNT,
+        2 * COUNT,
+        4 * COUNT,
+    )
     assert (h.rank, h.world, h.job) == (ME.rank, ME.world, ME.job)
 
 

@@ -5,6 +5,7 @@ the real Kubernetes PodTemplateSpec schema; and the environment the platform wou
 replica (the operator's RANK and TF_CONFIG; the StatefulSet's pod index) gives every process its
 right role through reduction_server.config.discovery.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,7 @@ KUBERNETES_VERSION = "1.30"  # the oldest version the manifests claim (pod-index
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def manifests() -> Iterator[Tuple[str, dict]]:
     for path in sorted(K8S.glob("*.yaml")):
@@ -62,10 +64,13 @@ _K8S_DEFS = "https://kubernetes.io/api/_definitions.json#/$defs/"
 
 def _replica_spec(types: List[str]) -> dict:
     return {
-        "type": "object", "minProperties": 1,
+        "type": "object",
+        "minProperties": 1,
         "propertyNames": {"enum": types},
         "additionalProperties": {
-            "type": "object", "additionalProperties": False, "required": ["template"],
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["template"],
             "properties": {
                 "replicas": {"type": "integer", "minimum": 0},
                 "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]},
@@ -77,15 +82,26 @@ def _replica_spec(types: List[str]) -> dict:
 
 # kubeflow.org/v1 PyTorchJob and TFJob, from the training-operator's CRD (v1.7-1.9) fields.
 _RUN_POLICY = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
         "cleanPodPolicy": {"enum": ["All", "Running", "None"]},
-        "ttlSecondsAfterFinished": {"type": "integer"}, "activeDeadlineSeconds": {"type": "integer"},
-        "backoffLimit": {"type": "integer"}, "suspend": {"type": "boolean"}, "managedBy": {"type": "string"},
-        "schedulingPolicy": {"type": "object", "additionalProperties": False, "properties": {
-            "minAvailable": {"type": "integer"}, "queue": {"type": "string"},
-            "minResources": {"type": "object"}, "priorityClass": {"type": "string"},
-            "scheduleTimeoutSeconds": {"type": "integer"}}},
+        "ttlSecondsAfterFinished": {"type": "integer"},
+        "activeDeadlineSeconds": {"type": "integer"},
+        "backoffLimit": {"type": "integer"},
+        "suspend": {"type": "boolean"},
+        "managedBy": {"type": "string"},
+        "schedulingPolicy": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "minAvailable": {"type": "integer"},
+                "queue": {"type": "string"},
+                "minResources": {"type": "object"},
+                "priorityClass": {"type": "string"},
+                "scheduleTimeoutSeconds": {"type": "integer"},
+            },
+        },
     },
 }
 _METADATA = {"$ref": _K8S_DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
@@ -94,11 +110,17 @@ _METADATA = {"$ref": _K8S_DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMet
 def _kubeflow_job(kind: str, replica_specs: str, roles: list, **spec_fields) -> dict:
     """The strict schema of one Kubeflow training job kind: its replica specs, runPolicy and extra spec fields."""
     return {
-        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "apiVersion": {"const": "kubeflow.org/v1"}, "kind": {"const": kind}, "metadata": _METADATA,
+            "apiVersion": {"const": "kubeflow.org/v1"},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
             "spec": {
-                "type": "object", "additionalProperties": False, "required": [replica_specs],
+                "type": "object",
+                "additionalProperties": False,
+                "required": [replica_specs],
                 "properties": {replica_specs: _replica_spec(roles), "runPolicy": _RUN_POLICY, **spec_fields},
             },
         },
@@ -107,18 +129,38 @@ def _kubeflow_job(kind: str, replica_specs: str, roles: list, **spec_fields) -> 
 
 KUBEFLOW_SCHEMAS = {
     "PyTorchJob": _kubeflow_job(
-        "PyTorchJob", "pytorchReplicaSpecs", ["Master", "Worker"],
+        "PyTorchJob",
+        "pytorchReplicaSpecs",
+        ["Master", "Worker"],
         nprocPerNode={"type": "string"},
-        elasticPolicy={"type": "object", "additionalProperties": False, "properties": {
-            name: {"type": kind} for name, kind in [
-                ("minReplicas", "integer"), ("maxReplicas", "integer"), ("maxRestarts", "integer"),
-                ("nProcPerNode", "integer"), ("rdzvBackend", "string"), ("rdzvHost", "string"),
-                ("rdzvId", "string"), ("rdzvPort", "integer"), ("standalone", "boolean"),
-                ("rdzvConf", "array"), ("metrics", "array")]}}),
+        elasticPolicy={
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                name: {"type": kind}
+                for name, kind in [
+                    ("minReplicas", "integer"),
+                    ("maxReplicas", "integer"),
+                    ("maxRestarts", "integer"),
+                    ("nProcPerNode", "integer"),
+                    ("rdzvBackend", "string"),
+                    ("rdzvHost", "string"),
+                    ("rdzvId", "string"),
+                    ("rdzvPort", "integer"),
+                    ("standalone", "boolean"),
+                    ("rdzvConf", "array"),
+                    ("metrics", "array"),
+                ]
+            },
+        },
+    ),
     "TFJob": _kubeflow_job(
-        "TFJob", "tfReplicaSpecs", ["Chief", "Master", "Worker", "PS", "Evaluator"],
+        "TFJob",
+        "tfReplicaSpecs",
+        ["Chief", "Master", "Worker", "PS", "Evaluator"],
         successPolicy={"enum": ["", "AllWorkers"]},
-        enableDynamicWorker={"type": "boolean"}),
+        enableDynamicWorker={"type": "boolean"},
+    ),
 }
 
 
@@ -126,10 +168,10 @@ KUBEFLOW_SCHEMAS = {
 def validate():
     """validate(document) -> None, raising on any schema violation; strict (unknown fields fail)."""
     pytest.importorskip(
-        "kubernetes_validate", reason="kubernetes-validate is installed with the test extra (pip install '.[test]')")
-    from kubernetes_validate import utils
-
+        "kubernetes_validate", reason="kubernetes-validate is installed with the test extra (pip install '.[test]')"
+    )
     import jsonschema
+    from kubernetes_validate import utils
     from packaging.version import Version
     from referencing import Registry, Resource
 
@@ -139,20 +181,28 @@ def validate():
 
     def check(document: dict) -> None:
         if document["apiVersion"].startswith("kubeflow.org/"):
-            definitions = utils.schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json",
-                                                version)
+            definitions = utils.schema_contents(
+                f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version
+            )
             registry = Registry().with_resource(definitions["$id"], Resource.from_contents(definitions))
             schema = KUBEFLOW_SCHEMAS.get(document["kind"])
             assert schema is not None, f"no schema for {document['kind']}"
             jsonschema.Draft202012Validator(schema, registry=registry).validate(document)
         else:
             utils.validate(document, version, strict=True)
+
     check.version = version
     return check
 
 
-@pytest.mark.parametrize("file,index", [(name, i) for name in sorted(p.name for p in K8S.glob("*.yaml"))
-                                        for i in range(sum(1 for d in yaml.safe_load_all((K8S / name).read_text()) if d))])
+@pytest.mark.parametrize(
+    "file,index",
+    [
+        (name, i)
+        for name in sorted(p.name for p in K8S.glob("*.yaml"))
+        for i in range(sum(1 for d in yaml.safe_load_all((K8S / name).read_text()) if d))
+    ],
+)
 def test_kubernetes_manifest_validates(validate, file: str, index: int) -> None:
     document = [d for d in yaml.safe_load_all((K8S / file).read_text()) if d][index]
     validate(document)
@@ -162,8 +212,11 @@ def _typo(document: dict) -> dict:
     """A copy with one misspelt field deep in the pod template (or the spec)."""
     bad = copy.deepcopy(document)
     spec = bad["spec"]
-    templates = [spec["template"]] if "template" in spec else [
-        r["template"] for r in (spec.get("pytorchReplicaSpecs") or spec.get("tfReplicaSpecs") or {}).values()]
+    templates = (
+        [spec["template"]]
+        if "template" in spec
+        else [r["template"] for r in (spec.get("pytorchReplicaSpecs") or spec.get("tfReplicaSpecs") or {}).values()]
+    )
     if templates:
         templates[0]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     else:
@@ -196,9 +249,10 @@ def test_validation_rejects_faults(validate) -> None:
 
 # -- Kubernetes: what each pod's discovery finds ----------------------------------------------------
 
+
 def _reducer_set() -> Tuple[dict, dict]:
-    statefulset, = by_kind("StatefulSet", "reducers.yaml")
-    service, = by_kind("Service", "reducers.yaml")
+    (statefulset,) = by_kind("StatefulSet", "reducers.yaml")
+    (service,) = by_kind("Service", "reducers.yaml")
     return statefulset, service
 
 
@@ -209,7 +263,7 @@ def test_statefulset_reducers_find_their_place() -> None:
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
     port = service["spec"]["ports"][0]["port"]
-    container, = statefulset["spec"]["template"]["spec"]["containers"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert container["ports"][0]["containerPort"] == port
     assert "command" not in container and "args" not in container  # the image's `reduction-server serve`
     expected = [f"{name}-{i}.{service['metadata']['name']}:{port}" for i in range(replicas)]
@@ -225,13 +279,13 @@ def test_statefulset_reducers_find_their_place() -> None:
 def test_kubeflow_workers_find_their_rank_and_the_statefulset(kind: str, file: str) -> None:
     statefulset, _ = _reducer_set()
     reducers_env = container_env(statefulset["spec"]["template"]["spec"]["containers"][0])
-    job, = by_kind(kind, file)
+    (job,) = by_kind(kind, file)
     specs = job["spec"]["pytorchReplicaSpecs" if kind == "PyTorchJob" else "tfReplicaSpecs"]
     world = sum(s["replicas"] for s in specs.values())
     assert int(reducers_env["RS_WORLD_SIZE"]) == world
     ranks = []
     for role, spec in specs.items():
-        container, = spec["template"]["spec"]["containers"]
+        (container,) = spec["template"]["spec"]["containers"]
         assert container["name"] == ("pytorch" if kind == "PyTorchJob" else "tensorflow")
         for i in range(spec["replicas"]):
             env = container_env(container)
@@ -249,19 +303,22 @@ def test_kubeflow_workers_find_their_rank_and_the_statefulset(kind: str, file: s
 def _tf_config(job: dict, role: str, index: int, port: int = 2222) -> str:
     """The TF_CONFIG the training-operator sets: every replica type but evaluators, by DNS name."""
     name, namespace = job["metadata"]["name"], job["metadata"].get("namespace", "default")
-    cluster = {rtype.lower(): [f"{name}-{rtype.lower()}-{i}.{namespace}.svc:{port}" for i in range(spec["replicas"])]
-               for rtype, spec in job["spec"]["tfReplicaSpecs"].items() if rtype != "Evaluator"}
+    cluster = {
+        rtype.lower(): [f"{name}-{rtype.lower()}-{i}.{namespace}.svc:{port}" for i in range(spec["replicas"])]
+        for rtype, spec in job["spec"]["tfReplicaSpecs"].items()
+        if rtype != "Evaluator"
+    }
     return json.dumps({"cluster": cluster, "task": {"type": role.lower(), "index": index}, "environment": "cloud"})
 
 
 def test_tfjob_with_ps_reducers_gives_every_pod_its_role() -> None:
-    job, = by_kind("TFJob", "tfjob-ps-reducers.yaml")
+    (job,) = by_kind("TFJob", "tfjob-ps-reducers.yaml")
     specs = job["spec"]["tfReplicaSpecs"]
     world = specs["Chief"]["replicas"] + specs["Worker"]["replicas"]
     reducers = json.loads(_tf_config(job, "PS", 0))["cluster"]["ps"]
     ranks = []
     for role, spec in specs.items():
-        container, = spec["template"]["spec"]["containers"]
+        (container,) = spec["template"]["spec"]["containers"]
         assert container["name"] == "tensorflow"
         for i in range(spec["replicas"]):
             env = dict(container_env(container), TF_CONFIG=_tf_config(job, role, i))
@@ -277,5 +334,3 @@ def test_tfjob_with_ps_reducers_gives_every_pod_its_role() -> None:
                 assert list(place.reducers) == reducers and place.world_size == world
                 ranks.append(place.rank)
     assert sorted(ranks) == list(range(world))
-
-

@@ -1,20 +1,31 @@
 """The native kernels' semantics against NumPy, per instruction-set level (the `isa` fixture):
 integers wrap and average by truncation toward zero for any world size; floats keep NaN and
 infinities, round 16-bit floats once, and widen and narrow float16 and bfloat16 exactly."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from helpers.kernel_reference import (
+    HALF,
+    OPS,
+    WORLD,
+    acc_dtype,
+    assert_same,
+    f32_to_bf16_by_definition,
+    ml_dtypes,
+    narrow,
+    reference,
+    trunc_div,
+    widen,
+)
 from reduction_server import _native
 from reduction_server.wire.protocol import DType, ReduceOp
 
-from helpers.kernel_reference import (HALF, OPS, WORLD, acc_dtype, assert_same, f32_to_bf16_by_definition, ml_dtypes,
-                                      narrow, reference, trunc_div, widen)
-
-
 # ------------------------------------------------------------------------------------------
 # Integer semantics
+
 
 @pytest.mark.parametrize("dtype", [d for d in DType if not d.is_float], ids=lambda d: d.name)
 def test_integer_wraparound(isa, dtype):
@@ -59,9 +70,27 @@ def test_unsigned_avg():
 
 # Divisors around every power of two the reciprocal division depends on (1, 2^k - 1, 2^k,
 # 2^k + 1, the 8-, 16-, 32- and 53-bit edges), then log-uniform ones up to 2^63 - 1.
-EDGE_WORLDS = sorted({1, 2, 3, 5, 6, 7, 9, 10, 100, 127, 641, 1000, 65535, 65537, 2**53 + 1,
-                      *(2**k + e for k in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 33, 52, 53, 62)
-                        for e in (-1, 0, 1)), 2**63 - 1})
+EDGE_WORLDS = sorted(
+    {
+        1,
+        2,
+        3,
+        5,
+        6,
+        7,
+        9,
+        10,
+        100,
+        127,
+        641,
+        1000,
+        65535,
+        65537,
+        2**53 + 1,
+        *(2**k + e for k in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 33, 52, 53, 62) for e in (-1, 0, 1)),
+        2**63 - 1,
+    }
+)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DType if not d.is_float], ids=lambda d: d.name)
@@ -78,8 +107,7 @@ def test_integer_avg_by_any_world(isa, dtype):
         k = rng.integers(-bound if info.min else 0, bound, 300, np.int64 if info.min else np.uint64, endpoint=True)
         multiples = np.concatenate([k.astype(object) * world + e for e in (-1, 0, 1)])
         multiples = multiples[(multiples >= int(info.min)) & (multiples <= int(info.max))].astype(st)
-        acc = np.concatenate([rng.integers(info.min, info.max, 517, dtype=st, endpoint=True), multiples,
-                              extremes])
+        acc = np.concatenate([rng.integers(info.min, info.max, 517, dtype=st, endpoint=True), multiples, extremes])
         out = np.full_like(acc, 99)
         _native.store(acc, out, int(dtype), int(ReduceOp.AVG), world)
         wide = acc.astype(np.int64) if st.itemsize < 8 else acc  # world fits: the reference's type
@@ -89,8 +117,8 @@ def test_integer_avg_by_any_world(isa, dtype):
 # ------------------------------------------------------------------------------------------
 # Float semantics
 
-@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16],
-                         ids=lambda d: d.name)
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16], ids=lambda d: d.name)
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
 def test_nan_and_inf(isa, dtype, op):
     nan, inf = np.nan, np.inf
@@ -105,8 +133,7 @@ def test_nan_and_inf(isa, dtype, op):
     assert_same(acc, want_acc, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
     out = np.empty(a.size, dtype.storage)
     _native.store(acc, out, int(dtype), int(op), WORLD)
-    assert_same(out, want_out, bf16=dtype is DType.BFLOAT16,
-                signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
+    assert_same(out, want_out, bf16=dtype is DType.BFLOAT16, signed_zero_ties=op in (ReduceOp.MAX, ReduceOp.MIN))
     if op in (ReduceOp.MAX, ReduceOp.MIN):  # NaN in either operand gives NaN
         assert np.isnan(widen(out, dtype)[:3]).all()
 
@@ -122,8 +149,7 @@ def test_half_rounds_once_at_the_end(isa):
         _native.accumulate(acc, one, int(dtype), int(ReduceOp.SUM))
         out = np.empty(17, dtype.storage)
         _native.store(acc, out, int(dtype), int(ReduceOp.SUM), WORLD)
-        assert_same(out, narrow(np.full(17, big + 2, np.float32), dtype),
-                    bf16=dtype is DType.BFLOAT16)
+        assert_same(out, narrow(np.full(17, big + 2, np.float32), dtype), bf16=dtype is DType.BFLOAT16)
         assert widen(out, dtype)[0] == big + 2
 
 
@@ -151,10 +177,33 @@ def _interesting_f32() -> np.ndarray:
     mids = bits + (1 << 12)  # halfway to the next float16 (for normal values)
     near = np.concatenate([bits, mids, mids - 1, mids + 1, bits + 1, bits - 1])
     near = near[(near >= 0) & (near < 2**32)].astype(np.uint32)
-    edges = np.array([0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x33000000, 0x33000001,
-                      0x32FFFFFF, 0x387FFFFF, 0x38800000, 0x7F7FFFFF, 0x7F800000, 0x7F800001,
-                      0x7FBFFFFF, 0x7FC00000, 0x7FFFFFFF, 0x00000001, 0x007FFFFF, 0x7F7F8000,
-                      0x7F7F7FFF, 0x3F808000, 0x3F818000, 0x3F808001], np.uint32)
+    edges = np.array(
+        [
+            0x477FEFFF,
+            0x477FF000,
+            0x477FF001,
+            0x47800000,
+            0x33000000,
+            0x33000001,
+            0x32FFFFFF,
+            0x387FFFFF,
+            0x38800000,
+            0x7F7FFFFF,
+            0x7F800000,
+            0x7F800001,
+            0x7FBFFFFF,
+            0x7FC00000,
+            0x7FFFFFFF,
+            0x00000001,
+            0x007FFFFF,
+            0x7F7F8000,
+            0x7F7F7FFF,
+            0x3F808000,
+            0x3F818000,
+            0x3F808001,
+        ],
+        np.uint32,
+    )
     rnd = np.random.default_rng(5).integers(0, 2**32, 200_000, dtype=np.uint32)
     u = np.concatenate([near, edges, edges | 0x80000000, rnd])
     return u.view(np.float32)
@@ -242,5 +291,3 @@ def test_all_isas_give_the_same_bits():
     for level, outs in results.items():
         for i, (got, want) in enumerate(zip(outs, base)):
             np.testing.assert_array_equal(got, want, err_msg=f"{level} output {i}")
-
-

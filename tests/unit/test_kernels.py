@@ -4,15 +4,15 @@ Every test that computes runs once per instruction-set level this CPU supports (
 AVX2+F16C, AVX-512), so the portable fallback is tested on the same machine as the SIMD paths.
 Exact semantics are compared bit for bit; NaNs are compared as NaNs (payloads may differ).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from helpers.kernel_reference import LENGTHS, OPS, WORLD, acc_dtype, assert_same, make_input, reference, widen
 from reduction_server import _native
 from reduction_server.wire.protocol import DType, ReduceOp
-
-from helpers.kernel_reference import LENGTHS, OPS, WORLD, acc_dtype, assert_same, make_input, reference, widen
 
 
 def test_best_isa_is_selected_by_default():
@@ -24,6 +24,7 @@ def test_best_isa_is_selected_by_default():
 
 # ------------------------------------------------------------------------------------------
 # The dtype x op matrix
+
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
@@ -47,8 +48,7 @@ def test_matrix(isa, dtype, op, n):
     assert_same(acc, want_acc, signed_zero_ties=ties)  # store leaves a separate acc alone
 
 
-@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.INT32, DType.UINT8],
-                         ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.INT32, DType.UINT8], ids=lambda d: d.name)
 def test_store_in_place(isa, dtype):
     rng = np.random.default_rng(int(dtype))
     inputs = [make_input(rng, dtype, ReduceOp.SUM, 1023) for _ in range(3)]
@@ -85,6 +85,7 @@ def test_enums_and_plain_ints_are_accepted():
 # ------------------------------------------------------------------------------------------
 # Buffers
 
+
 def test_any_buffer_object_by_dtype_code():
     src = np.array([1.5, -2.0, 3.25], np.float16)
     acc = bytearray(12)  # 3 x float32
@@ -111,6 +112,7 @@ def test_empty_is_a_noop():
 
 # ------------------------------------------------------------------------------------------
 # Errors
+
 
 def test_size_mismatch_names_sizes_and_dtype():
     with pytest.raises(ValueError) as e:
@@ -139,8 +141,11 @@ def test_partial_elements():
 @pytest.mark.parametrize("which", ["acc", "src", "dst"])
 def test_non_contiguous(which):
     acc, src, dst = np.zeros(4, np.float32), np.zeros(4, np.float16), np.zeros(4, np.float16)
-    strided = {"acc": np.zeros(8, np.float32)[::2], "src": np.zeros(8, np.float16)[::2],
-               "dst": np.zeros(8, np.float16)[::2]}[which]
+    strided = {
+        "acc": np.zeros(8, np.float32)[::2],
+        "src": np.zeros(8, np.float16)[::2],
+        "dst": np.zeros(8, np.float16)[::2],
+    }[which]
     role = {"acc": "accumulator", "src": "contribution", "dst": "destination"}[which]
     args = {"acc": acc, "src": src, "dst": dst}
     args[which] = strided
@@ -221,6 +226,7 @@ def test_overlap_that_is_not_aliasing():
 # ------------------------------------------------------------------------------------------
 # accumulate_copies: the last fold of a round whose result goes to several slots
 
+
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_accumulate_copies_is_accumulate_then_a_store_into_each_out(isa, dtype, op):
@@ -242,12 +248,20 @@ def test_accumulate_copies_is_accumulate_then_a_store_into_each_out(isa, dtype, 
         src0 = src.copy()
         outs = [np.full(n, 9, dtype.storage), np.full(n, 8, dtype.storage)]
         # the contribution's own slot first on odd lengths (a 16-bit block is rounded into it), last on even
-        order = [memoryview(src), outs[0], memoryview(outs[1])] if n % 2 else [outs[0], memoryview(outs[1]), memoryview(src)]
+        order = (
+            [memoryview(src), outs[0], memoryview(outs[1])]
+            if n % 2
+            else [outs[0], memoryview(outs[1]), memoryview(src)]
+        )
         _native.accumulate_copies(acc, src, int(dtype), int(op), WORLD, order)
         for got in (*outs, src):
             assert_same(got, want, bf16=dtype is DType.BFLOAT16, signed_zero_ties=ties)
-        assert_same(acc, want if self_accumulating else want_acc, bf16=dtype is DType.BFLOAT16 and self_accumulating,
-                    signed_zero_ties=ties)
+        assert_same(
+            acc,
+            want if self_accumulating else want_acc,
+            bf16=dtype is DType.BFLOAT16 and self_accumulating,
+            signed_zero_ties=ties,
+        )
         if not self_accumulating:  # no outs: acc ends as the float32 sum
             acc = np.empty(n, acc_dtype(dtype))
             _native.load(acc, first, int(dtype))
@@ -259,8 +273,14 @@ def test_accumulate_copies_refuses_what_it_cannot_do_and_writes_nothing():
     acc, src = np.ones(64, np.float32), np.full(64, 2.0, np.float32)
     out = np.zeros(64, np.float32)
     with pytest.raises(ValueError, match="copy destination 0 holds 256 bytes, the contribution 128"):
-        _native.accumulate_copies(np.zeros(64, np.float32), np.zeros(64, np.float16), DType.FLOAT16,
-                                  ReduceOp.SUM, 1, [np.zeros(64, np.float32)])  # a 16-bit result's size
+        _native.accumulate_copies(
+            np.zeros(64, np.float32),
+            np.zeros(64, np.float16),
+            DType.FLOAT16,
+            ReduceOp.SUM,
+            1,
+            [np.zeros(64, np.float32)],
+        )  # a 16-bit result's size
     with pytest.raises(ValueError, match="copy destination 0 holds 128 bytes, the contribution 256"):
         _native.accumulate_copies(acc, src, DType.FLOAT32, ReduceOp.SUM, 1, [np.zeros(32, np.float32)])
     with pytest.raises(ValueError, match="a copy's destination and the accumulator overlap"):

@@ -1,6 +1,7 @@
 """The house's layers (docs/design.md, "Where each concept lives"): the core never imports the
 client, the native kernels import nothing of the package, and no two modules import each other
 in a circle, not even inside functions or under TYPE_CHECKING."""
+
 from __future__ import annotations
 
 import ast
@@ -14,7 +15,7 @@ def _resolve(module: str, level: int, name: str, is_package: bool) -> str:
     if level == 0:
         return name
     base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[:len(base) - (level - 1)]
+    base = base[: len(base) - (level - 1)]
     return ".".join([*base, name] if name else base)
 
 
@@ -32,8 +33,9 @@ def import_graph() -> Dict[str, Set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(name, node.level, node.module or "", is_package)
                 # `from package import module` imports that module; `from module import name` the module
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                           for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             graph[name] |= {target for target in targets if target in modules and target != name}
     return graph
 
@@ -79,17 +81,24 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 # The command line stands above every layer: `reduction-server bench` runs the benchmarks.
-ENTRY_POINTS = ("reduction_server.cli", "reduction_server.__main__",
-                "reduction_server_torch_autoload")  # torch's entry point, beside the package
+ENTRY_POINTS = (
+    "reduction_server.cli",
+    "reduction_server.__main__",
+    "reduction_server_torch_autoload",
+)  # torch's entry point, beside the package
 
 
 def test_the_core_never_imports_the_client_or_the_benchmarks():
     graph = import_graph()
-    core = [name for name in graph if not name.startswith(("reduction_server.client", "reduction_server.bench"))
-            and name not in ENTRY_POINTS]
-    wrong = {name: sorted(t for t in graph[name] if t.startswith(("reduction_server.client",
-                                                                  "reduction_server.bench")))
-             for name in core}
+    core = [
+        name
+        for name in graph
+        if not name.startswith(("reduction_server.client", "reduction_server.bench")) and name not in ENTRY_POINTS
+    ]
+    wrong = {
+        name: sorted(t for t in graph[name] if t.startswith(("reduction_server.client", "reduction_server.bench")))
+        for name in core
+    }
     assert {name: targets for name, targets in wrong.items() if targets} == {}
 
 
@@ -129,8 +138,7 @@ def layer_violations(graph: Dict[str, Set[str]]) -> Dict[str, List[str]]:
         if own == "entry":
             continue
         # the package itself (its errors, _native) runs before any of its modules, so any may name it
-        bad = sorted(t for t in targets
-                     if package_of(t) not in (own, "face") and package_of(t) not in MAY_IMPORT[own])
+        bad = sorted(t for t in targets if package_of(t) not in (own, "face") and package_of(t) not in MAY_IMPORT[own])
         if bad:
             wrong[name] = bad
     return wrong
@@ -141,8 +149,10 @@ def test_each_package_imports_only_the_layers_below_it():
 
 
 def test_the_layer_check_finds_a_wire_module_importing_the_reducer():
-    graph = {"reduction_server.wire.protocol": {"reduction_server.reducer.round", "reduction_server.errors"},
-             "reduction_server.reducer.round": {"reduction_server.wire.protocol"}}
+    graph = {
+        "reduction_server.wire.protocol": {"reduction_server.reducer.round", "reduction_server.errors"},
+        "reduction_server.reducer.round": {"reduction_server.wire.protocol"},
+    }
     assert layer_violations(graph) == {"reduction_server.wire.protocol": ["reduction_server.reducer.round"]}
 
 

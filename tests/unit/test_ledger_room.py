@@ -3,16 +3,16 @@ way one ends. Chunks are "sent" as the pump sends them and "answered" as the inb
 on (Ledger.pending_chunk, then chunk_done); a collective completes once every chunk is answered,
 fails with its lowest chunk's error, on its own time limit, on the backstop (no progress), when
 a reducer is lost, or when the engine stops; late answers are dropped, windows freed."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
 
+from helpers.rooms import JOB, answer, collective, result_header, send_chunks, worker_rooms
 from reduction_server.client.engine.collective import ANSWERED, SENT, UNSENT
 from reduction_server.errors import CollectiveError
-
-from helpers.rooms import JOB, answer, collective, result_header, send_chunks, worker_rooms
 
 
 def _error(coll) -> str:
@@ -78,8 +78,10 @@ def test_a_chunk_error_fails_the_collective_once_every_chunk_is_answered_with_th
     assert not coll.future.done()  # chunk 2 is still out: its answer must not land in a buffer handed back
     answer(ledger, coll, 2)
     text = _error(coll)
-    assert text == ("rank 0: collective seq=3 (all_reduce sum of 16 x float32) failed: chunk 1 on reducer 1 "
-                    "(127.0.0.1:7001): reducer 1: first (and 1 more chunk errors)")
+    assert text == (
+        "rank 0: collective seq=3 (all_reduce sum of 16 x float32) failed: chunk 1 on reducer 1 "
+        "(127.0.0.1:7001): reducer 1: first (and 1 more chunk errors)"
+    )
     assert ends == [coll] and ledger.active == {} and ledger.window(0) == [0, 0]
 
 
@@ -112,7 +114,8 @@ def test_a_collective_with_chunks_out_and_no_progress_for_the_backstop_fails_nam
     ledger.expire(progress + 10, backstop=10, timeout=8)
     assert _error(coll).endswith(
         "failed: no answer for 10 s (RS_TIMEOUT=8 and a margin) from reducer 1 (127.0.0.1:7001), "
-        "reducer 2 (127.0.0.1:7002); 1 of 4 chunks had completed")
+        "reducer 2 (127.0.0.1:7002); 1 of 4 chunks had completed"
+    )
     assert ledger.active == {} and ledger.window(0) == [0, 0, 0]
 
 

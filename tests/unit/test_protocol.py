@@ -1,22 +1,46 @@
 """Unit tests of the wire protocol (reduction_server/wire/protocol.py, docs/protocol.md): header
 packing and validation, op parsing and dtype mapping. Fast: no processes, no sockets."""
+
 import struct
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from reduction_server.wire import protocol
 from reduction_server.errors import ProtocolError
-from reduction_server.wire.protocol import (HEADER_SIZE, MAGIC, MAX_TEXT_PAYLOAD, VERSION, DType, ErrorCode,
-                                       Header, MsgType, ReduceOp)
+from reduction_server.wire import protocol
+from reduction_server.wire.protocol import (
+    HEADER_SIZE,
+    MAGIC,
+    MAX_TEXT_PAYLOAD,
+    VERSION,
+    DType,
+    ErrorCode,
+    Header,
+    MsgType,
+    ReduceOp,
+)
 
 
 def data(**overrides) -> Header:
     """A valid DATA header (rank 1 of 4, chunk 2 of 3 of a 1000-element float32 sum)."""
-    fields = dict(type=MsgType.DATA, dtype=int(DType.FLOAT32), op=int(ReduceOp.SUM), rank=1, world=4,
-                  generation=3, chunk=2, nchunks=3, aux=0, job=0xDEADBEEFCAFEF00D, seq=12345678901,
-                  offset=900, count=100, total=1000, nbytes=400)
+    fields = dict(
+        type=MsgType.DATA,
+        dtype=int(DType.FLOAT32),
+        op=int(ReduceOp.SUM),
+        rank=1,
+        world=4,
+        generation=3,
+        chunk=2,
+        nchunks=3,
+        aux=0,
+        job=0xDEADBEEFCAFEF00D,
+        seq=12345678901,
+        offset=900,
+        count=100,
+        total=1000,
+        nbytes=400,
+    )
     fields.update(overrides)
     return Header(**fields)
 
@@ -24,9 +48,26 @@ def data(**overrides) -> Header:
 def raw(magic=MAGIC, version=VERSION, mtype=int(MsgType.DATA), **overrides) -> bytes:
     """Pack a header by hand, bypassing Header.pack (which always writes MAGIC and VERSION)."""
     h = data(**overrides)
-    return protocol.HEADER.pack(magic, version, mtype, h.dtype, h.op, h.rank, h.world, h.generation,
-                                h.chunk, h.nchunks, h.aux, h.job, h.group, h.seq, h.offset, h.count, h.total,
-                                h.nbytes)
+    return protocol.HEADER.pack(
+        magic,
+        version,
+        mtype,
+        h.dtype,
+        h.op,
+        h.rank,
+        h.world,
+        h.generation,
+        h.chunk,
+        h.nchunks,
+        h.aux,
+        h.job,
+        h.group,
+        h.seq,
+        h.offset,
+        h.count,
+        h.total,
+        h.nbytes,
+    )
 
 
 def rejects(frame, *words):
@@ -70,8 +111,18 @@ def test_round_trip_every_message_type(mtype):
 
 
 def test_round_trip_extremes():
-    h = data(rank=0, world=1, chunk=0, nchunks=1, offset=0, count=(1 << 61), total=(1 << 64) - 1,
-             nbytes=(1 << 63), generation=(1 << 32) - 1, seq=(1 << 64) - 1)
+    h = data(
+        rank=0,
+        world=1,
+        chunk=0,
+        nchunks=1,
+        offset=0,
+        count=(1 << 61),
+        total=(1 << 64) - 1,
+        nbytes=(1 << 63),
+        generation=(1 << 32) - 1,
+        seq=(1 << 64) - 1,
+    )
     assert protocol.unpack(h.pack()) == h
 
 
@@ -85,10 +136,30 @@ def test_helpers_build_valid_headers():
     assert (bare.type, bare.aux, bare.nbytes, bare.key) == (MsgType.ERROR, 1, 1, (0, 0, 0, 0, 0))
     hello = protocol.unpack(protocol.text_header(MsgType.HELLO, b"{}", rank=2, world=4, job=9, generation=1))
     assert (hello.type, hello.rank, hello.world, hello.job, hello.generation, hello.nbytes) == (
-        MsgType.HELLO, 2, 4, 9, 1, 2)
-    packed = protocol.data_header(MsgType.DATA, dtype=DType.BFLOAT16, op=ReduceOp.BROADCAST, rank=1, world=2,
-                                  job=5, generation=0, seq=1, chunk=0, nchunks=1, offset=0, count=3, total=3,
-                                  nbytes=6, aux=1)
+        MsgType.HELLO,
+        2,
+        4,
+        9,
+        1,
+        2,
+    )
+    packed = protocol.data_header(
+        MsgType.DATA,
+        dtype=DType.BFLOAT16,
+        op=ReduceOp.BROADCAST,
+        rank=1,
+        world=2,
+        job=5,
+        generation=0,
+        seq=1,
+        chunk=0,
+        nchunks=1,
+        offset=0,
+        count=3,
+        total=3,
+        nbytes=6,
+        aux=1,
+    )
     back = protocol.unpack(packed)
     assert (back.dtype, back.op, back.aux, back.nbytes) == (9, 64, 1, 6)
 
@@ -206,8 +277,10 @@ def test_only_broadcasts_and_bare_results_may_omit_the_payload():
     assert protocol.unpack(raw(mtype=int(MsgType.RESULT), op=int(ReduceOp.SUM), nbytes=0)).nbytes == 0
 
 
-@pytest.mark.parametrize("mtype", [t for t in MsgType if t not in protocol.DATA_TYPES
-                                   and t not in (MsgType.GROUP, MsgType.PROGRESS, MsgType.JOIN)])
+@pytest.mark.parametrize(
+    "mtype",
+    [t for t in MsgType if t not in protocol.DATA_TYPES and t not in (MsgType.GROUP, MsgType.PROGRESS, MsgType.JOIN)],
+)
 def test_text_payload_limit(mtype):
     ok = Header(mtype, nbytes=MAX_TEXT_PAYLOAD)
     assert protocol.unpack(ok.pack()).nbytes == MAX_TEXT_PAYLOAD
@@ -219,24 +292,40 @@ def test_a_group_lists_up_to_every_rank_of_the_largest_world():
     assert protocol.unpack(Header(MsgType.GROUP, nbytes=most).pack()).nbytes == most
     rejects(Header(MsgType.GROUP, nbytes=most + 1).pack(), "GROUP", str(most + 1))
     assert protocol.group_ranks(protocol.group_payload([5, 0, 2]), 6) == (0, 2, 5)
-    for bad, words in ((b"\0\0\0", "uint32"), (b"", "distinct"), (protocol.group_payload([0, 6]), "below the world size"),
-                       (b"\x01\0\0\0\x01\0\0\0", "ascending")):
+    for bad, words in (
+        (b"\0\0\0", "uint32"),
+        (b"", "distinct"),
+        (protocol.group_payload([0, 6]), "below the world size"),
+        (b"\x01\0\0\0\x01\0\0\0", "ascending"),
+    ):
         with pytest.raises(ProtocolError, match=words):
             protocol.group_ranks(bad, 6)
 
 
 # -- ReduceOp.parse --------------------------------------------------------------------------
-@pytest.mark.parametrize("text,op", [
-    ("sum", ReduceOp.SUM), ("SUM", ReduceOp.SUM), (" Sum ", ReduceOp.SUM), ("prod", ReduceOp.PROD),
-    ("product", ReduceOp.PROD), ("max", ReduceOp.MAX), ("MIN", ReduceOp.MIN), ("avg", ReduceOp.AVG),
-    ("Average", ReduceOp.AVG), ("AVERAGE", ReduceOp.AVG), ("mean", ReduceOp.AVG),
-])
+@pytest.mark.parametrize(
+    "text,op",
+    [
+        ("sum", ReduceOp.SUM),
+        ("SUM", ReduceOp.SUM),
+        (" Sum ", ReduceOp.SUM),
+        ("prod", ReduceOp.PROD),
+        ("product", ReduceOp.PROD),
+        ("max", ReduceOp.MAX),
+        ("MIN", ReduceOp.MIN),
+        ("avg", ReduceOp.AVG),
+        ("Average", ReduceOp.AVG),
+        ("AVERAGE", ReduceOp.AVG),
+        ("mean", ReduceOp.AVG),
+    ],
+)
 def test_parse_strings(text, op):
     assert ReduceOp.parse(text) is op
 
 
-@pytest.mark.parametrize("value,op", [(0, ReduceOp.SUM), (1, ReduceOp.PROD), (2, ReduceOp.MAX),
-                                      (3, ReduceOp.MIN), (4, ReduceOp.AVG)])
+@pytest.mark.parametrize(
+    "value,op", [(0, ReduceOp.SUM), (1, ReduceOp.PROD), (2, ReduceOp.MAX), (3, ReduceOp.MIN), (4, ReduceOp.AVG)]
+)
 def test_parse_nccl_values(value, op):
     # ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
     assert ReduceOp.parse(value) is op
@@ -254,8 +343,9 @@ def test_parse_framework_enum_with_an_integer_value():
     assert ReduceOp.parse(NcclRedOp.ncclMax) is ReduceOp.MAX
 
 
-@pytest.mark.parametrize("bad", ["", "add", "sum2", "broadcast", "BROADCAST", 5, 7, -1, 1000, None, object(), [0],
-                                 1.5, 2.0])
+@pytest.mark.parametrize(
+    "bad", ["", "add", "sum2", "broadcast", "BROADCAST", 5, 7, -1, 1000, None, object(), [0], 1.5, 2.0]
+)
 def test_parse_errors(bad):
     with pytest.raises(ValueError) as info:
         ReduceOp.parse(bad)
@@ -265,11 +355,20 @@ def test_parse_errors(bad):
 
 
 # -- DType.from_numpy ----------------------------------------------------------------------
-@pytest.mark.parametrize("name,dtype", [
-    ("int8", DType.INT8), ("uint8", DType.UINT8), ("int32", DType.INT32), ("uint32", DType.UINT32),
-    ("int64", DType.INT64), ("uint64", DType.UINT64), ("float16", DType.FLOAT16),
-    ("float32", DType.FLOAT32), ("float64", DType.FLOAT64),
-])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("int8", DType.INT8),
+        ("uint8", DType.UINT8),
+        ("int32", DType.INT32),
+        ("uint32", DType.UINT32),
+        ("int64", DType.INT64),
+        ("uint64", DType.UINT64),
+        ("float16", DType.FLOAT16),
+        ("float32", DType.FLOAT32),
+        ("float64", DType.FLOAT64),
+    ],
+)
 def test_from_numpy_supported(name, dtype):
     assert DType.from_numpy(np.dtype(name)) is dtype
     assert DType.from_numpy(name) is dtype
@@ -294,9 +393,21 @@ def test_accumulator_and_is_float():
     assert {d for d in DType if d.is_float} == {DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64}
 
 
-@pytest.mark.parametrize("bad", [np.bool_, np.complex64, np.complex128, np.int16, np.uint16, np.float128
-                                 if hasattr(np, "float128") else np.longdouble, object, "U3", "M8[s]",
-                                 ml_dtypes.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.bool_,
+        np.complex64,
+        np.complex128,
+        np.int16,
+        np.uint16,
+        np.float128 if hasattr(np, "float128") else np.longdouble,
+        object,
+        "U3",
+        "M8[s]",
+        ml_dtypes.float8_e4m3fn,
+    ],
+)
 def test_from_numpy_unsupported(bad):
     with pytest.raises(TypeError) as info:
         DType.from_numpy(bad)

@@ -4,6 +4,7 @@ AUTH again and again, and admitted ranks that send a second HELLO, broadcast roo
 memory budgets, a world size or root outside the job, or a PROGRESS beyond any collective. Each
 is answered by name, bounded, and leaves every other rank's rounds able to complete or fail.
 (test_reducer_errors.py drives live reducers over sockets; these need exact counts and clocks.)"""
+
 from __future__ import annotations
 
 import logging
@@ -13,15 +14,14 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server.wire import auth, protocol
-from reduction_server.wire.protocol import REJOIN_LEAD, ErrorCode, Header, MsgType, ReduceOp
-from reduction_server.reducer import Reducer
-from reduction_server.reducer import admission as admission_module
-from reduction_server.reducer.admission import FORGET_AFTER_S, MAX_STRIKES
-
 from helpers.capture import CapturingSocket
 from helpers.handshake import hello_payload
 from helpers.peers import data
+from reduction_server.reducer import Reducer
+from reduction_server.reducer import admission as admission_module
+from reduction_server.reducer.admission import FORGET_AFTER_S, MAX_STRIKES
+from reduction_server.wire import auth, protocol
+from reduction_server.wire.protocol import REJOIN_LEAD, ErrorCode, Header, MsgType, ReduceOp
 
 TOKEN = "misuse-token"
 JOB = 0x51
@@ -93,7 +93,9 @@ def test_a_flood_of_hellos_keeps_a_bounded_number_and_none_of_their_padding(monk
     assert reducer.members.admitted(b"s299") is not None
     assert b"s299" not in reducer.admission.pending and len(reducer.admission.pending) == 99
     send(reducer, b"s0", protocol.text_header(MsgType.AUTH, b"x" * 32, rank=0, world=2, job=JOB), b"x" * 32)
-    assert [(code, "AUTH without a HELLO" in text) for _, code, text in errors(reducer)] == [(ErrorCode.MALFORMED, True)]
+    assert [(code, "AUTH without a HELLO" in text) for _, code, text in errors(reducer)] == [
+        (ErrorCode.MALFORMED, True)
+    ]
     # the rest go after FORGET_AFTER_S of silence, the admitted one stays
     reducer.admission.forget_strangers(reducer.clock.now + FORGET_AFTER_S + 1)
     assert list(reducer.members.peers) == [b"s299"] and not reducer.admission.pending
@@ -143,7 +145,7 @@ def test_a_second_hello_on_an_admitted_connection_is_refused_and_the_ranks_stay_
         admit(reducer, b"r%d" % rank, rank, world=3)
     answers(reducer)
     hello(reducer, b"r1", 2, world=3)
-    (who, h, text), = answers(reducer)
+    ((who, h, text),) = answers(reducer)
     assert (who, h.type) == (b"r1", MsgType.REJECT) and b"second HELLO" in text
     assert reducer.members.rank_identity == {0: b"r0", 1: b"r1", 2: b"r2"}
     assert reducer.members.admitted(b"r1").rank == 1
@@ -157,12 +159,14 @@ def test_broadcast_roots_count_against_the_memory_budgets_until_sent():
     admit(reducer, b"r1", 1)
     answers(reducer)
     payload = np.arange(MiB, dtype=np.float32).tobytes()  # 4 MiB
-    header = lambda rank, seq, nbytes: data(rank, 2, job=JOB, seq=seq, count=MiB, op=ReduceOp.BROADCAST,  # noqa: E731
-                                            nbytes=nbytes)
+
+    def header(rank: int, seq: int, nbytes: int) -> bytes:
+        return data(rank, 2, job=JOB, seq=seq, count=MiB, op=ReduceOp.BROADCAST, nbytes=nbytes)
+
     send(reducer, b"r0", header(0, 1, len(payload)), payload)
     assert reducer.pool.held_bytes == 4 * MiB and reducer.pool.by_rank == {0: 4 * MiB}
     send(reducer, b"r0", header(0, 2, len(payload)), payload)  # rank 0's budget is spent
-    (who, code, text), = errors(reducer)
+    ((who, code, text),) = errors(reducer)
     assert (who, code) == (b"r0", ErrorCode.TOO_LARGE) and "RS_MAX_PEER_BYTES" in text
     send(reducer, b"r1", header(1, 1, 0))  # the first broadcast completes
     results = {who: (h.nbytes, body) for who, h, body in answers(reducer) if h.type is MsgType.RESULT}
@@ -190,8 +194,7 @@ def test_a_contribution_outside_the_job_is_refused_and_no_round_is_left_waiting(
         if what == "world":
             send(reducer, b"r%d" % rank, data(rank, 3, job=JOB, seq=1, count=4), bytes(16))
         else:
-            send(reducer, b"r%d" % rank, data(rank, 3, job=JOB, seq=1, count=4, op=ReduceOp.BROADCAST, aux=2,
-                                               nbytes=0))
+            send(reducer, b"r%d" % rank, data(rank, 3, job=JOB, seq=1, count=4, op=ReduceOp.BROADCAST, aux=2, nbytes=0))
     said = errors(reducer)
     assert sorted(who for who, _, _ in said) == [b"r0", b"r1"], said  # each rank hears it, none waits
     assert all(code == ErrorCode.MISMATCH for _, code, _ in said), said
@@ -211,7 +214,7 @@ def test_a_progress_beyond_any_collective_is_refused_and_the_group_still_agrees(
     admit(reducer, b"r1", 1)
     answers(reducer)
     progress(reducer, b"r0", 0, (1 << 64) - 1)
-    (who, code, text), = errors(reducer)
+    ((who, code, text),) = errors(reducer)
     assert (who, code) == (b"r0", ErrorCode.MISMATCH) and "beyond any collective" in text
     progress(reducer, b"r0", 0, 7)
     progress(reducer, b"r1", 1, 9)
@@ -271,8 +274,14 @@ def test_refused_hellos_strike_and_log_a_bounded_number_of_lines(caplog, refused
         else:
             facts = {"rejoin": True}
         payload = hello_payload(**facts)
-        header = protocol.text_header(MsgType.HELLO, payload, rank=0, world=world,
-                                      job=JOB + 1 if refused == "rejoin" else JOB, generation=generation)
+        header = protocol.text_header(
+            MsgType.HELLO,
+            payload,
+            rank=0,
+            world=world,
+            job=JOB + 1 if refused == "rejoin" else JOB,
+            generation=generation,
+        )
         send(reducer, identity, header, payload)
 
     def one_connection() -> None:
@@ -285,7 +294,9 @@ def test_refused_hellos_strike_and_log_a_bounded_number_of_lines(caplog, refused
     kinds = [h.type for _, h, _ in answers(reducer)]
     assert kinds == [MsgType.REJECT] * MAX_STRIKES  # then silence
     assert reducer.admission.ignored(b"rogue")
-    assert sum(line.startswith("rejected ") for line in lines) == 1 and sum("peer_dropped" in line for line in lines) == 1
+    assert (
+        sum(line.startswith("rejected ") for line in lines) == 1 and sum("peer_dropped" in line for line in lines) == 1
+    )
     assert f"suppressed what=rejected lines={MAX_STRIKES - 1} interval_s=10.0" in lines and len(lines) == 3, lines
     caplog.clear()
 
@@ -298,7 +309,9 @@ def test_refused_hellos_strike_and_log_a_bounded_number_of_lines(caplog, refused
     lines = _logged_lines(caplog, many_connections)
     assert len(answers(reducer)) == 1000  # each is still told why
     assert [line for line in lines if "rejected" in line or "suppressed" in line] == [
-        lines[0], "suppressed what=rejected lines=999 interval_s=10.0"], lines
+        lines[0],
+        "suppressed what=rejected lines=999 interval_s=10.0",
+    ], lines
     assert len(lines) == 2, lines
 
 

@@ -2,6 +2,7 @@
 process and without starting a reducer: argument > discovered place > environment > default, and
 each ConfigError in the words `serve` prints.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,16 +38,30 @@ def test_defaults_without_arguments_or_environment():
     assert config.max_accumulator_bytes == settings.DEFAULT_MAX_ACCUMULATOR_BYTES // config.shards
     assert (config.max_peer_bytes, config.max_rounds) == (settings.DEFAULT_MAX_PEER_BYTES, settings.DEFAULT_MAX_ROUNDS)
     assert (config.round_timeout, config.heartbeat_interval, config.liveness_timeout) == (
-        settings.DEFAULT_TIMEOUT, settings.DEFAULT_HEARTBEAT_INTERVAL, settings.DEFAULT_LIVENESS_TIMEOUT)
+        settings.DEFAULT_TIMEOUT,
+        settings.DEFAULT_HEARTBEAT_INTERVAL,
+        settings.DEFAULT_LIVENESS_TIMEOUT,
+    )
     assert config.sndbuf == settings.SNDBUF_AUTO
 
 
 def test_the_environment_wins_over_the_defaults(monkeypatch: pytest.MonkeyPatch):
-    for name, value in {"RS_WORLD_SIZE": "6", "RS_JOB_TOKEN": "secret", "RS_DETERMINISTIC": "1",
-                        "RS_METRICS_PORT": "9100", "RS_SHARDS": "2", "RS_MAX_CHUNK_BYTES": str(1 << 20),
-                        "RS_MAX_ACCUMULATOR_BYTES": str(8 << 20), "RS_MAX_PEER_BYTES": str(4 << 20),
-                        "RS_MAX_ROUNDS": "7", "RS_TIMEOUT": "12", "RS_HEARTBEAT_INTERVAL": "0.5",
-                        "RS_LIVENESS_TIMEOUT": "3", "RS_SNDBUF": "0", "RS_SHM": "0"}.items():
+    for name, value in {
+        "RS_WORLD_SIZE": "6",
+        "RS_JOB_TOKEN": "secret",
+        "RS_DETERMINISTIC": "1",
+        "RS_METRICS_PORT": "9100",
+        "RS_SHARDS": "2",
+        "RS_MAX_CHUNK_BYTES": str(1 << 20),
+        "RS_MAX_ACCUMULATOR_BYTES": str(8 << 20),
+        "RS_MAX_PEER_BYTES": str(4 << 20),
+        "RS_MAX_ROUNDS": "7",
+        "RS_TIMEOUT": "12",
+        "RS_HEARTBEAT_INTERVAL": "0.5",
+        "RS_LIVENESS_TIMEOUT": "3",
+        "RS_SNDBUF": "0",
+        "RS_SHM": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     config = ReducerConfig.resolve()
     assert (config.workers, config.token, config.deterministic, config.metrics_port) == (6, "secret", True, 9100)
@@ -56,11 +71,16 @@ def test_the_environment_wins_over_the_defaults(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch):
-    for name, value in {"RS_WORLD_SIZE": "6", "RS_DETERMINISTIC": "1", "RS_METRICS_PORT": "9100",
-                        "RS_SHARDS": "4"}.items():
+    for name, value in {
+        "RS_WORLD_SIZE": "6",
+        "RS_DETERMINISTIC": "1",
+        "RS_METRICS_PORT": "9100",
+        "RS_SHARDS": "4",
+    }.items():
         monkeypatch.setenv(name, value)
-    config = ReducerConfig.resolve(host="127.0.0.1", port=5555, index=2, workers=3, deterministic=False,
-                                   metrics_port=0, shards="2", shard=1)
+    config = ReducerConfig.resolve(
+        host="127.0.0.1", port=5555, index=2, workers=3, deterministic=False, metrics_port=0, shards="2", shard=1
+    )
     assert (config.host, config.port, config.index, config.workers) == ("127.0.0.1", 5555, 2, 3)
     assert (config.deterministic, config.metrics_port, config.shards, config.shard) == (False, 0, 2, 1)
 
@@ -99,6 +119,7 @@ def test_the_config_is_frozen():
 
 # --- what is refused, in serve's words ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("port", [-1, 65536])
 def test_a_metrics_port_argument_outside_the_port_range(port: int):
     with pytest.raises(ConfigError, match=f"^--metrics-port {port} is outside 0-65535$"):
@@ -117,8 +138,13 @@ def test_a_shard_that_is_not_one_of_the_shards(shard: int):
         ReducerConfig.resolve(shards=2, shard=shard)
 
 
-@pytest.mark.parametrize("shards, words", [("0", "--shards='0' must be `auto` or 1..256"),
-                                           ("lots", "--shards='lots' is neither `auto` nor a number of shards")])
+@pytest.mark.parametrize(
+    "shards, words",
+    [
+        ("0", "--shards='0' must be `auto` or 1..256"),
+        ("lots", "--shards='lots' is neither `auto` nor a number of shards"),
+    ],
+)
 def test_a_bad_shard_count_argument(shards: str, words: str):
     with pytest.raises(ConfigError, match=f"^{words}$"):
         ReducerConfig.resolve(shards=shards)
@@ -135,9 +161,11 @@ def test_an_accumulator_budget_that_the_shards_cut_below_one_chunk(monkeypatch: 
     monkeypatch.setenv("RS_MAX_ACCUMULATOR_BYTES", str(3 << 19))  # 1.5 chunks: 0.75 each for 2 shards
     with pytest.raises(ConfigError) as caught:
         ReducerConfig.resolve(shards=2)
-    assert str(caught.value) == (f"RS_MAX_ACCUMULATOR_BYTES shared by 2 shards leaves each {3 << 18} bytes, less than "
-                                 f"one chunk (RS_MAX_CHUNK_BYTES={1 << 20}): raise it, or run fewer shards "
-                                 "(--shards, RS_SHARDS)")
+    assert str(caught.value) == (
+        f"RS_MAX_ACCUMULATOR_BYTES shared by 2 shards leaves each {3 << 18} bytes, less than "
+        f"one chunk (RS_MAX_CHUNK_BYTES={1 << 20}): raise it, or run fewer shards "
+        "(--shards, RS_SHARDS)"
+    )
     # One process, or a budget under one chunk even unshared, is left to refuse each chunk instead.
     assert ReducerConfig.resolve(shards=1).max_accumulator_bytes == 3 << 19
     monkeypatch.setenv("RS_MAX_ACCUMULATOR_BYTES", str(1 << 19))
@@ -168,8 +196,10 @@ def test_the_first_bad_setting_is_the_one_named(monkeypatch: pytest.MonkeyPatch)
 
 # --- no token beyond the loopback (issue 39) ----------------------------------------------------
 
-_REFUSED = (r"^refusing to listen on {host} without a job token: .* set RS_JOB_TOKEN .* "
-            r"--insecure-no-token \(RS_ALLOW_NO_TOKEN=1\)$")
+_REFUSED = (
+    r"^refusing to listen on {host} without a job token: .* set RS_JOB_TOKEN .* "
+    r"--insecure-no-token \(RS_ALLOW_NO_TOKEN=1\)$"
+)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "reducer-0.example", "eth0"])

@@ -3,15 +3,15 @@ it sends to whom. A round opens with its key's first contribution, completes whe
 have contributed (the result to every rank), or fails (a disagreement, a duplicate, a lost rank,
 a skipped collective, RS_TIMEOUT, a cap) and answers every rank once with the same ERROR, late
 ones included, until it is forgotten; failed rounds kept are bounded (MAX_FAILED_ROUNDS)."""
+
 from __future__ import annotations
 
 import numpy as np
 
+from helpers.rooms import identity_of, reducer_rooms
 from reduction_server.reducer import rounds as rounds_module
 from reduction_server.reducer.rounds import RETAIN_FAILED_S
 from reduction_server.wire.protocol import DType, ErrorCode, MsgType, ReduceOp
-
-from helpers.rooms import identity_of, reducer_rooms
 
 F32 = DType.FLOAT32
 
@@ -87,7 +87,8 @@ def test_a_rank_that_contributes_twice_fails_the_round_as_a_duplicate():
     # every message has its answer: both of rank 0's, with the same error
     assert [e.code for e in errors[identity_of(0)]] == [ErrorCode.DUPLICATE] * 2
     assert {e.text for e in errors[identity_of(0)]} == {
-        "reducer 0: rank 0 contributed twice to collective seq=0 chunk=0/1 (job=0x7e57, generation=0)"}
+        "reducer 0: rank 0 contributed twice to collective seq=0 chunk=0/1 (job=0x7e57, generation=0)"
+    }
     for rank in (1, 2):
         r.contribute(p[rank], [1, 2, 3, 4])
         assert [e.code for e in r.outbox.errors()[identity_of(rank)]] == [ErrorCode.DUPLICATE]

@@ -1,5 +1,6 @@
 """The registry of settings (reduction_server/config/settings.py): every variable declared once, each
 read one way, its errors naming it."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,13 +19,16 @@ def test_every_variable_is_declared_once_with_a_default_in_its_range():
             assert v.most is None or v.value <= v.most, v.name
 
 
-@pytest.mark.parametrize("name, raw, words", [
-    ("RS_TIMEOUT", "soon", "RS_TIMEOUT='soon' is not a valid float"),
-    ("RS_TIMEOUT", "0.001", "RS_TIMEOUT='0.001' must be at least 0.01"),
-    ("RS_WINDOW", "257", "RS_WINDOW='257' must be at most 256"),
-    ("RS_SHM", "maybe", "RS_SHM='maybe' is not a switch"),
-    ("RS_METRICS_PORT", "70000", "RS_METRICS_PORT='70000' must be at most 65535"),
-])
+@pytest.mark.parametrize(
+    "name, raw, words",
+    [
+        ("RS_TIMEOUT", "soon", "RS_TIMEOUT='soon' is not a valid float"),
+        ("RS_TIMEOUT", "0.001", "RS_TIMEOUT='0.001' must be at least 0.01"),
+        ("RS_WINDOW", "257", "RS_WINDOW='257' must be at most 256"),
+        ("RS_SHM", "maybe", "RS_SHM='maybe' is not a switch"),
+        ("RS_METRICS_PORT", "70000", "RS_METRICS_PORT='70000' must be at most 65535"),
+    ],
+)
 def test_a_bad_value_is_refused_naming_the_variable(name, raw, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         settings.read(name, {name: raw})

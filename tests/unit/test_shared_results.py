@@ -3,19 +3,20 @@ client/engine/slots.py): a slot is written again only once every rank handed it 
 use of it; a worker maps them read-only and says so in its own segment; it releases a result
 once read, or once failover keeps it no longer, even after its connection was replaced; a result
 kept from a lost reducer is copied out of the slot and released."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from reduction_server.wire import protocol, shared_memory
 from reduction_server.client.chunking import Chunk
 from reduction_server.client.engine.collective import Collective
 from reduction_server.client.engine.identity import Identity
 from reduction_server.client.engine.kept import KeptResults
 from reduction_server.client.engine.slots import ResultLease, Slots
-from reduction_server.wire.protocol import DType, ReduceOp
 from reduction_server.reducer.shared_results import SHARED_RESULT_BYTES, SharedResults
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.wire.protocol import DType, ReduceOp
 
 BIG = SHARED_RESULT_BYTES
 
@@ -152,8 +153,17 @@ def test_a_result_kept_from_a_lost_reducer_is_copied_out_of_its_slot_and_release
     n = BIG // 4
     _, aux = _written(results, worker.segments[0], np.full(n, 3.0, np.float32).tobytes())
     recv = memoryview(bytearray(BIG))
-    coll = Collective(seq=0, dtype=DType.FLOAT32, op=ReduceOp.SUM, root=0, send=None, recv=recv, total=n,
-                      chunks=[Chunk(0, n, 0)], result=None)
+    coll = Collective(
+        seq=0,
+        dtype=DType.FLOAT32,
+        op=ReduceOp.SUM,
+        root=0,
+        send=None,
+        recv=recv,
+        total=n,
+        chunks=[Chunk(0, n, 0)],
+        result=None,
+    )
     kept = KeptResults(window=2, num_endpoints=2)
     kept.keep(coll, 0, 0, worker.read_result(0, aux, recv, keep=True), depth=2)
     assert results.held() == 1

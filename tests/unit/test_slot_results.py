@@ -4,6 +4,7 @@ last rank's fold writes the result into every slot that will be announced (and o
 average is divided once, and 16-bit floats need no pool buffer when every rank has a slot. Ranks
 that read the reducer's result slots share one, written once, and it is written again only once
 each of them has released it."""
+
 from __future__ import annotations
 
 import types
@@ -13,13 +14,13 @@ import numpy as np
 import pytest
 import zmq
 
-from reduction_server.wire import protocol, shared_memory
 from reduction_server.reducer.accumulator import AccumulatorPool
-from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 from reduction_server.reducer.clock import Clock
 from reduction_server.reducer.membership import Peer
 from reduction_server.reducer.rounds import Rounds
 from reduction_server.reducer.shared_results import SHARED_RESULT_BYTES, SharedResults
+from reduction_server.wire import protocol, shared_memory
+from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 
 SLOT = 1
 
@@ -42,9 +43,19 @@ def _job(world: int, results: Optional[SharedResults] = None, readers: Sequence[
     members.ranks_of = lambda h: (list(range(world)), None)
     members.seq_of = lambda rank, group: -1
     outbox = Outbox()
-    rounds = Rounds(outbox, members, AccumulatorPool(1 << 30), Clock(), index=0, name="reducer 0",
-                    max_chunk_bytes=1 << 26, max_rounds=100, round_timeout=100, deterministic=deterministic,
-                    results=results)
+    rounds = Rounds(
+        outbox,
+        members,
+        AccumulatorPool(1 << 30),
+        Clock(),
+        index=0,
+        name="reducer 0",
+        max_chunk_bytes=1 << 26,
+        max_rounds=100,
+        round_timeout=100,
+        deterministic=deterministic,
+        results=results,
+    )
     peers = []
     for rank in range(world):
         peer = Peer(identity=b"rank%d" % rank, rank=rank, world=world, job=1, generation=0, admitted=True)
@@ -56,8 +67,17 @@ def _job(world: int, results: Optional[SharedResults] = None, readers: Sequence[
     return rounds, members, outbox, peers
 
 
-def _contribute(rounds: Rounds, peers: List[Peer], slots: List[bool], dtype: DType, op: ReduceOp,
-                xs: List[np.ndarray], before_last=None, seq: int = 0, order: Optional[Sequence[int]] = None) -> None:
+def _contribute(
+    rounds: Rounds,
+    peers: List[Peer],
+    slots: List[bool],
+    dtype: DType,
+    op: ReduceOp,
+    xs: List[np.ndarray],
+    before_last=None,
+    seq: int = 0,
+    order: Optional[Sequence[int]] = None,
+) -> None:
     """Every rank contributes xs[rank] to collective `seq` (through its slot or as a frame), in
     `order` (rank order by default)."""
     world, n = len(peers), len(xs[0])
@@ -65,9 +85,24 @@ def _contribute(rounds: Rounds, peers: List[Peer], slots: List[bool], dtype: DTy
     for rank in order:
         if rank == order[-1] and before_last is not None:
             before_last(peers)
-        h = protocol.unpack(protocol.data_header(
-            MsgType.DATA, dtype=dtype, op=op, rank=rank, world=world, job=1, generation=0, seq=seq, chunk=0,
-            nchunks=1, offset=0, count=n, total=n, nbytes=n * dtype.itemsize))
+        h = protocol.unpack(
+            protocol.data_header(
+                MsgType.DATA,
+                dtype=dtype,
+                op=op,
+                rank=rank,
+                world=world,
+                job=1,
+                generation=0,
+                seq=seq,
+                chunk=0,
+                nchunks=1,
+                offset=0,
+                count=n,
+                total=n,
+                nbytes=n * dtype.itemsize,
+            )
+        )
         if slots[rank]:
             view = peers[rank].segment.slot(SLOT, xs[rank].nbytes)
             view[:] = xs[rank].view(np.uint8)
@@ -77,8 +112,16 @@ def _contribute(rounds: Rounds, peers: List[Peer], slots: List[bool], dtype: DTy
     assert not rounds.rounds and rounds.folder.pool.in_use_bytes == 0
 
 
-def _run(world: int, slots: List[bool], dtype: DType, op: ReduceOp, xs: List[np.ndarray], before_last=None,
-         results: Optional[SharedResults] = None, readers: Sequence[int] = ()):
+def _run(
+    world: int,
+    slots: List[bool],
+    dtype: DType,
+    op: ReduceOp,
+    xs: List[np.ndarray],
+    before_last=None,
+    results: Optional[SharedResults] = None,
+    readers: Sequence[int] = (),
+):
     """Every rank contributes xs[rank] once; returns the job's parts and the pool buffers acquired."""
     rounds, members, outbox, peers = _job(world, results, readers)
     acquired = []

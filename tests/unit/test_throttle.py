@@ -1,4 +1,5 @@
 """log.Throttle: what bounds the log lines a peer without the job token can cause."""
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,11 @@ def test_a_late_line_of_a_cause_writes_the_summary_of_its_last_interval_first():
     throttle.event(logging.INFO, "malformed_frame", peer=2)
     now[0] += THROTTLE_S + 1
     throttle.event(logging.INFO, "malformed_frame", peer=3)
-    assert lines == ["malformed_frame peer=1", f"suppressed what=malformed_frame lines=1 interval_s={THROTTLE_S}",
-                     "malformed_frame peer=3"]
+    assert lines == [
+        "malformed_frame peer=1",
+        f"suppressed what=malformed_frame lines=1 interval_s={THROTTLE_S}",
+        "malformed_frame peer=3",
+    ]
 
 
 def test_the_causes_kept_are_bounded_and_the_oldest_is_summarised_first():

@@ -13,10 +13,10 @@ Everything in reduction_server.client.horovod.tensorflow is here too, except tha
 reducescatter take Keras's signatures; ``hvd.callbacks`` holds the Keras callbacks, ``hvd.elastic``
 the elastic states and callbacks. Its modules: docs/design.md, "Where each concept lives".
 """
-from . import callbacks
+
 from ..tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API
 from ..tensorflow import __all__ as _tensorflow_all
-from . import elastic  # noqa: E402 - after the star import: Keras's, not TensorFlow's
-from .ops import allreduce, reducescatter  # noqa: E402,F811 - Keras's signatures
+from . import callbacks, elastic  # after the star import: Keras's elastic, not TensorFlow's
+from .ops import allreduce, reducescatter  # noqa: F401 - Keras's signatures, over TensorFlow's (in __all__)
 
 __all__ = ["callbacks", *(name for name in _tensorflow_all if name != "elastic"), "elastic"]

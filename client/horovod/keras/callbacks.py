@@ -1,6 +1,7 @@
 """Horovod's Keras callbacks (hvd.callbacks.*): broadcast the starting state, average the
 epoch's metrics, schedule the learning rate (a warm-up among the schedules), with Horovod's
 signatures."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Union
@@ -11,8 +12,12 @@ import tensorflow as tf
 from ... import tensorflow as rstf
 from .. import basics
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
-           "MetricAverageCallback"]
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+]
 
 
 class BroadcastGlobalVariablesCallback(rstf.BroadcastVariablesCallback):
@@ -57,9 +62,16 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     optimizers). Keras 3's SGD keeps it as a number read once when its step is compiled, so it
     is left as it is there."""
 
-    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]], start_epoch: int = 0,
-                 end_epoch: Optional[int] = None, staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier: Union[float, Callable[[float], float]],
+        start_epoch: int = 0,
+        end_epoch: Optional[int] = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: Optional[int] = None,
+    ) -> None:
         super().__init__()
         if initial_lr is None:
             raise ValueError("Parameter `initial_lr` is required")  # Horovod's words
@@ -129,12 +141,25 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     initial_lr is the target, usually the single-worker rate times hvd.size(). With `verbose`,
     rank 0 prints the rate at the end of each warm-up epoch."""
 
-    def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
-                 steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: float = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: Optional[int] = None,
+        verbose: int = 0,
+    ) -> None:
         if warmup_epochs <= 0:
             raise ValueError(f"warmup_epochs must be positive, got {warmup_epochs}")
-        super().__init__(initial_lr, self._warmup, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        super().__init__(
+            initial_lr,
+            self._warmup,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
         self.warmup_epochs = warmup_epochs
         self.verbose = verbose
 
@@ -147,5 +172,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         """Keras hook: log the rate, and print it at the end of a warm-up epoch when verbose."""
         super().on_epoch_end(epoch, logs)
         if self.verbose and epoch < self.warmup_epochs and basics.rank() == 0:
-            print(f"Epoch {epoch + 1}: learning rate warm-up at "
-                  f"{float(self.model.optimizer.learning_rate.numpy()):.6g}")
+            print(
+                f"Epoch {epoch + 1}: learning rate warm-up at {float(self.model.optimizer.learning_rate.numpy()):.6g}"
+            )

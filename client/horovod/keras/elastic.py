@@ -1,6 +1,7 @@
 """Horovod's `hvd.elastic` for Keras (horovod.tensorflow.keras.elastic): `KerasState`, `run`,
 and the callbacks that keep `state.batch` and `state.epoch` current and commit the state as
 model.fit goes."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -80,5 +81,12 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
         self.state.epoch = self.initial_epoch + epoch + 1
 
 
-__all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run"]
+__all__ = [
+    "CommitStateCallback",
+    "KerasState",
+    "ObjectState",
+    "State",
+    "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback",
+    "run",
+]

@@ -18,12 +18,35 @@ ValueError and tf.errors.InvalidArgumentError.
 
 Its modules, named as Horovod's own: docs/design.md, "Where each concept lives".
 """
+
 from __future__ import annotations
 
-from ..basics import (add_process_set, cross_rank, cross_size, is_initialized, local_rank, local_size, rank,
-                      remove_process_set, shutdown, size, start_timeline, stop_timeline)
-from ..build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
-                     mpi_threads_supported, nccl_built, rocm_built)
+from ..basics import (
+    add_process_set,
+    cross_rank,
+    cross_size,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from ..build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from ..compression import Compression
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..ops import Adasum, Average, Max, Min, Product, Sum
@@ -34,16 +57,59 @@ from .gradients import DistributedGradientTape, DistributedOptimizer
 from .mpi_ops import allgather, alltoall, barrier, broadcast, grouped_allgather, join
 from .reductions import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
 
-__all__ = ["Adasum", "ArgumentError", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "elastic",
-           "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum",
-           "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
-           "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-           "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
-           "grouped_reducescatter", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
-           "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
-           "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline"]
+__all__ = [
+    "Adasum",
+    "ArgumentError",
+    "Average",
+    "Compression",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "elastic",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "Product",
+    "ProcessSet",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_variables",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+]
 
 
 from . import elastic  # noqa: E402 - hvd.elastic, as Horovod's; it imports the modules above
-
-

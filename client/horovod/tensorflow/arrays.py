@@ -5,6 +5,7 @@ negotiated, and fused, together. A failed collective raises HorovodInternalError
 raises ArgumentError (both ValueError and tf.errors.InvalidArgumentError, as Horovod's ops
 raise the latter). hvd.init() (init, here) joins the job and routes the TensorFlow adapter's
 collectives through NegotiatedCollectives."""
+
 from __future__ import annotations
 
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -16,11 +17,10 @@ from reduction_server.wire.protocol import ReduceOp
 
 from ... import tensorflow as rstf
 from ...communicator import Communicator
-from .. import basics
+from .. import basics, shares
 from ..basics import coordinator, submit
 from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
 from ..exceptions import HorovodInternalError, MismatchError, as_horovod_errors
-from .. import shares
 from ..process_sets import ProcessSet
 
 #: kinds whose result is written into an output buffer of the input's shape
@@ -70,16 +70,24 @@ def scale(array: np.ndarray, factor: float) -> np.ndarray:
     return array * array.dtype.type(factor)
 
 
-def _submit(kind: str, name: str, array: np.ndarray, process_set: Optional[ProcessSet], op: ReduceOp = ReduceOp.SUM,
-            root: int = 0, splits: Sequence[int] = ()) -> _Pending:
+def _submit(
+    kind: str,
+    name: str,
+    array: np.ndarray,
+    process_set: Optional[ProcessSet],
+    op: ReduceOp = ReduceOp.SUM,
+    root: int = 0,
+    splits: Sequence[int] = (),
+) -> _Pending:
     """Submit one named collective of `array`; the dtype's name travels in the request, so ranks
     that disagree on it fail even where the bytes would not show it."""
     send = np.require(array, requirements="C")
     if kind in _MOVES:  # one trailing dimension of itemsize bytes: rows stay rows
         send = send.reshape(*send.shape, 1).view(np.uint8) if send.ndim else send.reshape(1, 1).view(np.uint8)
     out = np.empty_like(send) if kind in _WRITES else None
-    future = submit(kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits,
-                    type_name=array.dtype.name)
+    future = submit(
+        kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits, type_name=array.dtype.name
+    )
     return _Pending(kind, future, out, array.dtype, array.shape)
 
 
@@ -108,8 +116,15 @@ def _wait(pending: Sequence[_Pending]) -> List[Any]:
     return results
 
 
-def reduce(kind: str, arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp, prescale: float,
-           postscale: float, process_set: Optional[ProcessSet]) -> List[np.ndarray]:
+def reduce(
+    kind: str,
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: Optional[ProcessSet],
+) -> List[np.ndarray]:
     """All-reduce (or, for kind REDUCESCATTER, the whole reduction of) `arrays`, scaled before
     and after. Integers are averaged as Horovod averages them: summed, then scaled by
     postscale / size in float64 (the reducers' integer average would truncate before the postscale)."""
@@ -122,16 +137,24 @@ def reduce(kind: str, arrays: Sequence[np.ndarray], names: Sequence[str], op: Re
     return [scale(out, post) for out, post in zip(_wait(pending), posts)]
 
 
-def reducescatter(arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp, prescale: float,
-                  postscale: float, process_set: Optional[ProcessSet]) -> List[np.ndarray]:
+def reducescatter(
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: Optional[ProcessSet],
+) -> List[np.ndarray]:
     """Each array reduced over the set's ranks, this rank keeping its share of the first dimension."""
     if any(a.ndim == 0 for a in arrays):
-        raise ArgumentError("reducescatter needs tensors of at least one dimension (it divides the first); got a scalar")
+        raise ArgumentError(
+            "reducescatter needs tensors of at least one dimension (it divides the first); got a scalar"
+        )
     coord = coordinator(process_set)
     kept = []
     for whole in reduce(REDUCESCATTER, arrays, names, op, prescale, postscale, process_set):
         first, rows = shares.piece(whole.shape[0], coord.rank, coord.size)
-        kept.append(np.ascontiguousarray(whole[first:first + rows]))
+        kept.append(np.ascontiguousarray(whole[first : first + rows]))
     return kept
 
 
@@ -140,14 +163,16 @@ def gather(arrays: Sequence[np.ndarray], names: Sequence[str], process_set: Opti
     return _wait([_submit(ALLGATHER, n, a, process_set) for n, a in zip(names, arrays)])
 
 
-def broadcast(arrays: Sequence[np.ndarray], names: Sequence[str], root_rank: int,
-              process_set: Optional[ProcessSet]) -> List[np.ndarray]:
+def broadcast(
+    arrays: Sequence[np.ndarray], names: Sequence[str], root_rank: int, process_set: Optional[ProcessSet]
+) -> List[np.ndarray]:
     """root_rank's (a global rank's) arrays, on every rank of the set."""
     return _wait([_submit(BROADCAST, n, a, process_set, root=root_rank) for n, a in zip(names, arrays)])
 
 
-def alltoall(array: np.ndarray, splits: np.ndarray, name: str,
-             process_set: Optional[ProcessSet]) -> Tuple[np.ndarray, np.ndarray]:
+def alltoall(
+    array: np.ndarray, splits: np.ndarray, name: str, process_set: Optional[ProcessSet]
+) -> Tuple[np.ndarray, np.ndarray]:
     """splits[i] rows of `array` to rank i of the set; (the rows received, in rank order; how
     many came from each rank, int32)."""
     if array.ndim == 0:
@@ -192,8 +217,7 @@ class NegotiatedCollectives:
         return broadcast(arrays, names, root, None)
 
 
-def init(comm: Optional[Communicator] = None,
-         process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
+def init(comm: Optional[Communicator] = None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
     """Horovod's hvd.init: join the job (basics.init: a Communicator from the environment or
     `comm`, then `process_sets` added, every rank passing the same, or "dynamic"), and route the
     TensorFlow adapter's collectives (the Keras callbacks') through the same name-matching

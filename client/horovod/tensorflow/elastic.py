@@ -1,6 +1,7 @@
 """Horovod's `hvd.elastic` for TensorFlow 2 (eager) and Keras: `run`, `TensorFlowKerasState` (a
 built model and its optimizer, by their variables), `TensorFlowState` (a list of variables), and
 the shared `State` and `ObjectState` (client/horovod/elastic.py)."""
+
 from __future__ import annotations
 
 import functools
@@ -18,6 +19,7 @@ from .functions import broadcast_object, broadcast_variables
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate the training function `func(state, ...)`: it is run again, after a reset, each
     time a worker is lost (from the last commit) or added (the newcomer syncs from rank 0)."""
+
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -28,6 +30,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             if HorovodInternalError.__name__ in error.message:
                 raise HorovodInternalError(error.message) from error
             raise
+
     return run_fn(wrapper, _reset)
 
 

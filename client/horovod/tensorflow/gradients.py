@@ -3,6 +3,7 @@ Keras 3 optimizer (client/tensorflow/gradients.py), their gradients reduced as H
 them: among a process set's ranks (left as they are on a rank outside the set, or in a set of
 one), IndexedSlices gathered unless sparse_as_dense, gradient_predivide_factor split into a
 prescale and a postscale, every gradient submitted together (one op per step)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,12 +21,19 @@ from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
 from .reductions import reduce_any
 
-
 _made = itertools.count()
 
 
-def _reduction(name: str, compression: Any, sparse_as_dense: bool, op: int, gradient_predivide_factor: float,
-               num_groups: int, groups: Any, process_set: Optional[ProcessSet]) -> Reduction:
+def _reduction(
+    name: str,
+    compression: Any,
+    sparse_as_dense: bool,
+    op: int,
+    gradient_predivide_factor: float,
+    num_groups: int,
+    groups: Any,
+    process_set: Optional[ProcessSet],
+) -> Reduction:
     """How Horovod reduces a step's gradients (its _make_allreduce_grads_fn), checked as Horovod
     checks its arguments. `groups` only sets how Horovod's ops are fused; here the negotiation
     fuses every gradient of the step that fits the threshold."""
@@ -33,8 +41,11 @@ def _reduction(name: str, compression: Any, sparse_as_dense: bool, op: int, grad
     if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVG:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning)
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         groups = num_groups if groups is None else groups
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
@@ -43,29 +54,49 @@ def _reduction(name: str, compression: Any, sparse_as_dense: bool, op: int, grad
     # rank makes them in the same order, so the names agree.
     name = f"{name}.{next(_made)}"
     # Horovod's Average over the set, split: 1/f before the sum, f/size after it (keeps float16 sums in range).
-    prescale, postscale = (1.0 / gradient_predivide_factor, gradient_predivide_factor) if rop is ReduceOp.AVG \
-        else (1.0, 1.0)
+    prescale, postscale = (
+        (1.0 / gradient_predivide_factor, gradient_predivide_factor) if rop is ReduceOp.AVG else (1.0, 1.0)
+    )
 
     def reduce(grads: List[Any]) -> List[Any]:
         if not (process_set.included() and process_set.size() > 1):
             return list(grads)
         if sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        return reduce_any(grads, [f"{name}.{i}" for i in range(len(grads))], rop, compression, prescale, postscale,
-                          process_set)
+        return reduce_any(
+            grads, [f"{name}.{i}" for i in range(len(grads))], rop, compression, prescale, postscale, process_set
+        )
+
     return reduce
 
 
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802 - Horovod's name
-                            device_sparse: str = "", compression: Any = Compression.none,
-                            sparse_as_dense: bool = False, op: int = Average,
-                            gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                            process_set: ProcessSet = global_process_set) -> rstf.DistributedGradientTape:
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",  # noqa: N802 - Horovod's name
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> rstf.DistributedGradientTape:
     """Horovod's hvd.DistributedGradientTape: `gradtape`, whose gradient() returns the gradients
     reduced (averaged) over the ranks of `process_set`."""
-    return rstf.DistributedGradientTape(gradtape, reduce=_reduction(
-        "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-        process_set))
+    return rstf.DistributedGradientTape(
+        gradtape,
+        reduce=_reduction(
+            "DistributedGradientTape",
+            compression,
+            sparse_as_dense,
+            op,
+            gradient_predivide_factor,
+            num_groups,
+            groups,
+            process_set,
+        ),
+    )
 
 
 def _times(grad: Any, factor: float) -> Any:
@@ -81,17 +112,28 @@ def _summing(reduction: Reduction, passes: int) -> Reduction:
     """`reduction`, its gradients then multiplied by `passes`: Keras's gradient accumulation
     applies the mean of the `passes` micro-steps' gradients, so each contributes `passes` times
     its own for the update to be their sum."""
+
     def reduce(grads: List[Any]) -> List[Any]:
         return [_times(g, float(passes)) for g in reduction(grads)]
+
     return reduce
 
 
-def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",  # noqa: N802
-                         device_sparse: str = "", compression: Any = Compression.none,
-                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: int = Average,
-                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set) -> Any:
+def DistributedOptimizer(
+    optimizer: Any,
+    name: Optional[str] = None,
+    device_dense: str = "",  # noqa: N802
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Horovod's hvd.DistributedOptimizer: a Keras 3 optimizer whose apply()/apply_gradients()
     (and so model.fit) reduce the gradients over the ranks of `process_set` first.
 
@@ -102,8 +144,16 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     average_aggregated_gradients changes nothing, as in Horovod."""
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
-    reduction = _reduction(name or f"Distributed{type(optimizer).__name__}", compression, sparse_as_dense, op,
-                           gradient_predivide_factor, num_groups, groups, process_set)
+    reduction = _reduction(
+        name or f"Distributed{type(optimizer).__name__}",
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+    )
     if backward_passes_per_step > 1:
         config = optimizer.get_config()
         config["gradient_accumulation_steps"] = backward_passes_per_step

@@ -8,6 +8,7 @@ collective, with the backward passes Horovod defines:
 - alltoall: the gradient sent back where its rows came from;
 - reducescatter: the gradient (scaled as the forward was) gathered from every rank.
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
@@ -17,34 +18,67 @@ import torch  # the real torch: absolute import
 from ..compression import Compression
 from ..ops import Average, Sum
 from ..process_sets import ProcessSet, global_process_set
-from .mpi_ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async, grouped_allgather_async,
-                      grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async, synchronize)
+from .mpi_ops import (
+    allgather_async,
+    allreduce_async,
+    alltoall_async,
+    broadcast_async,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+    synchronize,
+)
 
 
 def _own_rows(grads: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     """This rank's rows of an allgather's gradient (every rank's row counts gathered first)."""
     counts = allgather(torch.tensor([rows], dtype=torch.int64, device="cpu"), process_set=process_set)
-    offset = int(counts[:process_set.rank()].sum())
+    offset = int(counts[: process_set.rank()].sum())
     return grads.narrow(0, offset, rows)
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Optional[int],
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        average: Optional[bool],
+        name: Optional[str],
+        op: Optional[int],
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
         return synchronize(allreduce_async(tensor, average, name, op, prescale, postscale, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         average, op, prescale, postscale, process_set = ctx.args
-        return (allreduce(grad, average, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                          process_set=process_set), None, None, None, None, None, None)
+        return (
+            allreduce(
+                grad, average, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
+            ),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """The reduction of `tensor` over all ranks (Average by default), as a new tensor
     (compressed on the wire); differentiable."""
     compressed, ctx = compression.compress(tensor)
@@ -54,28 +88,50 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, average: Optional[bool], name: Optional[str], op: Optional[int], prescale: float,
-                postscale: float, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple:
+    def forward(
+        ctx: Any,
+        average: Optional[bool],
+        name: Optional[str],
+        op: Optional[int],
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale, postscale,
-                                                         process_set)))
+        return tuple(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale, postscale, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         average, op, prescale, postscale, process_set = ctx.args
-        return (None,) * 6 + tuple(grouped_allreduce(list(grads), average, op=op, prescale_factor=prescale,
-                                                     postscale_factor=postscale, process_set=process_set))
+        return (None,) * 6 + tuple(
+            grouped_allreduce(
+                list(grads),
+                average,
+                op=op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=process_set,
+            )
+        )
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
-                      compression: Any = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_allreduce: the reductions of `tensors` as new tensors, submitted
     together (compressed on the wire); differentiable."""
     compressed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                      *[c for c, _ in compressed])
+    reduced = _GroupedAllreduce.apply(
+        average, name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
+    )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
@@ -91,8 +147,9 @@ class _Allgather(torch.autograd.Function):
         return _own_rows(averaged, ctx.rows, ctx.process_set), None, None
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Horovod's hvd.allgather: every rank's `tensor` concatenated along the first dimension, in
     rank order, as a new tensor; differentiable."""
     return _Allgather.apply(tensor, name, process_set)
@@ -110,28 +167,32 @@ class _GroupedAllgather(torch.autograd.Function):
         return (None, None) + tuple(_own_rows(g, n, ctx.process_set) for g, n in zip(averaged, ctx.rows))
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_allgather: allgathers of a list of tensors, submitted together; differentiable."""
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str],
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet
+    ) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         from ..basics import rank
+
         averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
         return (averaged if rank() == ctx.root_rank else averaged * 0), None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """root_rank's `tensor`, as a new tensor on every rank; differentiable."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
@@ -152,8 +213,9 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> Any:
     """Horovod's hvd.alltoall: splits[i] rows of `tensor` go to rank i (equal shares without
     splits); returns the rows received in rank order, and with `splits` also how many came
     from each rank; differentiable."""
@@ -169,8 +231,15 @@ def _scaled_back(grad: torch.Tensor, op: int, prescale: float, postscale: float,
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: int, process_set: ProcessSet,
-                prescale: float, postscale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: Optional[str],
+        op: int,
+        process_set: ProcessSet,
+        prescale: float,
+        postscale: float,
+    ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
 
@@ -181,9 +250,15 @@ class _Reducescatter(torch.autograd.Function):
         return allgather(scaled, process_set=process_set), None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
-                  op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Horovod's hvd.reducescatter: `tensor` reduced over the ranks (Average by default), each
     rank keeping its share of the first dimension; differentiable."""
     compressed, ctx = compression.compress(tensor)
@@ -193,8 +268,15 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression:
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Optional[str], op: int, process_set: ProcessSet, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple:
+    def forward(
+        ctx: Any,
+        name: Optional[str],
+        op: int,
+        process_set: ProcessSet,
+        prescale: float,
+        postscale: float,
+        *tensors: torch.Tensor,
+    ) -> tuple:
         ctx.args = (op, prescale, postscale, process_set)
         return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale, postscale)))
 
@@ -205,12 +287,18 @@ class _GroupedReducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(grouped_allgather(scaled, process_set=process_set))
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                          compression: Any = Compression.none, op: int = Average,
-                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_reducescatter: reducescatters of a list of tensors, submitted together; differentiable."""
     compressed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                          *[c for c, _ in compressed])
+    reduced = _GroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+    )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]

@@ -1,6 +1,7 @@
 """Horovod's `hvd.elastic` for PyTorch: `run`, `TorchState` (a model, an optimizer and plain
 values, each saved at commit, restored after a lost worker, synchronized from rank 0), and
 the shared `State` and `ObjectState` (client/horovod/elastic.py)."""
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,9 @@ class TorchState(ObjectState):
         self._handlers: Dict[str, _Handler] = {name: _Handler(value) for name, value in handled.items()}
         for name, value in handled.items():
             setattr(self, name, value)
-        super().__init__(bcast_object=broadcast_object, get_rank=rank,
-                         **{k: v for k, v in kwargs.items() if k not in handled})
+        super().__init__(
+            bcast_object=broadcast_object, get_rank=rank, **{k: v for k, v in kwargs.items() if k not in handled}
+        )
 
     def save(self) -> None:
         for handler in self._handlers.values():

@@ -1,4 +1,5 @@
 """Horovod's integer handles for torch collectives in flight: poll() and synchronize()."""
+
 from __future__ import annotations
 
 import itertools

@@ -7,6 +7,7 @@ HOROVOD_FUSION_THRESHOLD, and negotiated every HOROVOD_CYCLE_TIME ms; `process_s
 among a process set's ranks (process_sets.py). CPU tensors go to the wire without a copy; CUDA
 tensors through pinned host buffers (client/torch/tensors.py).
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
@@ -16,19 +17,35 @@ import torch  # the real torch: absolute import
 from reduction_server.wire.protocol import ReduceOp
 
 from ...torch.tensors import Staged
+from .. import shares
 from ..basics import coordinator, rank, submit
 from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
-from ..requests import BARRIER_NAME
 from ..exceptions import as_horovod_errors
 from ..ops import Adasum, Average, resolve_op
-from .. import shares
 from ..process_sets import ProcessSet
+from ..requests import BARRIER_NAME
 from .handles import new_handle, poll, synchronize, take
 
-__all__ = ["allgather_async", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier",
-           "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_",
-           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async", "join", "poll",
-           "reducescatter_async", "synchronize"]
+__all__ = [
+    "allgather_async",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall_async",
+    "barrier",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allgather_async",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter_async",
+    "join",
+    "poll",
+    "reducescatter_async",
+    "synchronize",
+]
 
 
 def _type_name(tensor: torch.Tensor) -> str:
@@ -59,18 +76,44 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
             tensor.mul_(factor)
 
 
-def _submit(kind: str, name: str, wire_tensor: torch.Tensor, tensor: torch.Tensor, process_set: Optional[ProcessSet],
-            op: ReduceOp = ReduceOp.SUM, root: int = 0, splits: Sequence[int] = ()) -> Any:
+def _submit(
+    kind: str,
+    name: str,
+    wire_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    process_set: Optional[ProcessSet],
+    op: ReduceOp = ReduceOp.SUM,
+    root: int = 0,
+    splits: Sequence[int] = (),
+) -> Any:
     """Submit one named collective of `wire_tensor` (the wire's view of `tensor`) in place; its
     Future. `root` is a global rank."""
-    return submit(kind, name, wire_tensor, wire_tensor, op=op, root=root, process_set=process_set, splits=splits,
-                  type_name=_type_name(tensor))
+    return submit(
+        kind,
+        name,
+        wire_tensor,
+        wire_tensor,
+        op=op,
+        root=root,
+        process_set=process_set,
+        splits=splits,
+        type_name=_type_name(tensor),
+    )
 
 
 # -- allreduce ---------------------------------------------------------------------------------
 
-def _reduce(tensor: torch.Tensor, name: str, op: Optional[int], average: Optional[bool], prescale: float,
-            postscale: float, process_set: Optional[ProcessSet], kind: str = ALLREDUCE) -> tuple:
+
+def _reduce(
+    tensor: torch.Tensor,
+    name: str,
+    op: Optional[int],
+    average: Optional[bool],
+    prescale: float,
+    postscale: float,
+    process_set: Optional[ProcessSet],
+    kind: str = ALLREDUCE,
+) -> tuple:
     """Start reducing `tensor` in place: (its Future, the finishing step that scales it)."""
     integer = not tensor.is_floating_point() and not tensor.is_complex()
     rop, postscale = shares.reduction(resolve_op(op, average), integer, postscale, coordinator(process_set).size)
@@ -82,28 +125,47 @@ def _reduce(tensor: torch.Tensor, name: str, op: Optional[int], average: Optiona
         staged.finish()
         _scale(tensor, postscale)
         return tensor
+
     return future, finish
 
 
-def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Optional[ProcessSet] = None) -> int:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> int:
     """Start an in-place all-reduce of `tensor` (Average by default); a handle for synchronize()/poll()."""
     name = name or coordinator(process_set).auto_name(ALLREDUCE)
     future, finish = _reduce(tensor, name, op, average, prescale_factor, postscale_factor, process_set)
     return new_handle([future], finish)
 
 
-def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Optional[ProcessSet] = None) -> int:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> int:
     """Start an all-reduce into a new tensor; `tensor` is left as it is."""
     return allreduce_async_(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> torch.Tensor:
     """Horovod's hvd.allreduce_: all-reduce `tensor` in place; returns it once done."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -114,39 +176,63 @@ def _grouped(handles: List[int]) -> int:
     return new_handle([f for futures, _ in parts for f in futures], lambda: [finish() for _, finish in parts])
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                             name: Optional[str] = None, op: Optional[int] = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Optional[ProcessSet] = None) -> int:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> int:
     """Start in-place all-reduces of a list of tensors, submitted together (so fused together
     when they fit the fusion threshold); synchronize() returns the list."""
     name = name or coordinator(process_set).auto_name("grouped_allreduce")
-    return _grouped([allreduce_async_(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
-                     for i, t in enumerate(tensors)])
+    return _grouped(
+        [
+            allreduce_async_(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
+            for i, t in enumerate(tensors)
+        ]
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                            name: Optional[str] = None, op: Optional[int] = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: Optional[ProcessSet] = None) -> int:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> int:
     """Horovod's hvd.grouped_allreduce_async: start all-reducing copies of `tensors`, which are
     left as they are; synchronize() returns the list of results."""
-    return grouped_allreduce_async_([_copy(t) for t in tensors], average, name, op, prescale_factor,
-                                    postscale_factor, process_set)
+    return grouped_allreduce_async_(
+        [_copy(t) for t in tensors], average, name, op, prescale_factor, postscale_factor, process_set
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                       name: Optional[str] = None, op: Optional[int] = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> List[torch.Tensor]:
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[int] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
+) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_allreduce_: all-reduce `tensors` in place, submitted together; returns them once done."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 # -- broadcast ---------------------------------------------------------------------------------
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                     process_set: Optional[ProcessSet] = None) -> int:
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> int:
     """Start overwriting `tensor` on every rank (of `process_set`) with root_rank's (a global rank)."""
     name = name or coordinator(process_set).auto_name(BROADCAST)
     staged = Staged(tensor, f"broadcast tensor {name!r}", load=rank() == root_rank)
@@ -156,26 +242,31 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
         if rank() != root_rank:
             staged.finish()
         return tensor
+
     return new_handle([future], finish)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                    process_set: Optional[ProcessSet] = None) -> int:
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> int:
     """Horovod's hvd.broadcast_async: start broadcasting root_rank's `tensor` into a new tensor
     (`tensor` is left as it is); synchronize() returns it."""
     return broadcast_async_(_copy(tensor), root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> torch.Tensor:
     """Horovod's hvd.broadcast_: overwrite `tensor` on every rank with root_rank's; returns it once done."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # -- allgather and alltoall --------------------------------------------------------------------
 
-def _rows(kind: str, tensor: torch.Tensor, name: str, process_set: Optional[ProcessSet],
-          splits: Sequence[int] = ()) -> tuple:
+
+def _rows(
+    kind: str, tensor: torch.Tensor, name: str, process_set: Optional[ProcessSet], splits: Sequence[int] = ()
+) -> tuple:
     """Start a collective that moves rows of `tensor` between ranks: (Future, staging). The rows
     travel as bytes (every dtype, exactly)."""
     staged = Staged(tensor, f"{kind} tensor {name!r}")
@@ -187,8 +278,7 @@ def _from_bytes(raw: Any, like: torch.Tensor) -> torch.Tensor:
     return result.to(like.device) if like.device.type != "cpu" else result
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
-                    process_set: Optional[ProcessSet] = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> int:
     """Start concatenating every rank's `tensor` along the first dimension (which may differ
     across ranks; the others must match)."""
     future, _ = _rows(ALLGATHER, tensor, name or coordinator(process_set).auto_name(ALLGATHER), process_set)
@@ -196,11 +286,13 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     def finish() -> torch.Tensor:
         gathered = _from_bytes(future.result(), tensor)
         return gathered.reshape(-1) if tensor.dim() == 0 else gathered
+
     return new_handle([future], finish)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                            process_set: Optional[ProcessSet] = None) -> int:
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> int:
     """Horovod's hvd.grouped_allgather_async: allgathers of a list of tensors, submitted together."""
     name = name or coordinator(process_set).auto_name("grouped_allgather")
     return _grouped([allgather_async(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)])
@@ -218,8 +310,9 @@ def _splits(tensor: torch.Tensor, splits: Any, size: int) -> List[int]:
     return shares.splits(tensor.shape[0], splits, size)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
-                   process_set: Optional[ProcessSet] = None) -> int:
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> int:
     """Start sending splits[i] rows of `tensor` (along its first dimension, in order) to rank i
     of the process set; synchronize() returns (the rows every rank sent here, in rank order;
     how many rows came from each rank, as an int32 tensor)."""
@@ -230,14 +323,21 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     def finish() -> tuple:
         rows, received = future.result()
         return _from_bytes(rows, tensor), torch.tensor(received, dtype=torch.int32, device="cpu")
+
     return new_handle([future], finish)
 
 
 # -- reducescatter -----------------------------------------------------------------------------
 
-def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
-                        process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> int:
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: Optional[str] = None,
+    op: int = Average,
+    process_set: Optional[ProcessSet] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Start reducing `tensor` over the ranks and giving each its share of the first dimension
     (Horovod's division: the first rows % size ranks get one row more); `tensor` is left as it is."""
     if tensor.dim() == 0:
@@ -253,22 +353,33 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
         piece = finish().narrow(0, first, count).clone()
         _scale(piece, postscale_factor)
         return piece
+
     return new_handle([future], mine)
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: int = Average,
-                                process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: Optional[str] = None,
+    op: int = Average,
+    process_set: Optional[ProcessSet] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Horovod's hvd.grouped_reducescatter_async: reducescatters of a list of tensors, submitted
     together (fused when they fit the threshold)."""
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("reducescatter needs tensors of at least one dimension; the list holds a scalar")
     name = name or coordinator(process_set).auto_name("grouped_reducescatter")
-    return _grouped([reducescatter_async(t, f"{name}.{i}", op, process_set, prescale_factor, postscale_factor)
-                     for i, t in enumerate(tensors)])
+    return _grouped(
+        [
+            reducescatter_async(t, f"{name}.{i}", op, process_set, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)
+        ]
+    )
 
 
 # -- join and barrier --------------------------------------------------------------------------
+
 
 def join(device: int = -1) -> int:
     """This rank has no more data: until every rank has joined, it takes part in the others'

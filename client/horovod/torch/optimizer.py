@@ -1,5 +1,6 @@
 """Horovod's DistributedOptimizer for torch: gradients all-reduced (fused, named after their
 parameters) as backward produces them, and waited for before the wrapped optimizer steps."""
+
 from __future__ import annotations
 
 import warnings
@@ -8,10 +9,9 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch  # the real torch: absolute import
 
-
 from .. import elastic
 from ..compression import Compression
-from ..ops import Average, Sum, resolve_op
+from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
 from .mpi_ops import allreduce_async_, synchronize
 from .sparse import sparse_allreduce_async
@@ -21,18 +21,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class: each gradient's all-reduce starts the moment
     backward has accumulated it, and step() waits for them all before updating."""
 
-    def __init__(self, params: Any, named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
-                 compression: Any, backward_passes_per_step: int, op: int,
-                 gradient_predivide_factor: float, sparse_as_dense: bool, process_set: ProcessSet) -> None:
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
+        compression: Any,
+        backward_passes_per_step: int,
+        op: int,
+        gradient_predivide_factor: float,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is not None:
             named = list(named_parameters)
             if any(not (isinstance(p, tuple) and len(p) == 2) for p in named):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
-                                 "model.named_parameters()")
+                raise ValueError(
+                    "named_parameters should be a sequence of (name, parameter) tuples, usually "
+                    "model.named_parameters()"
+                )
         else:
-            named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
-                     for j, p in enumerate(group["params"])]
+            named = [
+                (f"allreduce.noname.{i}.{j}", p)
+                for i, group in enumerate(self.param_groups)
+                for j, p in enumerate(group["params"])
+            ]
         names = [n for n, _ in named]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
@@ -40,8 +53,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = {id(p) for g in self.param_groups for p in g["params"]}
         unnamed = ours - {id(p) for _, p in named}
         if unnamed:
-            raise ValueError(f"named_parameters was given but {len(unnamed)} of the optimizer's parameters are "
-                             "not in it; pass model.named_parameters() for the same model")
+            raise ValueError(
+                f"named_parameters was given but {len(unnamed)} of the optimizer's parameters are "
+                "not in it; pass model.named_parameters() for the same model"
+            )
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
         if op != Average and gradient_predivide_factor != 1.0:  # Horovod's rule, and its words
@@ -81,8 +96,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _ready(self, p: torch.Tensor) -> None:
         if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
-            raise AssertionError("gradients were computed more than backward_passes_per_step times before "
-                                 "step(); increase backward_passes_per_step to accumulate them locally")
+            raise AssertionError(
+                "gradients were computed more than backward_passes_per_step times before "
+                "step(); increase backward_passes_per_step to accumulate them locally"
+            )
         self._delay[p] -= 1
         self._handles[p] = self._start(p) if self._delay[p] == 0 else (None, None)
 
@@ -98,8 +115,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = 1.0, 1.0
         if self._predivide != 1.0:  # average as (sum of g / f) * f / size: smaller partial sums
             prescale, postscale = 1.0 / self._predivide, self._predivide
-        handle = allreduce_async_(compressed, name=self._parameter_names[p], op=self._op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self._process_set)
+        handle = allreduce_async_(
+            compressed,
+            name=self._parameter_names[p],
+            op=self._op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self._process_set,
+        )
         return handle, (compressed, ctx)
 
     def synchronize(self) -> None:
@@ -138,9 +161,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(): the gradients are all-reduced twice; use "
-                              "`with optimizer.skip_synchronize(): optimizer.step()`", stacklevel=2)
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): the gradients are all-reduced twice; use "
+                    "`with optimizer.skip_synchronize(): optimizer.step()`",
+                    stacklevel=2,
+                )
             if self._process_set.size() > 1 or elastic.enabled():
                 self.synchronize()
         self._synchronized = False
@@ -148,9 +174,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(): the all-reduces still write "
-                                 "to those gradients")
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): the all-reduces still write "
+                "to those gradients"
+            )
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
@@ -159,19 +187,32 @@ def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__dict__.get("synchronize") is _DistributedOptimizer.__dict__["synchronize"]
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod's name
-                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
-                         op: int = Average, gradient_predivide_factor: float = 1.0,
-                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod's name
+    named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
     """`optimizer`, whose step() first averages (op) the gradients over all ranks (of
     `process_set`). Each gradient's all-reduce starts as soon as backward has produced it, fused
     with its neighbours up to HOROVOD_FUSION_THRESHOLD; sparse gradients are gathered (or
     densified and all-reduced with `sparse_as_dense`)."""
     if num_groups or groups:
-        warnings.warn("num_groups/groups are ignored: the reduction server fuses by the fusion threshold",
-                      stacklevel=2)
+        warnings.warn("num_groups/groups are ignored: the reduction server fuses by the fusion threshold", stacklevel=2)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, process_set)
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        sparse_as_dense,
+        process_set,
+    )

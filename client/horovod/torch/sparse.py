@@ -1,6 +1,7 @@
 """Horovod's sparse all-reduce for torch: a sparse COO tensor's indices and values gathered from
 every rank and concatenated (duplicate indices add up when the result is densified or
 coalesced), as Horovod does it."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -12,8 +13,9 @@ from ..process_sets import ProcessSet, global_process_set
 from .mpi_ops import allgather_async, synchronize
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
+) -> Callable[[], torch.Tensor]:
     """Start all-reducing the sparse COO `tensor` (op Average or Sum); returns a callable that
     waits and returns the sparse result (uncoalesced)."""
     if not tensor.is_sparse:
@@ -29,6 +31,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         gathered_indices = synchronize(indices)
         if op == Average:
             gathered_values = gathered_values / process_set.size()
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size(),
-                                       device=tensor.device, check_invariants=False)
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1),
+            gathered_values,
+            tensor.size(),
+            device=tensor.device,
+            check_invariants=False,
+        )
+
     return result

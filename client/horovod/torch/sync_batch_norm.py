@@ -18,6 +18,7 @@ batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt) and acc
 only. Those kernels have no CPU implementation in torch (2.13 included), so CUDA tensors go
 through them and CPU tensors through the same arithmetic in plain tensor ops.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -49,8 +50,15 @@ class SyncBatchNorm(_BatchNorm):
             together); the global set, every rank, by default.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_set: Optional[ProcessSet] = global_process_set) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: Optional[ProcessSet] = global_process_set,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -81,10 +89,12 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
         if not use_batch_stats or self._set_size() == 1:
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
-                                factor, self.eps)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                            factor, self.process_set)
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
+            )
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, self.process_set
+        )
 
 
 def _reduce_dims(x: torch.Tensor) -> List[int]:
@@ -113,7 +123,9 @@ _Stats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def _gather_stats(x: torch.Tensor, eps: float, process_set: Optional[ProcessSet]) -> _Stats:
     """This rank's per-channel mean and invstd gathered with its element count per channel from
     every rank: (counts (W,), means (W, C), invstds (W, C)), ranks whose batch is empty left out."""
-    count = torch.tensor([[x.numel() // x.size(1)]], dtype=torch.int64, device="cpu")  # int64: no rounding of big batches
+    count = torch.tensor(
+        [[x.numel() // x.size(1)]], dtype=torch.int64, device="cpu"
+    )  # int64: no rounding of big batches
     if x.numel() == 0:  # no statistics of its own; its count of 0 has it left out below
         mean = torch.zeros(x.size(1), dtype=_acc_dtype(x), device=x.device)
         invstd = torch.ones_like(mean)
@@ -124,18 +136,27 @@ def _gather_stats(x: torch.Tensor, eps: float, process_set: Optional[ProcessSet]
         var, mean = torch.var_mean(xf, dim=_reduce_dims(x), correction=0)
         invstd = torch.rsqrt(var + eps)
     # Started together so that one negotiation cycle can carry all three.
-    handles = [allgather_async(count, name="sync_batch_norm.count", process_set=process_set),
-               allgather_async(mean.unsqueeze(0), name="sync_batch_norm.mean", process_set=process_set),
-               allgather_async(invstd.unsqueeze(0), name="sync_batch_norm.invstd", process_set=process_set)]
+    handles = [
+        allgather_async(count, name="sync_batch_norm.count", process_set=process_set),
+        allgather_async(mean.unsqueeze(0), name="sync_batch_norm.mean", process_set=process_set),
+        allgather_async(invstd.unsqueeze(0), name="sync_batch_norm.invstd", process_set=process_set),
+    ]
     counts, means, invstds = (synchronize(h) for h in handles)
     counts = counts.view(-1).to(x.device)
     keep = counts > 0  # an empty batch's mean and invstd are placeholders
     return counts[keep], means[keep], invstds[keep]
 
 
-def _combine_stats(x: torch.Tensor, counts: torch.Tensor, means: torch.Tensor, invstds: torch.Tensor,
-                   running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], factor: float,
-                   eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _combine_stats(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    means: torch.Tensor,
+    invstds: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    factor: float,
+    eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The whole batch's mean and invstd from every rank's; running stats updated in place (the
     unbiased variance, as torch's BatchNorm)."""
     total = int(counts.sum())
@@ -143,8 +164,9 @@ def _combine_stats(x: torch.Tensor, counts: torch.Tensor, means: torch.Tensor, i
         raise ValueError(f"Expected more than 1 value per channel when training, got {total} over all ranks")
     if x.is_cuda:
         weights = counts.to(means.dtype if running_mean is None else running_mean.dtype)  # as torch's SyncBatchNorm
-        return torch.batch_norm_gather_stats_with_counts(x, means, invstds, running_mean, running_var, factor, eps,
-                                                         weights)
+        return torch.batch_norm_gather_stats_with_counts(
+            x, means, invstds, running_mean, running_var, factor, eps, weights
+        )
     w = counts.to(means.dtype).unsqueeze(1)  # (W, 1)
     mean = (w * means).sum(0) / total
     # Each rank's biased variance from its invstd, then the parallel-variance formula.
@@ -161,9 +183,17 @@ class _SyncBatchNormFunction(Function):
     gradient with sum(dy) and sum(dy * (x - mean)) summed over all ranks."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], eps: float,
-                factor: float, process_set: Optional[ProcessSet]) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        input: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        running_mean: Optional[torch.Tensor],
+        running_var: Optional[torch.Tensor],
+        eps: float,
+        factor: float,
+        process_set: Optional[ProcessSet],
+    ) -> torch.Tensor:
         x = input.contiguous()
         counts, means, invstds = _gather_stats(x, eps, process_set)
         mean, invstd = _combine_stats(x, counts, means, invstds, running_mean, running_var, factor, eps)
@@ -184,7 +214,8 @@ class _SyncBatchNormFunction(Function):
         # This rank's sums; grad_weight and grad_bias are this rank's share (summed by the optimizer).
         if fused:
             sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
-                dy, x, mean, invstd, weight, need_input, need_weight, need_bias)
+                dy, x, mean, invstd, weight, need_input, need_weight, need_bias
+            )
         else:
             dims = _reduce_dims(x)
             dyf = dy.to(invstd.dtype)
@@ -196,21 +227,24 @@ class _SyncBatchNormFunction(Function):
         if need_input:
             # x's gradient depends on every element of the whole batch through its mean and
             # variance: these two per-channel sums over all ranks are all it needs of the others.
-            handles = [allreduce_async(sum_dy, name="sync_batch_norm.sum_dy", op=Sum, process_set=ctx.process_set),
-                       allreduce_async(sum_dy_xmu, name="sync_batch_norm.sum_dy_xmu", op=Sum,
-                                       process_set=ctx.process_set)]
+            handles = [
+                allreduce_async(sum_dy, name="sync_batch_norm.sum_dy", op=Sum, process_set=ctx.process_set),
+                allreduce_async(sum_dy_xmu, name="sync_batch_norm.sum_dy_xmu", op=Sum, process_set=ctx.process_set),
+            ]
             sum_dy, sum_dy_xmu = (synchronize(h) for h in handles)
             if fused:
                 # This kernel takes the weight in the statistics' dtype (as torch's SyncBatchNorm casts it).
                 w = weight if weight is None else weight.to(mean.dtype)
-                grad_input = torch.batch_norm_backward_elemt(dy, x, mean, invstd, w, sum_dy, sum_dy_xmu,
-                                                             counts.to(torch.int32))
+                grad_input = torch.batch_norm_backward_elemt(
+                    dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, counts.to(torch.int32)
+                )
             else:
                 total = float(counts.sum())
                 scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-                grad_input = ((dyf - _per_channel(sum_dy / total, x)
-                               - xmu * _per_channel(invstd.pow(2) * sum_dy_xmu / total, x))
-                              * _per_channel(scale, x)).to(x.dtype)
+                grad_input = (
+                    (dyf - _per_channel(sum_dy / total, x) - xmu * _per_channel(invstd.pow(2) * sum_dy_xmu / total, x))
+                    * _per_channel(scale, x)
+                ).to(x.dtype)
         if weight is None or not need_weight:
             grad_weight = None
         if weight is None or not need_bias:
