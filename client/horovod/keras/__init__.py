@@ -14,9 +14,15 @@ reducescatter take Keras's signatures; ``hvd.callbacks`` holds the Keras callbac
 the elastic states and callbacks. Its modules: docs/design.md, "Where each concept lives".
 """
 
+import importlib
+
 from ..tensorflow import *  # noqa: F401,F403 - Horovod's keras module re-exports the TensorFlow API
 from ..tensorflow import __all__ as _tensorflow_all
-from . import callbacks, elastic  # after the star import: Keras's elastic, not TensorFlow's
+from . import callbacks
 from .ops import allreduce, reducescatter  # noqa: F401 - Keras's signatures, over TensorFlow's (in __all__)
+
+# The star import bound `elastic` to TensorFlow's module, and `from . import elastic` would return
+# that attribute: Keras's elastic states and callbacks are imported by their full name.
+elastic = importlib.import_module(f"{__name__}.elastic")
 
 __all__ = ["callbacks", *(name for name in _tensorflow_all if name != "elastic"), "elastic"]
