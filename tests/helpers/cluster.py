@@ -53,6 +53,17 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """`reduction-server ARGS` as a user runs it, with `env` added to a test's child environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "reduction_server", *args],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class Reducers:
     """R reducer processes on free loopback ports; stopped (and reaped) on exit. Their indexes
     start at `first_index` (a group that stands at the end of RS_REDUCERS). Each one's ports (one

@@ -103,7 +103,9 @@ def data(
     nbytes: Optional[int] = None,
     aux: int = 0,
     mtype: MsgType = MsgType.DATA,
+    group: int = 0,
 ) -> bytes:
+    """A worker's DATA header as it travels: the payload size follows count and dtype unless given."""
     return protocol.data_header(
         mtype,
         dtype=dtype,
@@ -120,6 +122,7 @@ def data(
         total=count if total is None else total,
         nbytes=count * dtype.itemsize if nbytes is None else nbytes,
         aux=aux,
+        group=group,
     )
 
 

@@ -32,6 +32,8 @@ from reduction_server.reducer.rounds import Rounds
 from reduction_server.wire import auth, protocol
 from reduction_server.wire.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
+from .peers import data
+
 TOKEN = "rooms-token"
 JOB = 0x7E57
 NAME = "reducer 0"
@@ -276,12 +278,9 @@ def header(
 ) -> Header:
     """A worker's DATA header, parsed as the core parses it."""
     return protocol.unpack(
-        protocol.data_header(
-            mtype,
-            dtype=dtype,
-            op=op,
-            rank=rank,
-            world=world,
+        data(
+            rank,
+            world,
             job=job,
             generation=generation,
             seq=seq,
@@ -289,9 +288,12 @@ def header(
             nchunks=nchunks,
             offset=offset,
             count=count,
-            total=count if total is None else total,
-            nbytes=count * dtype.itemsize if nbytes is None else nbytes,
+            total=total,
+            dtype=dtype,
+            op=op,
+            nbytes=nbytes,
             aux=aux,
+            mtype=mtype,
             group=group,
         )
     )

@@ -14,22 +14,12 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from helpers.cluster import child_env
+from helpers.cluster import child_env, cli
 from helpers.ports import free_port_range
 
 pytestmark = pytest.mark.timeout(120)
 
 REFUSAL = "refusing to listen on 0.0.0.0 without a job token"
-
-
-def cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reduction_server", *args],
-        env=child_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def first_line_then_stop(args: List[str], env: Dict[str, str]) -> Tuple[str, str, str]:

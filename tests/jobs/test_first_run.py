@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from helpers.capture import CapturingSocket
-from helpers.cluster import ROOT, child_env
+from helpers.cluster import ROOT, child_env, cli
 from helpers.handshake import hello_payload
 from helpers.ports import free_port_range
 from reduction_server.cli import build_parser
@@ -23,16 +23,6 @@ from reduction_server.config import settings
 from reduction_server.reducer import Reducer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reduction_server", *args],
-        env=child_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_a_worker_waiting_for_reducers_says_which_and_why():
