@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from .cluster import SCRIPTS, TOKEN, Reducers, child_env
 
@@ -23,6 +23,7 @@ class Run:
 
     def __init__(self, group: Reducers, exact: bool, extra: Optional[Dict[str, str]] = None) -> None:
         self.step = -1
+        self.out: Set[int] = set()  # the reducers rank 0 did not use in its last step
         self.progress = threading.Condition()
         self.outputs: Dict[int, List[str]] = {r: [] for r in range(W)}
         self.procs = []
@@ -59,7 +60,9 @@ class Run:
             self.outputs[rank].append(line.rstrip("\n"))
             if rank == 0 and line.startswith("STEP "):
                 with self.progress:
-                    self.step = int(line.split()[1])
+                    _, step, out = line.split()
+                    self.step = int(step)
+                    self.out = set() if out == "-" else {int(i) for i in out.split(",")}
                     self.progress.notify_all()
 
     def wait_for_step(self, step: int, timeout: float = 60) -> None:
@@ -67,6 +70,13 @@ class Run:
             assert self.progress.wait_for(lambda: self.step >= step or self.procs[0].poll() is not None, timeout), (
                 f"rank 0 did not reach step {step} in {timeout} s: {self.outputs[0][-5:]}"
             )
+
+    def wait_until_used(self, reducers: Set[int], timeout: float = 60) -> None:
+        """Wait until rank 0 uses each of `reducers` again (restarted ones, readmitted from a JOIN)."""
+        with self.progress:
+            used = self.progress.wait_for(lambda: not self.out & reducers or self.procs[0].poll() is not None, timeout)
+            unused = sorted(self.out & reducers)
+            assert used, f"rank 0 did not use reducers {unused} again in {timeout} s: {self.outputs[0][-5:]}"
 
     def finish(self, timeout: float = 120) -> List[dict]:
         results = []

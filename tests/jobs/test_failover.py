@@ -31,9 +31,10 @@ pytestmark = pytest.mark.timeout(60 + 60 * RUNS)
 
 #: a plan: (step of rank 0 after which to act, seconds to wait after it, "kill" or "restart", the reducers)
 Plan = List[Tuple[int, float, str, Tuple[int, ...]]]
-#: steps a restarted reducer gets before anything else happens: enough for every rank to reconnect,
-#: agree from which collective to use it (REJOIN_LEAD collectives on) and use it
+#: the plan's steps between a restart and the next kill (the run also waits until rank 0 uses the
+#: restarted reducer again, however long that takes under load, and USED_STEPS more)
 REJOIN_STEPS = 30
+USED_STEPS = 3
 
 
 def run(
@@ -50,7 +51,7 @@ def run(
     with reducers(R, extra_env=env) as group:
         job = Run(group, exact, extra)
         down = set()
-        settled = 0  # nothing happens before this step: a restarted reducer's REJOIN_STEPS
+        settled = 0  # nothing happens before this step: a restarted reducer's USED_STEPS
         try:
             for step, delay, action, which in plan:
                 job.wait_for_step(max(step, settled))
@@ -62,8 +63,9 @@ def run(
                     else:
                         group.signal(i, sig)
                         down.add(i)
-                if action == "restart":  # counted from when it listens: a sharded one starts for a while
-                    settled = job.step + REJOIN_STEPS
+                if action == "restart":  # used again from a JOIN, then a few steps on it before the next act
+                    job.wait_until_used(set(which))
+                    settled = job.step + USED_STEPS
             results = job.finish()
         finally:
             if sig == signal.SIGSTOP:

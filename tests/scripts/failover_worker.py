@@ -5,8 +5,9 @@ every reducer) and an int32 one, and every tenth step broadcasts a tensor from a
 each result is checked against a NumPy reference computed from every rank's inputs: bitwise
 (the rank-order float32 sum of deterministic mode) when EXACT is 1, else to float32 rounding;
 the int32 sums and the broadcasts always bitwise. The parameters take a plain SGD step. Rank 0
-prints `STEP n` as it goes; every rank ends with one JSON line: its mismatches, a digest of its
-final parameters, and what its failover did."""
+prints `STEP n OUT` as it goes (OUT: the reducers it does not use now, comma-separated, or -);
+every rank ends with one JSON line: its mismatches, a digest of its final parameters, and what
+its failover did."""
 
 import hashlib
 import json
@@ -31,6 +32,8 @@ def main() -> None:
     with Communicator.from_env() as comm:
         world, rank = comm.world_size, comm.rank
         params = [np.ones(n, np.float32) for n in SIZES]
+        failover = comm._engine.failover
+        ends = comm._engine.endpoints  # failover counts each shard of a reducer (RS_SHARDS) apart
         for step in range(steps):
             grads = [gradient(step, rank, i, n) for i, n in enumerate(SIZES)]
             ints = np.full(INTS, step * world + rank, np.int32)
@@ -57,9 +60,8 @@ def main() -> None:
             if step % 10 == 0 and not np.array_equal(shared, np.arange(BROADCAST, dtype=np.float32) + step):
                 mismatches.append(f"step {step}: broadcast from {root} wrong")
             if rank == 0:
-                print(f"STEP {step}", flush=True)
-        failover = comm._engine.failover
-        ends = comm._engine.endpoints  # failover counts each shard of a reducer (RS_SHARDS) apart
+                out = sorted({ends[e].reducer for e in failover.lost if not failover.since.get(e)})
+                print(f"STEP {step} {','.join(map(str, out)) or '-'}", flush=True)
         digest = hashlib.sha256(b"".join(p.tobytes() for p in params)).hexdigest()
         print(
             json.dumps(
