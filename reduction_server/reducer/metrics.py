@@ -9,6 +9,10 @@ and summaries at scrape time: about a microsecond per contribution.
 
 Every reducer has its own CollectorRegistry (never the process-global one), so several reducers
 in one process, and tests, do not clash; every series carries a `reducer` label with its index.
+
+The same port answers the probes of an orchestrator (Kubernetes' httpGet probes): HEALTH_PATH
+says the process is alive (200 whenever it answers at all), READY_PATH says it serves: 200 once
+it listens, 503 with the reason while it starts, while a shard is down, or once it stops.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -32,6 +36,8 @@ from prometheus_client.process_collector import ProcessCollector
 from ..errors import ConfigError
 
 PREFIX = "reduction_server"
+#: the probes' paths on the metrics port: alive, and ready to serve workers
+HEALTH_PATH, READY_PATH = "/healthz", "/readyz"
 # One contribution folded into an accumulator: 64 KiB takes microseconds, 64 MiB about 10 ms.
 KERNEL_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 # A round, first contribution to result sent: from sub-millisecond to RS_TIMEOUT.
@@ -165,10 +171,14 @@ class _Histogram:
 
 
 class MetricsServer:
-    """A registry served at http://HOST:PORT/metrics from a daemon thread."""
+    """A registry served at http://HOST:PORT/metrics from a daemon thread, beside the probes.
+
+    `not_ready` says why the process does not serve workers now (a line for READY_PATH's 503),
+    or None when it does; the process sets it once it knows (until then: starting)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.not_ready: Callable[[], Optional[str]] = lambda: "starting"
         self._server: Optional[WSGIServer] = None
 
     def serve(self, host: str, port: int) -> int:
@@ -179,7 +189,21 @@ class MetricsServer:
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port} (--metrics-port / RS_METRICS_PORT): {exc}"
             ) from None
+        self._server.set_app(self._with_probes(self._server.get_app()))
         return self._server.server_port
+
+    def _with_probes(self, metrics: Callable) -> Callable:
+        """The WSGI app that answers the probes' paths and hands every other to `metrics`."""
+
+        def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path not in (HEALTH_PATH, READY_PATH):
+                return metrics(environ, start_response)
+            why = None if path == HEALTH_PATH else self.not_ready()
+            start_response("200 OK" if why is None else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"{'not ready: ' + why if why else 'ok'}\n".encode()]
+
+        return app
 
     def stop(self) -> None:
         if self._server is not None:

@@ -145,6 +145,8 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
         try:
             metrics_at = _serve_metrics(config, reducer)
             stopping = _stopping()
+            if reducer.metrics is not None:  # it listens: ready until told to stop
+                reducer.metrics.not_ready = lambda: "stopping" if stopping else None
             _announce(config, reducer, bound, metrics_at, heap_kept)
             _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and config.shards > 1 else None)
             reducer.run(lambda: bool(stopping))
@@ -290,6 +292,7 @@ def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
             from .shard_metrics import ShardMetrics
 
             metrics = ShardMetrics(supervisor)
+            metrics.not_ready = lambda: "stopping" if stopping else supervisor.not_listening()
             metrics.serve(supervisor.host, supervisor.metrics_port)
         base = supervisor.start()
         address = f"{supervisor.host}:{base}"

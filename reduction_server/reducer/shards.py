@@ -209,6 +209,7 @@ class Supervisor:
     def _where(self, shard: Shard) -> str:
         return f"shard {shard.number} of reducer {self.index} (port {shard.port})"
 
+        self.started = False  # every shard has listened once (start returned)
     def _launch(self, shard: Shard) -> Optional[str]:
         """Start `shard`'s process, which says on a pipe when it listens (_settle); why it could
         not be started, or None."""
@@ -275,7 +276,7 @@ class Supervisor:
                 if failed:
                     break
             if not failed:
-                self.base = base
+                self.base, self.started = base, True
                 return base
             self.stop()
             if bad.proc is None or bad.proc.returncode != 1:  # 1: it could not listen (cli.py)
@@ -317,6 +318,16 @@ class Supervisor:
                     )
                 elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
                     shard.restart_at = None
+    def not_listening(self) -> Optional[str]:
+        """Why this reducer does not serve its workers now, or None when every shard listens (its
+        readiness, READY_PATH in metrics.py): read from the metrics server's thread."""
+        if not self.started:
+            return f"its {self.count} shards are starting"
+        down = [s for s in list(self.shards) if s.ready is not None or s.proc is None or s.proc.poll() is not None]
+        if not down:
+            return None
+        return "not listening (restarting): " + ", ".join(f"shard {s.number} (port {s.port})" for s in down)
+
                     shard.restarts += 1
                     failed = self._launch(shard)
                     if failed:

@@ -3,22 +3,29 @@ schemas (kubernetes-validate, which ships them), and the Kubeflow kinds against 
 from the training-operator's kubeflow.org/v1 CRD fields, whose pod templates are checked with
 the real Kubernetes PodTemplateSpec schema; and the environment the platform would give every
 replica (the operator's RANK and TF_CONFIG; the StatefulSet's pod index) gives every process its
-right role through reduction_server.config.discovery.
+right role through reduction_server.config.discovery; and each reducer container declares exactly
+the ports its `reduction-server serve` listens on (its shards' and its metrics port), resolved from
+its arguments and environment as `serve` resolves them, with its probes on the metrics port.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from typing import Dict, Iterator, List, Tuple
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
+from unittest import mock
 
 import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is installed with the test extra (pip install '.[test]')")
 
 from helpers.source_tree import ROOT  # noqa: E402
+from reduction_server.cli import build_parser  # noqa: E402
 from reduction_server.config.discovery import discover_reducer, discover_worker  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
+from reduction_server.reducer.metrics import HEALTH_PATH, READY_PATH  # noqa: E402
+from reduction_server.reducer.options import ReducerConfig  # noqa: E402
 
 K8S = ROOT / "examples" / "k8s"
 TOKEN = "manifest-test-token"
@@ -54,6 +61,52 @@ def container_env(container: dict, pod_index: int = 0) -> Dict[str, str]:
         else:
             raise AssertionError(f"no test model for {item}")
     return env
+
+
+def listening_ports(container: dict, env: Dict[str, str]) -> Dict[int, str]:
+    """The TCP ports `reduction-server serve` (the image's entry point) listens on in `container`
+    with environment `env`, each with what it is: resolved from its arguments and environment as
+    serve resolves them (reducer/options.py). Its shard count must be pinned (`auto` would count
+    the node's cores, unknown here)."""
+    assert "command" not in container, "the image's entry point, `reduction-server serve`, runs"
+    args = build_parser().parse_args(["serve", *container.get("args", [])])
+    shards = args.shards if args.shards is not None else env.get("RS_SHARDS", "auto")
+    assert shards.strip().lower() != "auto", "pin the shard count (--shards N): its ports are declared"
+    with mock.patch.dict(os.environ, env, clear=True):
+        config = ReducerConfig.resolve(
+            host=args.host, port=args.port, index=args.index, workers=args.workers,
+            metrics_port=args.metrics_port, shards=args.shards,
+        )  # fmt: skip
+    ports = {config.port + s: f"shard {s}" for s in range(config.shards)}
+    if config.metrics_port:
+        ports[config.metrics_port] = "metrics"
+    return ports
+
+
+def port_mismatch(container: dict, env: Dict[str, str]) -> Optional[str]:
+    """What is wrong with the ports `container` declares against those its reducer listens on
+    (listening_ports) and with its probes, or None."""
+    listening = listening_ports(container, env)
+    declared = {p["containerPort"]: p.get("name") for p in container.get("ports", [])}
+    if any(p.get("protocol", "TCP") != "TCP" for p in container.get("ports", [])):
+        return "a reducer listens on TCP only"
+    if set(declared) != set(listening):
+        missing = {port: what for port, what in listening.items() if port not in declared}
+        extra = sorted(set(declared) - set(listening))
+        return (
+            f"declared ports {sorted(declared)}, but it listens on {sorted(listening)}: "
+            f"missing {missing}, extra {extra}"
+        )
+    for probe, path in (("readinessProbe", READY_PATH), ("livenessProbe", HEALTH_PATH)):
+        get = container.get(probe, {}).get("httpGet")
+        if get is None or get.get("path") != path:
+            return f"its {probe} is not an httpGet of {path}"
+        port = get["port"] if isinstance(get["port"], int) else next(
+            (p for p, name in declared.items() if name == get["port"]), None
+        )  # fmt: skip
+        if listening.get(port) != "metrics":
+            return f"its {probe} asks port {get['port']!r}, not the metrics port"
+    return None
 
 
 # -- Kubernetes schemas --------------------------------------------------------------------------
@@ -265,7 +318,6 @@ def test_statefulset_reducers_find_their_place() -> None:
     port = service["spec"]["ports"][0]["port"]
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert container["ports"][0]["containerPort"] == port
-    assert "command" not in container and "args" not in container  # the image's `reduction-server serve`
     expected = [f"{name}-{i}.{service['metadata']['name']}:{port}" for i in range(replicas)]
     world = sum(spec["replicas"] for spec in by_kind("PyTorchJob")[0]["spec"]["pytorchReplicaSpecs"].values())
     for ordinal in range(replicas):
@@ -323,7 +375,6 @@ def test_tfjob_with_ps_reducers_gives_every_pod_its_role() -> None:
         for i in range(spec["replicas"]):
             env = dict(container_env(container), TF_CONFIG=_tf_config(job, role, i))
             if role == "PS":
-                assert "command" not in container and "args" not in container
                 place = discover_reducer(env)
                 assert (place.index, place.port, place.world_size, place.host) == (i, 2222, world, "0.0.0.0")
                 with pytest.raises(ConfigError, match="reducer"):
@@ -334,3 +385,44 @@ def test_tfjob_with_ps_reducers_gives_every_pod_its_role() -> None:
                 assert list(place.reducers) == reducers and place.world_size == world
                 ranks.append(place.rank)
     assert sorted(ranks) == list(range(world))
+
+
+def _reducer_containers() -> Iterator[Tuple[str, dict, Dict[str, str]]]:
+    """(where, container, environment of its first replica) for every reducer container."""
+    statefulset, _ = _reducer_set()
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    yield "reducers.yaml", container, container_env(container)
+    (job,) = by_kind("TFJob", "tfjob-ps-reducers.yaml")
+    (container,) = job["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"]
+    yield "tfjob-ps-reducers.yaml", container, dict(container_env(container), TF_CONFIG=_tf_config(job, "PS", 0))
+
+
+def test_reducers_declare_exactly_the_ports_they_listen_on_and_probe_the_metrics_port() -> None:
+    """Every shard's port and the metrics port, nothing else (a NetworkPolicy or a firewall
+    built from the declared ports admits every connection the workers make), with a shard per
+    requested core; the probes are the reducer's own /readyz and /healthz."""
+    for where, container, env in _reducer_containers():
+        assert port_mismatch(container, env) is None, f"{where}: {port_mismatch(container, env)}"
+        shards = sum(1 for what in listening_ports(container, env).values() if what.startswith("shard"))
+        assert shards == int(container["resources"]["requests"]["cpu"]), f"{where}: a shard per requested core"
+    (_, service) = _reducer_set()
+    (_, container, _) = next(_reducer_containers())
+    assert {p["port"] for p in service["spec"]["ports"]} <= {p["containerPort"] for p in container["ports"]}
+
+
+def test_a_port_mismatch_fails_the_check() -> None:
+    """The check is not vacuous: another shard count, a port missing, a TCP probe, a probe of a
+    shard's port, and an unpinned shard count are each caught."""
+    (_, container, env) = next(_reducer_containers())
+    fewer = dict(copy.deepcopy(container), args=["--shards", "4"])
+    assert "extra [5559, 5560, 5561, 5562]" in port_mismatch(fewer, env)
+    no_metrics = copy.deepcopy(container)
+    no_metrics["ports"] = [p for p in no_metrics["ports"] if p["name"] != "metrics"]
+    assert "missing {9100: 'metrics'}" in port_mismatch(no_metrics, env)
+    tcp_probe = dict(copy.deepcopy(container), readinessProbe={"tcpSocket": {"port": "reducer"}})
+    assert "not an httpGet of /readyz" in port_mismatch(tcp_probe, env)
+    shard_probe = copy.deepcopy(container)
+    shard_probe["livenessProbe"]["httpGet"]["port"] = 5555
+    assert "not the metrics port" in port_mismatch(shard_probe, env)
+    with pytest.raises(AssertionError, match="pin the shard count"):
+        listening_ports({k: v for k, v in container.items() if k != "args"}, env)
