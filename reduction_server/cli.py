@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--index",
         type=_at_least(0),
         default=None,
-        help="this reducer's index: its position in the workers' RS_REDUCERS (default: from the cluster spec, else 0)",
+        help="this reducer's index: its position in the workers' RS_REDUCERS (default: from the cluster spec or "
+        "RS_REDUCER_INDEX, else its own address's position in RS_REDUCERS, else 0)",
     )
     serve.add_argument(
         "--deterministic",

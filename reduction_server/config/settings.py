@@ -108,7 +108,10 @@ def _seconds(value: float) -> str:
 VARIABLES: Tuple[Variable, ...] = (
     # where each process sits (discovery.py)
     Variable(
-        "RS_REDUCERS", (WORKERS,), "from the cluster spec", "reducer addresses, `host:port,...`; reducer i is the i-th"
+        "RS_REDUCERS",
+        _BOTH,
+        "from the cluster spec",
+        "reducer addresses, `host:port,...`; reducer i is the i-th (a reducer without an index finds its own)",
     ),
     Variable("RS_RANK", (WORKERS,), "from the spec or launcher", "this worker's rank", int, least=0),
     Variable("RS_WORLD_SIZE", _BOTH, "from the spec or launcher", "number of worker ranks W", int, least=1),

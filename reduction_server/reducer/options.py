@@ -4,17 +4,23 @@ discovered place and the RS_* variables into one frozen ReducerConfig that the r
 
 Each setting comes from, first match wins: its argument, the place discovered from the cluster
 spec or RS_REDUCER_INDEX (config/discovery.py, for the host, port, index and world size only), the
-environment (config/settings.py), its default. Every setting is read and checked here, in one
+environment (config/settings.py), its default. A reducer told no index at all takes its own
+entry's position in RS_REDUCERS (`own_entry`): the one entry whose port is the port it binds and
+whose host names an address of this host that it binds (any, on a wildcard address); none, or
+more than one, is a ConfigError naming them. Every setting is read and checked here, in one
 place, so that a bad one is one ConfigError before anything binds and before any shard starts.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import FrozenSet, List, Optional, Tuple, Union
 
 from ..config import settings
+from ..config.cluster_spec import address_list
 from ..errors import ConfigError
 from ..wire import encryption, shared_memory
 from .shards import count as shard_count
@@ -119,12 +125,16 @@ def _place(
     host: Optional[str], port: Optional[int], index: Optional[int], workers: Optional[int]
 ) -> Tuple[str, int, int, Optional[int]]:
     """Host, port, index and world size: each argument, else the discovered place's, else the
-    default (the world size: RS_WORLD_SIZE, else None)."""
+    default (the index: this reducer's own entry in RS_REDUCERS, else 0; the world size:
+    RS_WORLD_SIZE, else None)."""
     from ..config.discovery import discover_reducer
 
     # Only when one is missing: a shard, which its supervisor starts with all three, takes them
     # as they are and does not discover (nor check) its place again.
     place = discover_reducer() if None in (host, port, index) else None
+    if place is None and index is None and os.environ.get("RS_REDUCERS"):
+        host = host or settings.read("RS_BIND_HOST")
+        index, port = own_entry(host, port, os.environ["RS_REDUCERS"])
     host = host or (place.host if place else "0.0.0.0")
     port = port if port is not None else (place.port if place else 0)
     index = index if index is not None else (place.index if place else 0)
@@ -133,6 +143,64 @@ def _place(
         if workers is None:
             workers = settings.read("RS_WORLD_SIZE")
     return host, port, index, workers
+
+
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
+_SHOWN = 8  # entries a ConfigError lists at most
+
+
+def _resolved(host: str) -> FrozenSet[str]:
+    """The addresses `host` (a name or an address) resolves to; none when it does not resolve."""
+    try:
+        return frozenset(info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP))
+    except (socket.gaierror, UnicodeError):
+        return frozenset()
+
+
+def _of_this_host(address: str) -> bool:
+    """Whether `address` is one of this host's: one it can bind."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+            return True
+        except OSError:
+            return False
+
+
+def own_entry(host: str, port: Optional[int], listed: str) -> Tuple[int, int]:
+    """(index, port) of this reducer's own entry in `listed` (RS_REDUCERS), for a reducer given
+    no index: the entry whose port is `port` (any port when None or 0) and whose host resolves to
+    an address this reducer binds at `host` (any of this host's on a wildcard address). A
+    ConfigError when no entry is, or more than one: it names them and what to give instead."""
+    entries = address_list("RS_REDUCERS", listed.split(","))
+    wildcard = host.strip("[]") in _WILDCARDS
+    bound, where = (frozenset(), "this host") if wildcard else (_resolved(host), host)
+
+    def ours(entry: str) -> bool:
+        addresses = _resolved(entry)
+        return any(_of_this_host(a) for a in addresses) if wildcard else bool(addresses & bound)
+
+    at = f" at port {port}" if port else ""
+    mine = [(i, h, p) for i, (h, p) in enumerate(entries) if (not port or p == port) and ours(h)]
+    if len(mine) == 1:
+        return mine[0][0], mine[0][2]
+
+    def named(items: List[Tuple[int, str, int]]) -> str:
+        shown = ", ".join(f"{i}: {h}:{p}" for i, h, p in items[:_SHOWN])
+        return shown + (f", ... ({len(items)} in all)" if len(items) > _SHOWN else "")
+
+    if not mine:
+        raise ConfigError(
+            f"no --index (RS_REDUCER_INDEX) given, and none of the {len(entries)} address(es) of RS_REDUCERS "
+            f"({named([(i, h, p) for i, (h, p) in enumerate(entries)])}) is {where}'s{at}: give --index, "
+            "this reducer's position in the workers' RS_REDUCERS (behind NAT or a port mapping its "
+            "address there is not its own)"
+        )
+    raise ConfigError(
+        f"no --index (RS_REDUCER_INDEX) given, and RS_REDUCERS lists {len(mine)} addresses of {where}{at} "
+        f"({named(mine)}): give --index, this reducer's position in RS_REDUCERS"
+        + ("" if port else ", or --port, its own entry's port")
+    )
 
 
 def is_loopback(host: str) -> bool:
