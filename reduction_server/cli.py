@@ -48,6 +48,7 @@ def _run(args: argparse.Namespace) -> int:
         min_np=args.min_np,
         max_np=args.max_np,
         discovery=args.host_discovery_script,
+        shards=args.shards,
     )
 
 
@@ -109,6 +110,13 @@ def _at_least(least: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _shard_count(text: str) -> str:
+    """An argparse type: `auto` or a shard count of at least 1, as text for `serve --shards`."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return str(_at_least(1)(text))
 
 
 def _subcommand(
@@ -307,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="reducer i serves Prometheus metrics on METRICS_PORT+i (default: off)",
+    )
+    run.add_argument(
+        "--shards",
+        type=_shard_count,
+        default="1",
+        metavar="N|auto",
+        help="shard processes per reducer (serve --shards), each on a run of free ports it chooses; auto: "
+        "each reducer's share of the cores this launcher may use, split among the R reducers (default 1)",
     )
     run.add_argument(
         "--max-restarts",

@@ -432,6 +432,16 @@ VARIABLES: Tuple[Variable, ...] = (
         value="auto",
     ),
     Variable(
+        "RS_LOCAL_REDUCERS",
+        (REDUCERS,),
+        "1 (`run` sets it to its reducers' count)",
+        "reducers a launcher started on this host, which share its cores: `auto` shards count the "
+        "cores this reducer may use divided by it",
+        int,
+        1,
+        least=1,
+    ),
+    Variable(
         "RS_DETERMINISTIC", (REDUCERS,), "0", "1: sum in rank order, so results are bitwise reproducible", bool, False
     ),
     Variable(

@@ -57,6 +57,7 @@ class _Job:
     metrics_port: Optional[int] = None  # reducer i serves metrics on metrics_port + i
     max_restarts: int = 0
     elastic: Optional[Elastic] = None  # --min-np/--max-np: workers come and go (elastic.py)
+    shards: str = "1"  # each reducer's --shards: a count, or `auto` (its share of this host's cores)
     restarts: int = 0  # how many times the worker group has been started again
     env: Dict[str, str] = field(default_factory=dict)  # what every child sees (job_environment)
     workers: List[Child] = field(default_factory=list)
@@ -128,13 +129,16 @@ class _Job:
                     "--ready-fd",
                     str(ready_w),
                 ]
-                # One process each: the workers share this host's cores, and --reducers sets how many.
-                argv += ["--shards", "1"]
+                # One process each unless asked: the workers share this host's cores, and --reducers
+                # sets how many. `auto` counts a reducer's share of them: the R reducers split them.
+                argv += ["--shards", self.shards]
                 if self.elastic is None:  # an elastic job's rounds each have a world size of their own
                     argv += ["--workers", str(self.np)]
                 # Each reducer its own port: an inherited RS_METRICS_PORT would make the second one fail.
                 argv += ["--metrics-port", str(self.metrics_port + index if self.metrics_port else 0)]
-                child_env = dict(env, RS_REDUCER_INDEX=str(index))
+                child_env = dict(
+                    env, RS_REDUCER_INDEX=str(index), RS_LOCAL_REDUCERS=str(len(self.layout.reducer_ports))
+                )
                 if self.elastic is not None:
                     child_env.pop("RS_WORLD_SIZE")
                 # From the root directory: `-m` puts the working directory first on sys.path, and in a
@@ -158,6 +162,7 @@ class _Job:
             close_all(ready)
         if failure is not None or self.signum is not None:
             return failure if failure is not None else self._outcome()
+        env["RS_REDUCERS"] = ",".join(self.layout.reducer_addresses())  # sharded ones chose their ports
         return self._spawn_workers(die_with_parent)
 
     def _spawn_workers(self, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
@@ -195,11 +200,12 @@ class _Job:
         return failure
 
     def _await_reducers(self, ready: List[int]) -> Optional[int]:
-        """Wait until every reducer says, on its `ready` pipe, that it listens at its planned port;
-        the job's exit code if one cannot. A stop signal ends the wait (the caller acts on it)."""
+        """Wait until every reducer says, on its `ready` pipe, that it listens at its planned port
+        (any, when it was to choose one: then the layout takes it); the job's exit code if one
+        cannot. A stop signal ends the wait (the caller acts on it)."""
         deadline = time.monotonic() + _READY_S
-        for child, port, address, fd in zip(
-            self.reducers, self.layout.reducer_ports, self.layout.reducer_addresses(), ready
+        for i, (child, port, address, fd) in enumerate(
+            zip(self.reducers, self.layout.reducer_ports, self.layout.reducer_addresses(), ready)
         ):
             said = b""
             while not said.endswith(b"\n"):
@@ -220,7 +226,9 @@ class _Job:
                     )
                     return exit_code(status) if status else 1
                 said += chunk
-            if said.strip() != str(port).encode():
+            if port == 0 and said.strip().isdigit():
+                self.layout.reducer_ports[i] = int(said)
+            elif said.strip() != str(port).encode():
                 _say(
                     f"{child.label} listens at port {said.strip().decode(errors='replace')}, not {port}; "
                     "stopping the job"
@@ -349,8 +357,10 @@ def run_job(
     min_np: Optional[int] = None,
     max_np: Optional[int] = None,
     discovery: Optional[str] = None,
+    shards: str = "1",
 ) -> int:
-    """Run `reducers` reducer processes and `np` copies of `command` on this machine; a failing
+    """Run `reducers` reducer processes (each of `shards` shard processes: a count, or `auto`, its
+    share of the cores) and `np` copies of `command` on this machine; a failing
     worker starts the worker group again up to `max_restarts` times. With `min_np`/`max_np` the
     job is elastic (elastic.py): it goes on without failed workers while `min_np` run,
     and starts new ones up to `max_np` as the `discovery` script reports slots.
@@ -373,18 +383,18 @@ def run_job(
                 "goes on without the failed worker: choose one"
             )
         elastic = Elastic(low, high, _say, discovery)
-    problem = check_arguments(np, reducers, command, port_base, metrics_port)
+    problem = check_arguments(np, reducers, command, port_base, metrics_port, shards)
     if problem is not None:
         return _usage_error(problem)
     try:
-        layout = plan_layout(host, reducers, port_base, metrics_port)
+        layout = plan_layout(host, reducers, port_base, metrics_port, sharded=shards != "1")
         busy = busy_port(layout, metrics_port)
     except OSError as exc:
         return _usage_error(f"cannot use --host {host!r}: {exc}")
     if busy is not None:  # before any process starts: nothing to stop, and the owner named
         _say(busy)
         return 1
-    job = _Job(layout, np, list(command), metrics_port, max_restarts, elastic)
+    job = _Job(layout, np, list(command), metrics_port, max_restarts, elastic, shards)
     started = time.monotonic()
     with _signals_recorded_by(job):
         try:

@@ -33,13 +33,23 @@ class Layout:
 
 
 def check_arguments(
-    np: int, reducers: int, command: Sequence[str], port_base: Optional[int], metrics_port: Optional[int] = None
+    np: int,
+    reducers: int,
+    command: Sequence[str],
+    port_base: Optional[int],
+    metrics_port: Optional[int] = None,
+    shards: str = "1",
 ) -> Optional[str]:
     """What is wrong with `reduction-server run`'s arguments, or None."""
     if np < 1:
         return f"-np must be at least 1 (got {np})"
     if reducers < 1:
         return f"--reducers must be at least 1 (got {reducers})"
+    if shards != "1" and port_base is not None:
+        return (
+            f"--port-base with --shards {shards}: each sharded reducer takes a run of free ports of "
+            "its own (workers are told where); give --shards 1 to place the reducers yourself"
+        )
     if port_base is not None and not (1 <= port_base and port_base + reducers - 1 <= 65535):
         return (
             f"--port-base {port_base} with {reducers} reducer(s) needs ports "
@@ -70,11 +80,17 @@ def _span(first: int, count: int) -> str:
     return f"port {first}" if count == 1 else f"ports {first}-{first + count - 1}"
 
 
-def plan_layout(host: str, reducers: int, port_base: Optional[int], metrics_port: Optional[int] = None) -> Layout:
+def plan_layout(
+    host: str, reducers: int, port_base: Optional[int], metrics_port: Optional[int] = None, sharded: bool = False
+) -> Layout:
     """Ports for the reducers on `host` (from `port_base` on, or free ones apart from the metrics
-    ports) and for the ranks' rendezvous; OSError when `host` cannot be bound."""
+    ports; 0 for `sharded` reducers, each of which takes a free run of its own and says where)
+    and for the ranks' rendezvous; OSError when `host` cannot be bound."""
     metrics = list(range(metrics_port, metrics_port + reducers)) if metrics_port else []
-    if port_base is None:
+    if sharded:
+        reducer_ports = [0] * reducers
+        (master_port,) = _free_ports(host, 1, avoid=metrics)
+    elif port_base is None:
         *reducer_ports, master_port = _free_ports(host, reducers + 1, avoid=metrics)
     else:
         reducer_ports = list(range(port_base, port_base + reducers))

@@ -243,7 +243,9 @@ def _metrics_port(metrics_port: Optional[int]) -> int:
 def _shards(shards: Union[str, int, None], shard: Optional[int]) -> int:
     """How many shards (the argument, else RS_SHARDS), with `shard` checked to be one of them."""
     count = shard_count(
-        settings.read("RS_SHARDS") if shards is None else shards, "RS_SHARDS" if shards is None else "--shards"
+        settings.read("RS_SHARDS") if shards is None else shards,
+        "RS_SHARDS" if shards is None else "--shards",
+        settings.read("RS_LOCAL_REDUCERS"),
     )
     if shard is not None and not 0 <= shard < count:
         raise ConfigError(f"--shard {shard} is not one of the {count} shards (0..{count - 1})")

@@ -47,37 +47,72 @@ _STOP_GRACE_S = 10.0
 _PORT_TRIES = 5  # free runs of N ports tried when the port is 0 (another program may take one meanwhile)
 
 
-def _cgroup_quota() -> Optional[float]:
-    """The cgroup's CPU quota in cores (v2's cpu.max, else v1's cfs files), None when unlimited."""
-    for path, split in (("/sys/fs/cgroup/cpu.max", None), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "v1")):
-        try:
-            with open(path) as f:
-                text = f.read().split()
-            if split == "v1":
-                with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-                    text.append(f.read().strip())
-            quota, period = text[0], text[-1]
-            if quota in ("max", "-1"):
-                return None
-            return int(quota) / int(period)
-        except (OSError, ValueError, IndexError, ZeroDivisionError):
+def _cgroup_dirs(root: str, own: str) -> List[Tuple[str, str]]:
+    """(directory, version) of every cgroup that may limit this process's CPU, from its own
+    (as /proc/self/cgroup names it, under `root`) up to the root of the mount: v2's unified
+    hierarchy, and v1's `cpu` controller. A directory that does not exist here (a container's
+    view of a path outside it) is left out."""
+    found: List[Tuple[str, str]] = []
+    try:
+        with open(own) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.count(":") < 2:
             continue
-    return None
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mount, version = root, "v2"
+        elif "cpu" in controllers.split(","):
+            mount, version = os.path.join(root, "cpu"), "v1"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            directory = os.path.join(mount, *parts[:depth])
+            if os.path.isdir(directory):
+                found.append((directory, version))
+    return found or [(root, "v2"), (os.path.join(root, "cpu"), "v1")]
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on: its affinity, cut to the cgroup's CPU quota (a
-    container's --cpus, a pod's CPU limit)."""
+def _quota_of(directory: str, version: str) -> Optional[float]:
+    """One cgroup's CPU quota in cores (v2's cpu.max; v1's cfs quota over its period), None when unlimited."""
+    try:
+        if version == "v2":
+            with open(os.path.join(directory, "cpu.max")) as f:
+                quota, period = (f.read().split() + ["100000"])[:2]
+        else:
+            with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cgroup_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> Optional[float]:
+    """The CPU quota, in cores, of this process's cgroup or the tightest of its ancestors' (a
+    container's --cpus, a pod's CPU limit, a systemd slice's CPUQuota), None when unlimited."""
+    quotas = [q for q in (_quota_of(d, v) for d, v in _cgroup_dirs(root, own)) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def usable_cores(share: int = 1) -> int:
+    """The CPUs this process may run on: its affinity, cut to its cgroup's CPU quota, divided
+    among the `share` reducers a launcher started on this host (RS_LOCAL_REDUCERS); at least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = _cgroup_quota()
-    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
+    cores = cores if quota is None else min(cores, max(1, math.ceil(quota)))
+    return max(1, cores // share)
 
 
-def count(value: Union[str, int, None], name: str = "RS_SHARDS") -> int:
-    """How many shards `value` asks for: `auto` (or None) is usable_cores(); else an integer in
-    1..MAX_SHARDS. A ConfigError names `name` otherwise."""
+def count(value: Union[str, int, None], name: str = "RS_SHARDS", share: int = 1) -> int:
+    """How many shards `value` asks for: `auto` (or None) is usable_cores(share); else an integer
+    in 1..MAX_SHARDS. A ConfigError names `name` otherwise."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return min(usable_cores(), settings.MAX_SHARDS)
+        return min(usable_cores(share), settings.MAX_SHARDS)
     try:
         n = int(value)
     except (TypeError, ValueError):
@@ -174,6 +209,7 @@ class Supervisor:
         self.fixed_port = bool(port)
         self.base = port
         self.shards: List[Shard] = []
+        self.started = False  # every shard has listened once (start returned)
         self.hook = die_with_parent_hook()
         # A reducer does no linear algebra: without this, NumPy's OpenBLAS starts a thread per core
         # in every shard, and each spins for a while at start (bench/RESULTS.md, "Shards").
@@ -209,7 +245,6 @@ class Supervisor:
     def _where(self, shard: Shard) -> str:
         return f"shard {shard.number} of reducer {self.index} (port {shard.port})"
 
-        self.started = False  # every shard has listened once (start returned)
     def _launch(self, shard: Shard) -> Optional[str]:
         """Start `shard`'s process, which says on a pipe when it listens (_settle); why it could
         not be started, or None."""
@@ -283,6 +318,16 @@ class Supervisor:
                 break  # not a port another program took meanwhile: other ports would not help
         raise ListenError(f"reducer {self.index} could not start its {self.count} shards: {failed}")
 
+    def not_listening(self) -> Optional[str]:
+        """Why this reducer does not serve its workers now, or None when every shard listens (its
+        readiness, READY_PATH in metrics.py): read from the metrics server's thread."""
+        if not self.started:
+            return f"its {self.count} shards are starting"
+        down = [s for s in list(self.shards) if s.ready is not None or s.proc is None or s.proc.poll() is not None]
+        if not down:
+            return None
+        return "not listening (restarting): " + ", ".join(f"shard {s.number} (port {s.port})" for s in down)
+
     def watch(self, should_stop) -> None:
         """Until should_stop(): start a shard that died again at its port, backing off when it
         keeps dying. A shard that is starting holds up nothing: the others are watched meanwhile."""
@@ -318,16 +363,6 @@ class Supervisor:
                     )
                 elif shard.restart_at is not None and now >= shard.restart_at and not should_stop():
                     shard.restart_at = None
-    def not_listening(self) -> Optional[str]:
-        """Why this reducer does not serve its workers now, or None when every shard listens (its
-        readiness, READY_PATH in metrics.py): read from the metrics server's thread."""
-        if not self.started:
-            return f"its {self.count} shards are starting"
-        down = [s for s in list(self.shards) if s.ready is not None or s.proc is None or s.proc.poll() is not None]
-        if not down:
-            return None
-        return "not listening (restarting): " + ", ".join(f"shard {s.number} (port {s.port})" for s in down)
-
                     shard.restarts += 1
                     failed = self._launch(shard)
                     if failed:

@@ -23,6 +23,7 @@ import pytest
 from helpers.ports import free_port_range
 from helpers.source_tree import ROOT
 from reduction_server.config.settings import ONE_HOST_PIPELINE_DEPTH
+from reduction_server.reducer import shards as shard_count
 
 WORKER = [sys.executable, str(ROOT / "tests" / "scripts" / "launcher_worker.py")]
 TIMEOUT_S = 60  # for any one launcher run; a hang fails the test
@@ -318,3 +319,35 @@ def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_pat
     again = run_launcher("-np", "2", "--max-restarts", "0", "--", *worker)
     assert again.returncode in (128 + signal.SIGKILL, 1) and "stopping the job" in again.stderr, again
     assert "restarting" not in again.stderr
+
+
+def test_auto_shards_split_the_launchers_cores_among_its_reducers() -> None:
+    """`run --shards auto` on two cores (the launcher's affinity, inherited): two reducers take
+    one shard each, not one per core each; one reducer takes both. Each sharded reducer chooses
+    its own run of ports, and the workers, told where, all-reduce right through every shard."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2 or shard_count.usable_cores() < 2:
+        pytest.skip("needs two cores this process may use")
+    cases = json.dumps({"sequential": [{"dtype": "float32", "op": "sum", "count": 300_001, "seed": 1}]})
+    worker = [sys.executable, str(ROOT / "tests" / "scripts" / "allreduce_worker.py"), cases]
+    for reducers, shards in ((2, 1), (1, 2)):
+        result = subprocess.run(
+            launcher_argv("-np", "2", "--reducers", str(reducers), "--shards", "auto", "--", *worker),
+            env=launcher_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        )
+        assert result.returncode == 0, result
+        starts = [line for line in result.stdout.splitlines() if " listening on tcp://" in line]
+        assert len(starts) == reducers, result.stdout
+        for line in starts:
+            assert (f"shards={shards} " in line) if shards > 1 else ("shards=" not in line), line
+        done = [json.loads(line) for rank in range(2) for line in lines_of(result.stdout, f"[rank {rank}] ")[-1:]]
+        assert [(d["done"], d["failures"]) for d in done] == [(1, [])] * 2, result.stdout
+
+
+def test_port_base_with_sharded_reducers_is_refused_before_anything_starts() -> None:
+    result = run_launcher("-np", "1", "--shards", "2", "--port-base", "23000", "--", *WORKER, "env")
+    assert result.returncode == 2 and "--port-base with --shards 2" in result.stderr, result

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import psutil
@@ -451,23 +451,34 @@ def test_bad_shard_arguments_are_named(args: List[str], words: str):
     assert proc.returncode != 0 and words in proc.stderr, proc.stderr
 
 
-def test_serve_runs_one_shard_per_core_by_default():
-    env = child_env({"RS_JOB_TOKEN": TOKEN})
-    del env["RS_SHARDS"]
+def _start_line(env: dict, cores: Optional[List[int]] = None) -> str:
+    """The start line of `serve --host 127.0.0.1 --port 0` with `env`, run on `cores` (its
+    affinity, as `taskset` sets it; None: this process's), stopped once it has said it."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=None if cores is None else (lambda: os.sched_setaffinity(0, cores)),
     )
     try:
-        line = proc.stdout.readline()
-        cores = shard_count.usable_cores()
-        assert (f"shards={cores} " in line) if cores > 1 else ("shards=" not in line), line
+        return proc.stdout.readline()
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def _says_shards(line: str, count: int) -> bool:
+    """Whether a start line says `count` shards (one shard says none)."""
+    return (f"shards={count} " in line) if count > 1 else ("shards=" not in line)
+
+
+def test_serve_runs_one_shard_per_core_by_default():
+    env = child_env({"RS_JOB_TOKEN": TOKEN})
+    del env["RS_SHARDS"]
+    line = _start_line(env)
+    assert _says_shards(line, shard_count.usable_cores()), line
 
 
 def test_serve_from_a_source_checkouts_root_starts_its_shards_from_the_installed_package():
@@ -586,3 +597,41 @@ def test_readyz_says_whether_every_shard_listens_and_healthz_that_the_reducer_is
             for kid in kids:
                 kid.resume()
         assert group.procs[0].wait(15) == 0
+
+
+@pytest.mark.parametrize(
+    "cpus, local_reducers, expected",
+    [(1, "1", 1), (2, "1", 2), (2, "2", 1)],
+    ids=["one-core", "two-cores", "two-cores-two-reducers"],
+)
+def test_auto_counts_the_cores_of_its_affinity_shared_with_the_launchers_other_reducers(
+    cpus: int, local_reducers: str, expected: int
+):
+    """`serve --shards auto` under `taskset` (the affinity it inherits), on a host of any size:
+    one shard per core it may run on, divided among RS_LOCAL_REDUCERS reducers."""
+    cores = sorted(os.sched_getaffinity(0))[:cpus]
+    if len(cores) < cpus or shard_count.usable_cores() < cpus:
+        pytest.skip(f"needs {cpus} cores this process may use")
+    env = child_env({"RS_JOB_TOKEN": TOKEN, "RS_SHARDS": "auto", "RS_LOCAL_REDUCERS": local_reducers})
+    line = _start_line(env, cores)
+    assert _says_shards(line, expected), line
+
+
+def test_the_cgroup_quota_is_the_tightest_of_its_cgroup_and_its_ancestors(tmp_path: Path):
+    """cgroup v2: a quota set on an ancestor (a systemd slice, a pod) binds a child cgroup with
+    none of its own; v1: the `cpu` controller's quota, at the mount's root when the process's own
+    path is not visible there (a container's view); no quota anywhere: None."""
+    own = tmp_path / "self-cgroup"
+    (tmp_path / "pod" / "container").mkdir(parents=True)
+    (tmp_path / "pod" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "pod" / "container" / "cpu.max").write_text("max 100000\n")
+    own.write_text("0::/pod/container\n")
+    assert shard_count._cgroup_quota(str(tmp_path), str(own)) == 1.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    own.write_text("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert shard_count._cgroup_quota(str(v1), str(own)) == 2.0
+    own.write_text("0::/\n")
+    assert shard_count._cgroup_quota(str(tmp_path / "pod" / "container"), str(own)) is None
