@@ -7,35 +7,31 @@ worker that (re)initializes asks to join (POST /join): the answer waits until ev
 has asked, then gives each its rank (live ids in ascending order: the oldest worker is rank 0,
 and holds the state newcomers sync from), the world size, and the round: a generation number
 every member of the round shares, so the reducers take the round for a new generation of the
-job. GET /version says how often the membership changed: a worker whose round is older learns
+job. POST /version says how often the membership changed: a worker whose round is older learns
 at its next commit that workers were added or removed.
 
-Every request carries HMAC-SHA256(RS_JOB_TOKEN, body) in X-RS-Proof; a request without the
-right proof is refused (403) and changes nothing.
+Every request proves the job token, fresh and once (rendezvous_proof.py), and every answer to it
+is proved for that request; a request without the right proof is refused and changes nothing. What
+a peer that has not proved the token can make the server hold is bounded (rendezvous_server.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..errors import CollectiveError
+from . import rendezvous_proof
+from .rendezvous_server import MAX_UNPROVED, READ_TIMEOUT_S, Server
 
 #: how long a join waits for the other live workers before it fails
 JOIN_TIMEOUT_S = 120.0
-_PROOF = "X-RS-Proof"
-
-
-def proof(token: str, body: bytes) -> str:
-    """The proof a request (and its answer) carries: HMAC-SHA256 of its body under the job token."""
-    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+#: characters of an unproved refusal's reason that a worker repeats
+_REASON_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -57,6 +53,8 @@ class Rendezvous:
         host: str = "127.0.0.1",
         join_timeout: float = JOIN_TIMEOUT_S,
         on_round: Optional[Callable[[int, List[int]], None]] = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        max_unproved: int = MAX_UNPROVED,
     ) -> None:
         self.token = token
         self.on_round = on_round  # told each round formed: its number, and the worker ids by rank
@@ -67,8 +65,7 @@ class Rendezvous:
         self.seats: Dict[int, Seat] = {}  # answers of the round formed last, by worker id
         self.asking: Set[int] = set()  # ids waiting for the next round
         self.changed = threading.Condition()
-        self.server = ThreadingHTTPServer((host, 0), _handler(self))
-        self.server.daemon_threads = True
+        self.server = Server(host, self, read_timeout_s, max_unproved)
         self.thread = threading.Thread(target=self.server.serve_forever, name="rendezvous", daemon=True)
 
     @property
@@ -122,6 +119,21 @@ class Rendezvous:
                 raise PermissionError(f"worker {worker} left the job while it waited")
             return self.seats[worker]
 
+    def answer(self, path: str, body: bytes) -> Tuple[int, Dict[str, Any]]:
+        """The status and document answering a request that proved the token."""
+        try:
+            request = json.loads(body)
+            if path == "/join":
+                seat = self.join(int(request["worker"]))
+                return 200, {"rank": seat.rank, "size": seat.size, "round": seat.round, "version": seat.version}
+            if path == "/version":
+                return 200, {"version": self.version}
+            return 404, {"error": f"no such request: {path}"}
+        except (ValueError, KeyError, TypeError) as exc:
+            return 400, {"error": f"malformed request: {exc}"}
+        except (PermissionError, TimeoutError) as exc:
+            return 409, {"error": str(exc)}
+
     def _form(self) -> None:
         """With the lock held: once every live member asks, the next round forms."""
         if not self.members or not self.members <= self.asking:
@@ -135,60 +147,28 @@ class Rendezvous:
             self.on_round(self.round, ranked)
 
 
-def _handler(rendezvous: Rendezvous) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
-            if not hmac.compare_digest(self.headers.get(_PROOF, ""), proof(rendezvous.token, body)):
-                return self._answer(403, {"error": "the request does not prove the job token (RS_JOB_TOKEN)"})
-            try:
-                request = json.loads(body)
-                if self.path == "/join":
-                    seat = rendezvous.join(int(request["worker"]))
-                    return self._answer(
-                        200, {"rank": seat.rank, "size": seat.size, "round": seat.round, "version": seat.version}
-                    )
-                if self.path == "/version":
-                    return self._answer(200, {"version": rendezvous.version})
-                return self._answer(404, {"error": f"no such request: {self.path}"})
-            except (ValueError, KeyError, TypeError) as exc:
-                return self._answer(400, {"error": f"malformed request: {exc}"})
-            except (PermissionError, TimeoutError) as exc:
-                return self._answer(409, {"error": str(exc)})
-
-        def _answer(self, status: int, document: dict) -> None:
-            body = json.dumps(document).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header(_PROOF, proof(rendezvous.token, body))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # quiet: the launcher says what matters
-            pass
-
-    return Handler
-
-
 def ask(address: str, token: str, path: str, document: dict, timeout: float = JOIN_TIMEOUT_S + 10) -> dict:
-    """A worker's request to the rendezvous at `address`; its answer, proved by the same token.
-    CollectiveError naming the rendezvous and the reason when it refuses or cannot be reached."""
+    """A worker's request to the rendezvous at `address`; its answer, proved by the same token for
+    this request. CollectiveError naming the rendezvous and the reason when it refuses or cannot
+    be reached."""
     body = json.dumps(document).encode()
+    proof = rendezvous_proof.sign(token, path, body)
     request = urllib.request.Request(
         f"http://{address}{path}",
         data=body,
         method="POST",
-        headers={_PROOF: proof(token, body), "Content-Type": "application/json"},
+        headers={rendezvous_proof.HEADER: proof.header(), "Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer, status, signed = response.read(), response.status, response.headers.get(_PROOF, "")
+            answer, status, signed = response.read(), response.status, response.headers.get(rendezvous_proof.HEADER)
     except urllib.error.HTTPError as exc:
-        answer, status, signed = exc.read(), exc.code, exc.headers.get(_PROOF, "")
+        answer, status, signed = exc.read(), exc.code, exc.headers.get(rendezvous_proof.HEADER)
     except OSError as exc:
         raise CollectiveError(f"the elastic rendezvous at {address} (RS_RENDEZVOUS) cannot be reached: {exc}") from None
-    if not hmac.compare_digest(signed, proof(token, answer)):
+    if signed is None and status != 200:  # a refusal before the proof: it proves nothing, and says why
+        raise CollectiveError(f"the elastic rendezvous at {address} refused {path}: {_reason(answer)}")
+    if not rendezvous_proof.answer_proves(token, proof.nonce, status, answer, signed):
         raise CollectiveError(
             f"the elastic rendezvous at {address} did not prove the job token (RS_JOB_TOKEN): "
             "its token is not this worker's"
@@ -197,6 +177,15 @@ def ask(address: str, token: str, path: str, document: dict, timeout: float = JO
     if status != 200:
         raise CollectiveError(f"the elastic rendezvous at {address} refused {path}: {result.get('error')}")
     return result
+
+
+def _reason(answer: bytes) -> str:
+    """The reason an unproved refusal gives, shortened: whoever sent it has proved nothing."""
+    try:
+        reason = str(json.loads(answer)["error"])
+    except (ValueError, KeyError, TypeError):
+        reason = answer.decode("utf-8", "replace")
+    return reason[:_REASON_CHARS]
 
 
 def seat(address: str, token: str, worker: int) -> Seat:
@@ -210,4 +199,4 @@ def version(address: str, token: str) -> int:
     return int(ask(address, token, "/version", {}, timeout=10)["version"])
 
 
-__all__ = ["JOIN_TIMEOUT_S", "Rendezvous", "Seat", "ask", "proof", "seat", "version"]
+__all__ = ["JOIN_TIMEOUT_S", "Rendezvous", "Seat", "ask", "seat", "version"]

@@ -46,19 +46,21 @@ def _key(token: str) -> bytes:
     return hashlib.scrypt(token.encode(), salt=_STRETCH_SALT, n=1 << 14, r=8, p=1, dklen=32)
 
 
-def _digest(token: str, message: bytes) -> bytes:
+def digest(token: str, message: bytes) -> bytes:
+    """HMAC-SHA256 of `message` under the stretched token; each use starts `message` with a label of
+    its own (the handshake's proofs here, the elastic rendezvous's in launch/rendezvous_proof.py)."""
     return hmac.new(_key(token), message, hashlib.sha256).digest()
 
 
 def worker_proof(token: str, nonce: bytes, *, job: int, generation: int, rank: int, world: int) -> bytes:
     """What a worker sends in AUTH: its proof of the token over the reducer's nonce."""
-    return _digest(token, _WORKER_LABEL + nonce + struct.pack("<QIII", job, generation, rank, world))
+    return digest(token, _WORKER_LABEL + nonce + struct.pack("<QIII", job, generation, rank, world))
 
 
 def reducer_proof(token: str, nonce: bytes, *, index: int, job: int, generation: int, shard: int = 0) -> bytes:
     """What a reducer (shard `shard` of reducer `index`) sends in CHALLENGE: its proof of the
     token over the worker's nonce."""
-    return _digest(token, _REDUCER_LABEL + nonce + struct.pack("<QIII", job, generation, index, shard))
+    return digest(token, _REDUCER_LABEL + nonce + struct.pack("<QIII", job, generation, index, shard))
 
 
 def verify_worker(
