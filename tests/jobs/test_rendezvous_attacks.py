@@ -128,6 +128,7 @@ def a_proof() -> bytes:
 
 def test_an_oversized_body_is_refused_before_it_is_read(tmp_path):
     with served(tmp_path) as server:
+        threads = server.status("Threads")
         for length in (400_000_000, 10**30):
             answer = exchange(server, post("/join", b"", a_proof(), length=length))
             assert status_of(answer) == 413 and b"over the rendezvous's limit" in answer
@@ -140,6 +141,7 @@ def test_an_oversized_body_is_refused_before_it_is_read(tmp_path):
                 sock.sendall(post("/join", b"", a_proof(), length=400_000_000))
                 for _ in range(64):
                     sock.sendall(b"\0" * MiB)
+        until(lambda: server.status("Threads") == threads, "the connections' threads to end", 10)
         assert server.status("VmHWM") - rss < 4 * 1024, "the rendezvous held what a stranger sent"
 
 
