@@ -67,9 +67,65 @@ def _chaos(args: argparse.Namespace) -> int:
     )
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .client.chunking import plan_chunks
+    from .config.settings import tuning
+    from .tools import simulate
+    from .tools.gradient_formats import wire_format
+    from .tools.model_catalogue import model
+    from .tools.pool_model import Chunking
+    from .tools.svg_chart import line_chart
+
+    if (args.mib is None) == (args.model is None):
+        raise ConfigError("--simulate needs the gradient's size: --mib or --model, one of them")
+    if args.mib is not None and not (args.mib > 0 and math.isfinite(args.mib)):
+        raise ConfigError(f"--mib must be a positive size, got {args.mib:g}")
+    if args.plot and Path(args.plot).suffix.lower() != ".svg":
+        raise ConfigError(f"--plot writes SVG: name a .svg file, got {args.plot!r}")
+    elements = int(model(args.model).parameters) if args.model else int(args.mib * (1 << 20) // 4)
+    chunking = Chunking(tuning("RS_CHUNK_BYTES"), tuning("RS_PIPELINE_DEPTH"), tuning("RS_WINDOW"))
+    job = simulate.make_job(
+        workers=args.workers,
+        worker_gbps=args.worker_gbps,
+        reducer_gbps=args.reducer_gbps,
+        rtt_ms=args.rtt_ms,
+        elements=elements,
+        fmt=wire_format(args.compression),
+        chunking=chunking,
+        compute_ms=args.step_compute_ms,
+        optimizer_ms=args.optimizer_ms,
+        bucket_mib=args.bucket_mib,
+        reducer_cores=args.reducer_cores,
+    )
+    reducers = simulate.parse_reducers(args.reducers or str(job.network.workers))
+    rows = simulate.simulate(job, reducers, plan_chunks)
+    if args.json:
+        print(json.dumps(simulate.as_json(job, rows), indent=1))
+    else:
+        print("\n".join(simulate.explain(job, rows)))
+    if args.plot:
+        path = line_chart(
+            [row.reducers for row in rows],
+            {"reducer pool": simulate.seconds(rows, "pool"), "ring": simulate.seconds(rows, "ring")},
+            xlabel="reducer hosts R",
+            ylabel="step time, s",
+            title=f"W={job.network.workers}: predicted step time",
+            path=Path(args.plot),
+        )
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _size(args: argparse.Namespace) -> int:
     from .tools.sizing import explain, measure
 
+    if args.simulate:
+        if args.measure:
+            raise ConfigError("--simulate and --measure are two questions: ask one at a time")
+        return _simulate(args)
     if args.reducer_cores and not args.measure:
         raise ConfigError("--reducer-cores needs --measure (without a measurement the NIC alone sizes a reducer host)")
     measured, cores = None, None
@@ -373,8 +429,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--reducer-cores",
         type=_at_least(1),
         default=None,
-        help="each reducer host's cores, with --measure (default: this host's)",
+        help="each reducer host's cores, with --measure (default: this host's) or --simulate (default 16: "
+        "n1-highcpu-16)",
     )
+    size.add_argument(
+        "--simulate",
+        action="store_true",
+        help="predict the all-reduce and step time for each R beside a ring on the same network (docs/sizing.md)",
+    )
+    size.add_argument(
+        "--reducers",
+        default=None,
+        metavar="R|LOW-HIGH|R,...",
+        help="--simulate: reducer host counts, e.g. 8, 1-32 or 4,8,16 (default W)",
+    )
+    size.add_argument("--rtt-ms", type=float, default=0.0, help="--simulate: round trip between hosts, ms (default 0)")
+    size.add_argument("--mib", type=float, default=None, help="--simulate: the gradient's size as float32, MiB")
+    size.add_argument(
+        "--model", default=None, help="--simulate: a model's gradient instead of --mib: resnet50, bert-large, 7b, 70b"
+    )
+    size.add_argument(
+        "--step-compute-ms",
+        type=float,
+        default=0.0,
+        help="--simulate: a step's forward and backward compute, ms (default 0: the all-reduce alone)",
+    )
+    size.add_argument(
+        "--optimizer-ms", type=float, default=0.0, help="--simulate: the optimizer's time after the last all-reduce"
+    )
+    size.add_argument(
+        "--bucket-mib", type=float, default=25.0, help="--simulate: DDP's bucket_cap_mb or Horovod's fusion threshold"
+    )
+    size.add_argument(
+        "--compression", default="none", help="--simulate: the gradient's wire format: none (float32) or fp16"
+    )
+    size.add_argument("--json", action="store_true", help="--simulate: the prediction as JSON")
+    size.add_argument("--plot", default=None, metavar="FILE.svg", help="--simulate: draw time against R as SVG")
     size.add_argument("--measure-workers", type=int, default=2, help="local worker processes for --measure (default 2)")
     size.add_argument("--measure-mib", type=float, default=64, help="all-reduce size for --measure (default 64)")
     size.add_argument("--measure-iters", type=int, default=5, help="timed steps for --measure (default 5)")
