@@ -1,6 +1,7 @@
 """One rank of a timed all-reduce job: `python -m reduction_server.bench.allreduce_job BACKEND
---mib 1,4,64 --iters N`. Rank 0 prints one JSON line per size: the mean seconds per all-reduce
-of a float32 buffer, after a warm-up, between barriers.
+--mib 1,4,64 --iters N [--dtype float16]`. Rank 0 prints one JSON line per size: the mean
+seconds per all-reduce of a float32 (or float16) buffer of that many MiB, after a warm-up,
+between barriers.
 
 BACKEND: rs (this project, from RS_* variables), gloo (torch.distributed, from RANK/WORLD_SIZE/
 MASTER_ADDR/MASTER_PORT), mpi (mpi4py under mpirun).
@@ -54,10 +55,12 @@ def main() -> None:
     parser.add_argument("backend", choices=["rs", "gloo", "mpi"])
     parser.add_argument("--mib", default="1,4,16,64")
     parser.add_argument("--iters", type=int, default=0, help="per size; 0: more for small sizes")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     args = parser.parse_args()
     rank, all_reduce, barrier, close = {"rs": _rs, "gloo": _gloo, "mpi": _mpi}[args.backend]()
     for mib in [float(m) for m in args.mib.split(",")]:
-        x = np.ones(max(1, int(mib * (1 << 20)) // 4), np.float32)
+        dtype = np.dtype(args.dtype)
+        x = np.ones(max(1, int(mib * (1 << 20)) // dtype.itemsize), dtype)
         iters = args.iters or max(3, min(50, int(256 / mib)))
         all_reduce(x)  # warm-up: connections and buffers
         barrier()

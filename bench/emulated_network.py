@@ -29,6 +29,8 @@ BRIDGE_NETFILTER = ("iptables", "ip6tables", "arptables")
 #: packets) must hold a delay's worth of packets at the link rate
 MAX_DELAY_MS = 1000.0
 NETEM_LIMIT = 100_000  # 1 s at 1 Gbit/s is ~85K full-size packets
+#: each link's token bucket (tbf's burst): what a link that idled may send at once
+TBF_BURST_BYTES = 256 * 1024
 #: most hosts (workers and reducers) in one emulated network: their addresses share one /24
 MAX_HOSTS = 250
 
@@ -55,10 +57,13 @@ def check_delay(delay_ms: float) -> None:
 
 
 class EmulatedNetwork:
-    """`hosts` namespaces on a switch, every link shaped to `rate_mbit` both ways and, with
-    `delay_ms`, each direction of each link delayed that long."""
+    """`hosts` namespaces on a switch, every link shaped to `rate_mbit` both ways (host i's to
+    `host_rates_mbit[i]` where given) and, with `delay_ms`, each direction of each link delayed
+    that long."""
 
-    def __init__(self, hosts: int, rate_mbit: float, delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, hosts: int, rate_mbit: float, delay_ms: float = 0.0, host_rates_mbit: Sequence[float] = ()
+    ) -> None:
         if os.geteuid() != 0:
             raise PermissionError(
                 "the emulated network needs root (network namespaces, veth links and tc); "
@@ -67,8 +72,11 @@ class EmulatedNetwork:
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
         check_delay(delay_ms)
+        if len(host_rates_mbit) > hosts or not all(rate > 0 for rate in (rate_mbit, *host_rates_mbit)):
+            raise ValueError(f"link rates must be positive, at most one per host: {rate_mbit}, {list(host_rates_mbit)}")
         self.hosts = hosts
         self.rate_mbit = rate_mbit
+        self.host_rates_mbit = list(host_rates_mbit)
         self.delay_ms = delay_ms
         self.tag = f"rs{os.getpid()}"  # unique per run: several runs never collide
         self.switch = f"{self.tag}-sw"
@@ -81,6 +89,10 @@ class EmulatedNetwork:
 
     def interface(self, i: int) -> str:
         return f"{self.tag}h{i}"  # at most 15 characters (IFNAMSIZ)
+
+    def rate_of(self, i: int) -> float:
+        """Host i's link rate, Mbit/s each way."""
+        return self.host_rates_mbit[i] if i < len(self.host_rates_mbit) else self.rate_mbit
 
     @staticmethod
     def address(i: int) -> str:
@@ -147,7 +159,7 @@ class EmulatedNetwork:
         _ip("-n", ns, "link", "set", host_end, "up")
         # Shape the host's upload (its end) and its download (the switch's end toward it); with a
         # delay, netem holds packets first and tbf (its child) shapes them.
-        shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"]
+        shape = ["tbf", "rate", f"{self.rate_of(i)}mbit", "burst", f"{TBF_BURST_BYTES}b", "latency", "200ms"]
         for where, dev in ((ns, host_end), (self.switch, switch_end)):
             if self.delay_ms:
                 _tc(

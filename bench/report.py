@@ -72,11 +72,22 @@ def plot(
             )
         if logx:
             ax.set_xscale("log", base=2)
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
-        ax.set_title(f"{title}" + (f" ({panels}={key})" if panels else ""))
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        _label(ax, x, y, f"{title}" + (f" ({panels}={key})" if panels else ""))
+    return _save(fig, path)
+
+
+def _label(ax, x: str, y: str, title: str) -> None:
+    """A panel's axis names, title, grid and legend."""
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -111,3 +122,26 @@ def bars(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def scatter(
+    rows: Sequence[Dict], *, x: str, y: str, series: str, title: str, path: Path, diagonal: bool = True
+) -> Path:
+    """One marker per row, coloured by `series`, on log-log axes; `diagonal` draws y = x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for label in sorted({r[series] for r in rows}):
+        subset = [r for r in rows if r[series] == label]
+        ax.scatter([r[x] for r in subset], [r[y] for r in subset], s=18, label=label)
+    if diagonal and rows:
+        low = min(min(r[x], r[y]) for r in rows)
+        high = max(max(r[x], r[y]) for r in rows)
+        ax.plot([low, high], [low, high], color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _label(ax, x, y, title)
+    return _save(fig, path)

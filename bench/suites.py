@@ -12,7 +12,7 @@ from reduction_server.config.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover", "sizing")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {
@@ -33,6 +33,7 @@ _ACCEPTS = {
     "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "reducer": {"worlds", "sizes_mib", "shards"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
+    "sizing": {"rounds"},
 }
 
 
@@ -218,6 +219,24 @@ def main(
                 reference=1.0,
                 title="losing a reducer on the emulated network",
                 path=out / "failover.png",
+            ),
+        ]
+    elif suite == "sizing":
+        from . import sizing
+
+        rows = sizing.run(quick=quick, **_configure(suite, {}, sweep))
+        print(report.table(rows, sizing.COLUMNS))
+        print("\n".join(sizing.summary(rows)))
+        measured = [row for row in rows if "error" in row]
+        files = [
+            report.save(rows, suite, out, command),
+            report.scatter(
+                measured,
+                x="measured_ms",
+                y="predicted_ms",
+                series="peer",
+                title="step-time model: predicted vs measured all-reduce",
+                path=out / "sizing.png",
             ),
         ]
     for path in files:

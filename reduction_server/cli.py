@@ -481,14 +481,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "suite",
-        choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover"],
+        choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover", "sizing"],
         help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
         "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
         "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
         "collectives: reduce_scatter and all_gather vs Gloo on loopback and that network "
         "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
         "measured in the same run, its busiest thread's share, and both against shards; failover: the step in which a "
-        "reducer is killed and the steps after it vs undisturbed runs on that network (needs root)",
+        "reducer is killed and the steps after it vs undisturbed runs on that network (needs root); sizing: "
+        "the step-time model's predicted all-reduce vs the measured one, ours and Gloo's, over a grid of "
+        "that network (needs root and torch; docs/sizing.md)",
     )
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")
@@ -496,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="loopback, netem, ddp, collectives and failover: run the peers in turns this many times (on the "
+        help="loopback, netem, ddp, collectives, failover and sizing: run the peers in turns this many times (on the "
         "same network) and report medians (default 1; a shared machine's noise needs 3 or more)",
     )
     sweep = "replaces the suite's (or --quick's) configuration"
