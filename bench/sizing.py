@@ -31,6 +31,7 @@ from .netem import medians, run_gloo, run_reduction_server
 
 COLUMNS = [
     "point",
+    "load",
     "peer",
     "W",
     "R",
@@ -230,6 +231,7 @@ def run(points: Optional[List[Point]] = None, rounds: int = 1, quick: bool = Fal
                 continue
             iters = max(MIN_ITERS, min(MAX_ITERS, round(TIMED_S / max(pool.seconds, ring.seconds))))
             measured = _measure(point, rounds, iters)
+            base["load"] = os.getloadavg()[0]  # the last minute's: other jobs on the shared cores, the noise
             for peer, timing, seconds in (("pool", pool, measured[0]), ("gloo", ring, measured[1])):
                 rows.append(
                     {

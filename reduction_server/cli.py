@@ -415,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reduction-server size --workers 8 --worker-gbps 100 --reducer-gbps 32 --measure",
         [],
         "--measure starts a reducer and --measure-workers workers on this host, with the environment's "
-        "settings (see reduction-server serve --help) and RS_SHM=0, and measures the reducer's CPU time per GiB.",
+        "settings (see reduction-server serve --help) and RS_SHM=0, and measures the reducer's CPU time per GiB. "
+        "--simulate predicts the all-reduce and step time for each R beside a ring (docs/sizing.md), with the "
+        "chunking a worker would read from the environment: RS_CHUNK_BYTES, RS_PIPELINE_DEPTH, RS_WINDOW.",
     )
     size.add_argument("--workers", type=int, required=True, help="number of worker hosts")
     size.add_argument("--worker-gbps", type=float, required=True, help="each worker host's network bandwidth, Gbit/s")
