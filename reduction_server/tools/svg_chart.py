@@ -55,7 +55,7 @@ def line_chart(
         y = py(tick)
         parts.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
         parts.append(f'<text x="{LEFT - 5}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
-    for x in sorted(set(xs)) if len(set(xs)) <= 16 else _ticks(x_high)[1:]:
+    for x in sorted(set(xs)) if len(set(xs)) <= 16 else [t for t in _ticks(x_high) if x_low <= t <= x_high]:
         parts.append(f'<text x="{px(x):.1f}" y="{TOP + plot_h + 16}" text-anchor="middle">{x:g}</text>')
     for i, (name, values) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]

@@ -87,3 +87,22 @@ def test_the_text_says_which_limit_binds_and_the_plot_is_svg(capsys, tmp_path: P
     assert "R=25" in out and f"wrote {plot}" in err
     svg = plot.read_text()
     assert svg.startswith("<svg") and svg.count("<polyline") == 2
+
+
+def test_the_charts_labels_of_r_stay_inside_the_plot(tmp_path: Path):
+    from xml.dom import minidom
+
+    from reduction_server.tools import svg_chart
+
+    path = svg_chart.line_chart(
+        list(range(1, 33)),
+        {"pool": [1 / r for r in range(1, 33)]},
+        xlabel="R",
+        ylabel="s",
+        title="t",
+        path=tmp_path / "c.svg",
+    )
+    texts = minidom.parse(str(path)).getElementsByTagName("text")
+    below = [t for t in texts if float(t.getAttribute("y")) == svg_chart.HEIGHT - svg_chart.BOTTOM + 16]
+    assert [t.firstChild.data for t in below] == ["10", "20", "30"]
+    assert all(svg_chart.LEFT <= float(t.getAttribute("x")) <= svg_chart.WIDTH - svg_chart.RIGHT for t in below)
