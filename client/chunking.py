@@ -32,9 +32,15 @@ _ALIGN_ELEMENTS = 64
 
 
 def plan_chunks(
-    total: int, itemsize: int, num_reducers: int, chunk_bytes: int, depth: int = DEFAULT_PIPELINE_DEPTH
+    total: int,
+    itemsize: int,
+    num_reducers: int,
+    chunk_bytes: int,
+    depth: int = DEFAULT_PIPELINE_DEPTH,
+    block: int = 0,
 ) -> List[Tuple[int, int]]:
-    """[(offset, count), ...] in elements, covering 0..total in order."""
+    """[(offset, count), ...] in elements, covering 0..total in order; with `block` (int8 blocks
+    of that many elements), every chunk but the last is whole blocks, at least one."""
     if total <= 0:
         return []
     largest = max(1, chunk_bytes // itemsize)
@@ -42,7 +48,9 @@ def plan_chunks(
     # reducer `depth` chunks, but not pieces smaller than MIN_SPLIT_BYTES.
     even = -(-total // (num_reducers * depth))
     size = min(largest, max(even, MIN_SPLIT_BYTES // itemsize))
-    if size > _ALIGN_ELEMENTS:
+    if block:  # a chunk starts on a block boundary (whatever chunk_bytes says)
+        size = max(block, size - size % block)
+    elif size > _ALIGN_ELEMENTS:
         size -= size % _ALIGN_ELEMENTS  # chunk starts stay cache-line aligned
     return [(offset, min(size, total - offset)) for offset in range(0, total, size)]
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from reduction_server.config.discovery import discover_worker
-from reduction_server.wire.protocol import ReduceOp
+from reduction_server.wire.protocol import DType, ReduceOp
 
+from . import compression as compressed
 from .buffers import WireBuffer, empty_like, wire_view
 from .chunking import plan, plan_chunks
 from .engine import Collective, Engine
@@ -30,12 +31,20 @@ OpLike = Union[str, int, ReduceOp]
 class Handle:
     """An all-reduce in progress: `wait()` returns its result, `done()` polls."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, finish: Optional[Callable[[], None]] = None) -> None:
         self._future = future
+        self._finish = finish  # a compressed result's decoding, done once by the first wait()
+        self._lock = threading.Lock()
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The result; raises CollectiveError if the collective failed."""
-        return self._future.result(timeout)
+        result = self._future.result(timeout)
+        if self._finish is not None:
+            with self._lock:
+                if self._finish is not None:
+                    self._finish()
+                    self._finish = None
+        return result
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not)."""
@@ -161,17 +170,26 @@ class Communicator:
         )
 
     # -- collectives ---------------------------------------------------------------------
-    def all_reduce(self, x: Any, op: OpLike = "sum", out: Any = None) -> Any:
+    def all_reduce(
+        self, x: Any, op: OpLike = "sum", out: Any = None, *, compression: compressed.CompressionLike = "none"
+    ) -> Any:
         """Reduce x over all ranks; a new array (or `out`, which may be x itself)."""
-        return self.all_reduce_async(x, op, out).wait()
+        return self.all_reduce_async(x, op, out, compression=compression).wait()
 
     def all_reduce_async(
-        self, x: Any, op: OpLike = "sum", out: Any = None, *, timeout: Optional[float] = None
+        self,
+        x: Any,
+        op: OpLike = "sum",
+        out: Any = None,
+        *,
+        timeout: Optional[float] = None,
+        compression: compressed.CompressionLike = "none",
     ) -> Handle:
         """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
         not change until then; collectives complete in the order they were started. `timeout`:
         seconds it may take from this call before it fails, waiting to start included (None: the
-        reducers' RS_TIMEOUT)."""
+        reducers' RS_TIMEOUT). `compression`: "none", "bf16", "fp16" or "int8" both ways, or a
+        pair (up, down) such as ("int8", "none") (compression.py); every rank passes the same."""
         op = ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:
             raise ValueError("broadcast is not a reduction op; use broadcast()")
@@ -180,7 +198,38 @@ class Communicator:
         dst = wire_view(result, writable=True, what="all_reduce out")
         if (dst.dtype, dst.count) != (src.dtype, src.count):
             raise ValueError(f"out holds {dst.describe()} but the input holds {src.describe()}")
+        how = compressed.parse(compression)
+        if how is not None:
+            compressed.check(how, src, op)
+            if how.fmt is not None or how.up != src.dtype:  # else a 16-bit tensor goes as it is
+                return self._start_compressed(how, src, dst, op, result, timeout)
         return self._start(src, dst, op, 0, result, time_limit=timeout)
+
+    def _start_compressed(
+        self,
+        how: compressed.Compression,
+        src: WireBuffer,
+        dst: WireBuffer,
+        op: ReduceOp,
+        result: Any,
+        time_limit: Optional[float],
+    ) -> Handle:
+        """A compressed all-reduce: src encoded, its result received in the format down (straight
+        into dst when that is dst's own type) and decoded into dst by the first wait()."""
+        send = compressed.encode(how, compressed.as_float32(src), how.up)
+        dtype = DType.FLOAT32 if how.fmt is not None else DType(how.up)  # int8 blocks describe float32
+        if how.down == dst.dtype:
+            recv, finish = dst.data, None
+        else:
+            received = np.empty(how.wire_bytes(how.down, dst.count), np.uint8)
+            recv = memoryview(received)
+
+            def finish() -> None:
+                compressed.decode_into(how, received, dst)
+
+        wire_src = WireBuffer(dtype, src.count, memoryview(send))
+        wire_dst = WireBuffer(dtype, dst.count, recv)
+        return self._start(wire_src, wire_dst, op, 0, result, time_limit=time_limit, compression=how, finish=finish)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Overwrite x on every rank with root's x; returns x."""
@@ -209,6 +258,8 @@ class Communicator:
         trace: Optional[Trace] = None,
         traced: bool = True,
         time_limit: Optional[float] = None,
+        compression: Optional[compressed.Compression] = None,
+        finish: Optional[Callable[[], None]] = None,
     ) -> Handle:
         if self.ranks is not None and op is ReduceOp.BROADCAST:  # the wire names the root by its job rank
             root = self.ranks[root]
@@ -219,9 +270,16 @@ class Communicator:
             future.set_result(result)
             return Handle(future)
         # Every rank heard the same limit from the same reducers, so the plans still agree.
-        limit = self._engine.max_chunk_bytes * dst.dtype.itemsize // dst.dtype.accumulator.itemsize
+        fmt = compression.fmt if compression is not None else None
+        itemsize = dst.dtype.itemsize if fmt is None else 1  # int8 blocks: about a byte an element
+        limit = self._engine.max_chunk_bytes * itemsize // dst.dtype.accumulator.itemsize
         spans = plan_chunks(
-            dst.count, dst.dtype.itemsize, self.active_reducers, min(self.chunk_bytes, limit), self.pipeline_depth
+            dst.count,
+            itemsize,
+            self.active_reducers,
+            min(self.chunk_bytes, limit),
+            self.pipeline_depth,
+            block=compression.block if fmt is not None else 0,
         )
         with self._submit_lock:  # only what needs the seq: ranks must submit in one order
             seq = next(self._seq)
@@ -240,9 +298,11 @@ class Communicator:
                 traced=traced,
                 group=self.group_id,
                 time_limit=time_limit,
+                fmt=fmt,
+                block=compression.block if fmt is not None else 0,
             )
             self._engine.submit(coll)
-        return Handle(coll.future)
+        return Handle(coll.future, finish)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

@@ -6,6 +6,9 @@
     accumulate_copies(acc, src, dtype, op, world, outs)   the last accumulate, and each of outs
                                              stored from it, block by block while in cache
     store(acc, dst, dtype, op, world)        dst[:] = narrow(acc), divided by world first for AVG
+    load_int8(acc, src, block)               acc[:] = decode(src): float32 from int8 blocks
+    accumulate_int8(acc, src, block)         acc[:] += decode(src)
+    store_int8(acc, dst, block)              dst[:] = encode(acc): float32 to int8 blocks
     store_release(buf, offset, value)        a uint64 counter in shared memory, written after
     load_acquire(buf, offset)                every access before it; read before every one after
 
@@ -47,6 +50,9 @@ cdef extern from "kernels.h" nogil:
     int rs_load(int dtype, void *acc, const void *src, size_t n)
     int rs_accumulate(int dtype, int op, void *acc, const void *src, size_t n)
     int rs_store(int dtype, int op, const void *acc, void *dst, size_t n, int64_t world)
+    void rs_i8b_load(float *acc, const void *src, size_t n, size_t block)
+    void rs_i8b_accumulate(float *acc, const void *src, size_t n, size_t block)
+    void rs_i8b_store(const float *acc, void *dst, size_t n, size_t block)
 
 cdef extern from *:
     """
@@ -310,6 +316,64 @@ def store(acc, dst, dtype, op, world):
             PyBuffer_Release(&t)
     finally:
         PyBuffer_Release(&a)
+
+
+# --------------------------------------------------------------------------------------------
+# Block-scaled int8 (reduction_server/wire/formats.py, docs/protocol.md "Formats"): n float32
+# elements as blocks of `block`, each a float32 scale and its int8 values, the last block shorter.
+
+cdef int _int8_blocks(object acc, object blocks, object block, int kind) except -1:
+    """kind 0: acc = decode(blocks); 1: acc += decode(blocks); 2: blocks = encode(acc)."""
+    cdef Py_ssize_t b
+    try:
+        b = operator.index(block)
+    except TypeError:
+        raise ValueError(f"block must be an integer, not {block!r}") from None
+    if b < 1:
+        raise ValueError(f"block must be at least 1, not {b}")
+    cdef Py_buffer a, s
+    cdef size_t n
+    _get(acc, &a, kind != 2, "accumulator" if kind != 2 else "float32 source")
+    try:
+        if a.len % 4:
+            raise ValueError(f"the float32 buffer holds {a.len} bytes, not a whole number of float32 elements")
+        n = <size_t>a.len // 4
+        _get(blocks, &s, kind == 2, "int8 blocks")
+        try:
+            expected = n + 4 * ((n + b - 1) // b)
+            if s.len != expected:
+                raise ValueError(f"the int8 blocks hold {s.len} bytes but {n} elements in blocks of {b} "
+                                 f"take {expected}")
+            _check_overlap(&a, &s, "the float32 buffer and the int8 blocks", False)
+            with nogil:
+                if kind == 0:
+                    rs_i8b_load(<float *>a.buf, s.buf, n, <size_t>b)
+                elif kind == 1:
+                    rs_i8b_accumulate(<float *>a.buf, s.buf, n, <size_t>b)
+                else:
+                    rs_i8b_store(<const float *>a.buf, s.buf, n, <size_t>b)
+        finally:
+            PyBuffer_Release(&s)
+    finally:
+        PyBuffer_Release(&a)
+    return 0
+
+
+def load_int8(acc, src, block):
+    """acc[:] = decode(src): each element its block's scale times its int8 value, in float32."""
+    _int8_blocks(acc, src, block, 0)
+
+
+def accumulate_int8(acc, src, block):
+    """acc[:] += decode(src), in float32 (the product rounded, then the sum)."""
+    _int8_blocks(acc, src, block, 1)
+
+
+def store_int8(acc, dst, block):
+    """dst[:] = encode(acc): per block scale = absmax / 127, values nearest-even of x * 127 / absmax;
+    a block with a NaN or an infinity gets a NaN scale (it decodes as NaN), one whose absmax is
+    below 2^-96 a zero scale."""
+    _int8_blocks(acc, dst, block, 2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -166,12 +166,16 @@ static inline uint16_t rs_f32_to_bf16(float f)
 
 typedef void (*rs_acc_fn)(void *acc, const void *src, size_t n);
 typedef void (*rs_store_fn)(const void *acc, void *dst, size_t n, int64_t world);
+typedef void (*rs_i8b_fn)(float *acc, const unsigned char *src, size_t n, size_t block);
+typedef void (*rs_i8b_store_fn)(const float *acc, unsigned char *dst, size_t n, size_t block);
 
 typedef struct {
     rs_acc_fn load[RS_NDTYPES];           /* NULL: a plain copy */
     rs_acc_fn acc[RS_NDTYPES][RS_NOPS];
     rs_store_fn store[RS_NDTYPES];        /* NULL: a plain copy */
     rs_store_fn store_avg[RS_NDTYPES];
+    rs_i8b_fn i8b_load, i8b_acc;          /* int8 blocks: decode into, decode and add to float32 */
+    rs_i8b_store_fn i8b_store;            /* float32 -> int8 blocks */
 } rs_table;
 
 /* ---------------------------------------------------------------------------------------- */
@@ -446,13 +450,107 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
 /* ---------------------------------------------------------------------------------------- */
 /* Instantiation                                                                             */
 
+/* ---------------------------------------------------------------------------------------- */
+/* Block-scaled int8 (docs/protocol.md, "Formats"): n elements as blocks of `block` (the last  */
+/* may be shorter), each a float32 scale s then its int8 values q; element = s * q, rounded    */
+/* to float32, then added to the float32 accumulator (a multiply and an add, never fused: the  */
+/* extension is built with -ffp-contract=off, so every level gives the same bits as NumPy).    */
+/* Encoding: s = absmax / 127 and q = nearest-even(x * (127 / absmax)); a block holding a NaN  */
+/* or an infinity gets s = NaN and q = 0, so it decodes as NaN throughout; a block whose       */
+/* absmax is below 2^-96 (zeros, or too small for 127 / absmax) gets s = 0 and q = 0.          */
+/* Plain loops that gcc vectorises for each ISA's target, like the same-type kernels.          */
+
+#define RS_I8B_NAN_BITS 0x7fc00000u
+#define RS_I8B_TINY_BITS 0x0f800000u /* 2^-96 */
+#define RS_I8B_ROUNDER 12582912.0f   /* 1.5 * 2^23: x + it - it rounds |x| < 2^22 to nearest even */
+
+#define RS_DEF_I8B(ISA)                                                                          \
+    static RS_ATTR_##ISA void rs_i8b_decode_##ISA(float *a, const int8_t *q, size_t m, float s)  \
+    {                                                                                            \
+        for (size_t j = 0; j < m; j++)                                                           \
+            a[j] = s * (float)q[j];                                                              \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_add_##ISA(float *a, const int8_t *q, size_t m, float s)     \
+    {                                                                                            \
+        for (size_t j = 0; j < m; j++)                                                           \
+            a[j] += s * (float)q[j];                                                             \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_fold_##ISA(float *acc, const unsigned char *src, size_t n,  \
+                                                size_t block, int add)                           \
+    {                                                                                            \
+        for (size_t off = 0; off < n; off += block) {                                            \
+            size_t m = n - off < block ? n - off : block;                                        \
+            float s;                                                                             \
+            memcpy(&s, src, 4);                                                                  \
+            if (add)                                                                             \
+                rs_i8b_add_##ISA(acc + off, (const int8_t *)(src + 4), m, s);                    \
+            else                                                                                 \
+                rs_i8b_decode_##ISA(acc + off, (const int8_t *)(src + 4), m, s);                 \
+            src += 4 + m;                                                                        \
+        }                                                                                        \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_load_##ISA(float *acc, const unsigned char *src, size_t n,  \
+                                                size_t block)                                    \
+    {                                                                                            \
+        rs_i8b_fold_##ISA(acc, src, n, block, 0);                                                \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_acc_##ISA(float *acc, const unsigned char *src, size_t n,   \
+                                               size_t block)                                     \
+    {                                                                                            \
+        rs_i8b_fold_##ISA(acc, src, n, block, 1);                                                \
+    }                                                                                            \
+    static RS_ATTR_##ISA uint32_t rs_i8b_absmax_##ISA(const float *x, size_t m)                  \
+    { /* as bits: |x| orders like its bits, and a NaN's are above an infinity's */               \
+        const uint32_t *b = (const uint32_t *)x;                                                 \
+        uint32_t mx = 0;                                                                         \
+        for (size_t j = 0; j < m; j++) {                                                         \
+            uint32_t v = b[j] & 0x7fffffffu;                                                     \
+            mx = v > mx ? v : mx;                                                                \
+        }                                                                                        \
+        return mx;                                                                               \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_quantize_##ISA(const float *x, int8_t *q, size_t m, float inv) \
+    {                                                                                            \
+        for (size_t j = 0; j < m; j++) {                                                         \
+            float r = (x[j] * inv + RS_I8B_ROUNDER) - RS_I8B_ROUNDER;                            \
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;                                 \
+            q[j] = (int8_t)(int32_t)r;                                                           \
+        }                                                                                        \
+    }                                                                                            \
+    static RS_ATTR_##ISA void rs_i8b_store_##ISA(const float *acc, unsigned char *dst, size_t n, \
+                                                 size_t block)                                   \
+    {                                                                                            \
+        for (size_t off = 0; off < n; off += block) {                                            \
+            size_t m = n - off < block ? n - off : block;                                        \
+            uint32_t mx = rs_i8b_absmax_##ISA(acc + off, m);                                     \
+            float s = 0.0f;                                                                      \
+            if (mx >= 0x7f800000u || mx < RS_I8B_TINY_BITS) {                                    \
+                s = mx >= 0x7f800000u ? rs_bits_f32(RS_I8B_NAN_BITS) : 0.0f;                     \
+                memset(dst + 4, 0, m);                                                           \
+            } else {                                                                             \
+                float amax = rs_bits_f32(mx);                                                    \
+                s = amax / 127.0f;                                                               \
+                rs_i8b_quantize_##ISA(acc + off, (int8_t *)(dst + 4), m, 127.0f / amax);         \
+            }                                                                                    \
+            memcpy(dst, &s, 4);                                                                  \
+            dst += 4 + m;                                                                        \
+        }                                                                                        \
+    }
+
+#define RS_SET_I8B(ISA)                                                                          \
+    t->i8b_load = rs_i8b_load_##ISA;                                                             \
+    t->i8b_acc = rs_i8b_acc_##ISA;                                                               \
+    t->i8b_store = rs_i8b_store_##ISA;
+
 RS_SAME_TYPES(RS_DEF_SAME, baseline)
 RS_HALF_TYPES(RS_DEF_HALF_SCALAR, baseline)
+RS_DEF_I8B(baseline)
 
 static void rs_fill_baseline(rs_table *t)
 {
     RS_SAME_TYPES(RS_SET_SAME, baseline)
     RS_HALF_TYPES(RS_SET_HALF, baseline)
+    RS_SET_I8B(baseline)
 }
 
 #if RS_X86
@@ -661,16 +759,20 @@ RS_SAME_TYPES(RS_DEF_SAME, avx2)
 RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx2)
 RS_SAME_TYPES(RS_DEF_SAME, avx512)
 RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx512)
+RS_DEF_I8B(avx2)
+RS_DEF_I8B(avx512)
 
 static void rs_fill_avx2(rs_table *t)
 {
     RS_SAME_TYPES(RS_SET_SAME, avx2)
     RS_HALF_TYPES(RS_SET_HALF, avx2)
+    RS_SET_I8B(avx2)
 }
 static void rs_fill_avx512(rs_table *t)
 {
     RS_SAME_TYPES(RS_SET_SAME, avx512)
     RS_HALF_TYPES(RS_SET_HALF, avx512)
+    RS_SET_I8B(avx512)
 }
 #endif /* RS_X86 */
 
@@ -759,6 +861,21 @@ static int rs_store(int dtype, int op, const void *acc, void *dst, size_t n, int
         memcpy(dst, acc, n * rs_itemsizes[dtype]);
     }
     return 0;
+}
+
+/* int8 blocks (block >= 1; the caller checks the sizes): acc = decode(src), acc += decode(src),
+ * dst = encode(acc). */
+static void rs_i8b_load(float *acc, const void *src, size_t n, size_t block)
+{
+    rs_active->i8b_load(acc, (const unsigned char *)src, n, block);
+}
+static void rs_i8b_accumulate(float *acc, const void *src, size_t n, size_t block)
+{
+    rs_active->i8b_acc(acc, (const unsigned char *)src, n, block);
+}
+static void rs_i8b_store(const float *acc, void *dst, size_t n, size_t block)
+{
+    rs_active->i8b_store(acc, (unsigned char *)dst, n, block);
 }
 
 #endif /* REDUCTION_SERVER_KERNELS_H */

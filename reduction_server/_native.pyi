@@ -20,6 +20,15 @@ def load(acc: Buffer, src: Buffer, dtype: Union[int, DType]) -> None:
 def accumulate(acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp]) -> None:
     """acc[:] = op(acc, widen(src)) elementwise; AVG accumulates like SUM."""
 
+def load_int8(acc: Buffer, src: Buffer, block: int) -> None:
+    """acc[:] = decode(src): float32 from int8 blocks of `block` elements (formats.py)."""
+
+def accumulate_int8(acc: Buffer, src: Buffer, block: int) -> None:
+    """acc[:] += decode(src), in float32."""
+
+def store_int8(acc: Buffer, dst: Buffer, block: int) -> None:
+    """dst[:] = encode(acc): float32 to int8 blocks; a block with a NaN or infinity decodes as NaN."""
+
 def accumulate_copies(
     acc: Buffer, src: Buffer, dtype: Union[int, DType], op: Union[int, ReduceOp], world: int, outs: Sequence[Buffer]
 ) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
-from reduction_server.wire.protocol import DType, ReduceOp
+from reduction_server.wire.formats import WireFormat, span
+from reduction_server.wire.protocol import ITEMSIZE, DType, ReduceOp
 
 from ..chunking import Chunk
 from ..timeline import Trace
@@ -46,12 +47,32 @@ class Collective:
     time_limit: Optional[float] = None  # seconds it may take from its submission, its caller's timeout
     deadline: float = float("inf")  # monotonic time it fails unless done (from time_limit, as it is made)
     kept: List[Any] = field(default_factory=list)  # kept.Kept results that are views of recv, until it ends
+    #: compressed (client/compression.py): send and recv hold its chunks in these formats, not `dtype`
+    fmt: Optional[WireFormat] = None
+    block: int = 0  # elements per int8 block (RS_INT8_BLOCK) when compressed
 
     def __post_init__(self) -> None:
         self.state = bytearray(len(self.chunks))
         self.moved = bytearray(len(self.chunks))
         if self.time_limit is not None:
             self.deadline = time.monotonic() + self.time_limit
+
+    @property
+    def code(self) -> int:
+        """The headers' dtype byte: its element type, or its compressed format's code."""
+        return self.dtype if self.fmt is None else self.fmt.code
+
+    def send_span(self, offset: int, count: int) -> slice:
+        """The bytes of send that hold elements offset..offset+count."""
+        if self.fmt is None:
+            return span(self.dtype, ITEMSIZE[self.dtype], 0, offset, count)
+        return span(self.fmt.up, 0, self.block, offset, count)
+
+    def recv_span(self, offset: int, count: int) -> slice:
+        """The bytes of recv (the result) that hold elements offset..offset+count."""
+        if self.fmt is None:
+            return span(self.dtype, ITEMSIZE[self.dtype], 0, offset, count)
+        return span(self.fmt.down, ITEMSIZE.get(self.fmt.down, 0), self.block, offset, count)
 
     @cached_property
     def endpoints(self) -> FrozenSet[int]:
@@ -66,7 +87,8 @@ class Collective:
     def describe(self) -> str:
         """The collective in words for error messages: its seq, what it is, its count and dtype."""
         group = f" of group {self.group:#x}" if self.group else ""
-        return f"collective seq={self.seq}{group} ({self.what} of {self.total} x {self.dtype.name.lower()})"
+        wire = f", {self.fmt.name}" if self.fmt is not None else ""
+        return f"collective seq={self.seq}{group} ({self.what} of {self.total} x {self.dtype.name.lower()}{wire})"
 
     def trace_facts(self) -> Tuple[str, Dict[str, Any]]:
         """Its name and arguments on the timeline (timeline.py)."""
@@ -76,7 +98,7 @@ class Collective:
             "op": what,
             "dtype": self.dtype.name.lower(),
             "count": self.total,
-            "bytes": self.total * self.dtype.itemsize,
+            "bytes": len(self.send) if self.send is not None else self.total * self.dtype.itemsize,
             "chunks": len(self.chunks),
         }
 

@@ -20,7 +20,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from reduction_server.wire import protocol
-from reduction_server.wire.protocol import ITEMSIZE, MSG_FINAL
+from reduction_server.wire.protocol import MSG_FINAL
 
 from .collective import Collective
 from .identity import Identity
@@ -47,11 +47,7 @@ class Kept:
     data: Union[bytearray, memoryview, None]
     endpoint: int = 0  # the endpoint that answered it (or, once brought as a FINAL, the one it went to)
     lease: Optional[Lease] = None  # the slot it stays in, if any
-
-    @property
-    def nbytes(self) -> int:
-        """The result's size in bytes (its buffer may be larger)."""
-        return self.count * ITEMSIZE[self.dtype]
+    nbytes: int = 0  # the result's size in bytes (its buffer may be larger)
 
     def final_header(self, me: Identity) -> bytes:
         """The FINAL that brings this result to the chunk's new endpoint."""
@@ -99,17 +95,17 @@ class KeptResults:
         """Chunk k of coll was answered by endpoint e: keep its result where it is `held`, or as a
         view of coll's buffer until coll ends; `depth` results of the group on e at most."""
         offset, count, _ = coll.chunks[k]
-        size = ITEMSIZE[coll.dtype]
+        where = coll.recv_span(offset, count)
         lease = held if isinstance(held, Lease) else None
         data = lease.view if lease is not None else held
         if data is None:
-            data = coll.recv[offset * size : (offset + count) * size]
+            data = coll.recv[where]
         item = Kept(
             coll.group,
             coll.seq,
             k,
             len(coll.chunks),
-            coll.dtype,
+            coll.code,
             coll.op,
             coll.root,
             offset,
@@ -118,6 +114,7 @@ class KeptResults:
             data,
             e,
             lease,
+            where.stop - where.start,
         )
         if held is None:
             coll.kept.append(item)

@@ -17,7 +17,7 @@ from typing import Deque, List
 import zmq
 
 from reduction_server.wire import protocol
-from reduction_server.wire.protocol import ITEMSIZE, MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
+from reduction_server.wire.protocol import MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
 
 from .collective import SENT, Collective
 from .connections import Connections
@@ -134,17 +134,17 @@ class Pump:
     def _send_chunk(self, coll: Collective, k: int, e: int, inflight: List[int]) -> bool:
         """Send chunk k of coll to endpoint e; False if its connection is gone."""
         offset, count, _ = coll.chunks[k]
-        size = ITEMSIZE[coll.dtype]
-        payload = coll.send[offset * size : (offset + count) * size] if coll.send is not None else None
+        payload = coll.send[coll.send_span(offset, count)] if coll.send is not None else None
         nbytes = len(payload) if payload is not None else 0
         slot = None
         moved = coll.moved[k]
-        if payload is not None and coll.op is not OP_BROADCAST and not moved:  # a moved chunk goes as a frame
+        # A moved or compressed chunk goes as a frame (docs/protocol.md)
+        if payload is not None and coll.op is not OP_BROADCAST and not moved and coll.fmt is None:
             slot = self.slots.take(e, nbytes)
         mtype = MSG_MOVED if moved else MSG_DATA if slot is None else MSG_DATA_SHM
         header = protocol.data_header(
             mtype,
-            dtype=coll.dtype,
+            dtype=coll.code,
             op=coll.op,
             rank=self.me.rank,
             world=self.me.world,

@@ -23,7 +23,6 @@ from reduction_server.errors import ProtocolError
 from reduction_server.wire import protocol
 from reduction_server.wire.protocol import (
     BATCHED_RECV_BYTES,
-    ITEMSIZE,
     MSG_ERROR,
     MSG_PING,
     MSG_RESULT,
@@ -141,7 +140,7 @@ class Results:
         if coll is None:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
-        size = ITEMSIZE[coll.dtype]
+        where = coll.send_span(offset, count)  # a broadcast: the same as recv_span
         if (
             not more
             and h.nbytes == 0
@@ -151,12 +150,12 @@ class Results:
         ):
             # This rank is the root: its own data does not come back; out of place, it is copied.
             if coll.send is not coll.recv:
-                coll.recv[offset * size : (offset + count) * size] = coll.send[offset * size : (offset + count) * size]
+                coll.recv[where] = coll.send[where]
             return self.ledger.chunk_done(coll, h.chunk, e, None)
         if not more or self._misshapen(h, coll):
             _skip(sock, more)
             return self.ledger.chunk_done(coll, h.chunk, e, self._shape_error(e, h, coll))
-        view = coll.recv[offset * size : (offset + count) * size]
+        view = coll.recv[coll.recv_span(offset, count)]
         held = None
         if self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
             # The result that failover keeps is the message itself: one copy, into the output.
@@ -177,7 +176,7 @@ class Results:
     def _misshapen(h: protocol.Header, coll: Collective) -> bool:
         """Whether an answer's offset, count or dtype differ from its chunk's."""
         chunk = coll.chunks[h.chunk]
-        return (h.offset, h.count) != (chunk.offset, chunk.count) or h.dtype != coll.dtype
+        return (h.offset, h.count) != (chunk.offset, chunk.count) or h.dtype != coll.code
 
     def _shape_error(self, e: int, h: protocol.Header, coll: Collective) -> str:
         offset, count, _ = coll.chunks[h.chunk]

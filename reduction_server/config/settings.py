@@ -72,6 +72,8 @@ MAX_SHARDS = 256
 DEFAULT_FUSION_THRESHOLD = 64 * MiB
 #: milliseconds between the Horovod API's negotiation cycles (Horovod's default)
 DEFAULT_CYCLE_TIME_MS = 1.0
+#: elements per block of the int8 wire format (wire/formats.py): a power of two in this range
+DEFAULT_INT8_BLOCK, MIN_INT8_BLOCK, MAX_INT8_BLOCK = 256, 32, 1 << 16
 LOG_LEVELS = ("DEBUG", "INFO", "NOTICE", "WARNING", "ERROR", "CRITICAL")
 
 # -- the registry ----------------------------------------------------------------------------
@@ -259,6 +261,17 @@ VARIABLES: Tuple[Variable, ...] = (
         DEFAULT_PIPELINE_DEPTH,
         1,
         MAX_PIPELINE_DEPTH,
+    ),
+    Variable(
+        "RS_INT8_BLOCK",
+        (WORKERS,),
+        str(DEFAULT_INT8_BLOCK),
+        'elements per block of `compression="int8"` (each block carries its float32 scale): a power of two, '
+        "the same on every rank; the reducers read it from each chunk's size",
+        int,
+        DEFAULT_INT8_BLOCK,
+        MIN_INT8_BLOCK,
+        MAX_INT8_BLOCK,
     ),
     Variable(
         "RS_SHM",

@@ -43,7 +43,7 @@ class Delivery:
         `out` is None when every rank's is), or as a frame (made once, the first time a rank
         needs it, and returned)."""
         h, members = rnd.first, self.members
-        nbytes = h.count * rnd.dtype.itemsize
+        nbytes = rnd.result_nbytes
         header = protocol.pack_as(h, MsgType.RESULT, self.index, nbytes)
         frame = None
         # The owner of an accumulator slot may reuse it as soon as it is answered: it goes last,
@@ -99,7 +99,7 @@ class Delivery:
         is summed. Ranks that read result slots share one when two or more would (rnd.readers)."""
         if slot is None and not rnd.slots:  # no rank answered through a slot (tcp): the common case
             return {}
-        nbytes = last.count * rnd.dtype.itemsize
+        nbytes = rnd.result_nbytes
         targets, readers = {}, {}
         for rank in rnd.ranks:
             live = self._live_slot(rnd, rank, slot if rank == last.rank else None)

@@ -20,7 +20,8 @@ import numpy as np
 import zmq
 
 from .. import _native
-from ..wire.protocol import BATCHED_RECV_BYTES, OP_BROADCAST, Header, ReduceOp
+from ..wire.formats import INT8_BLOCK
+from ..wire.protocol import BATCHED_RECV_BYTES, OP_BROADCAST, DType, Header, ReduceOp
 from .accumulator import AccumulatorPool
 from .round import Round
 
@@ -101,6 +102,13 @@ class Folder:
         copies: Copies = None,
     ) -> None:
         """Fold rank's data in; `payload` (its frame or slot) may become the accumulator."""
+        if rnd.compressed is not None:  # int8 blocks, decoded into float32 (never in a slot: no copies)
+            if rnd.accumulator is not None:
+                return _native.accumulate_int8(rnd.accumulator, data, h.block)
+            nbytes = h.count * 4
+            rnd.accumulator = self.pool.acquire(nbytes, rank=rank)
+            rnd.owner, rnd.charged = rank, nbytes
+            return _native.load_int8(rnd.accumulator, data, h.block)
         if rnd.accumulator is not None:
             targets = copies() if copies is not None else None
             if targets:  # each block of the sum is copied while in cache, not the whole sum again later
@@ -138,6 +146,19 @@ class Folder:
         acc = rnd.accumulator
         if not rnd.in_slot and rnd.adopted is None:  # pool memory
             buffers.append(acc)
+        fmt = rnd.compressed
+        if fmt is not None:  # the float32 sum, averaged, then encoded once in the format down
+            if rnd.op is ReduceOp.AVG:
+                _native.store(acc, acc, DType.FLOAT32, ReduceOp.AVG, rnd.world)
+            if fmt.down == DType.FLOAT32:
+                return acc, buffers
+            out = self.pool.acquire(rnd.result_nbytes)
+            buffers.append(out)
+            if fmt.down == INT8_BLOCK:
+                _native.store_int8(acc, out, h.block)
+            else:
+                _native.store(acc, out, fmt.down, ReduceOp.SUM, 1)
+            return out, buffers
         if rnd.dtype.accumulator is not rnd.dtype:  # 16-bit floats: round once, here
             if rnd.copied.issuperset(rnd.ranks):  # rounded into every rank's slot as it was folded
                 return None, buffers

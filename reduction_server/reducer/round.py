@@ -22,7 +22,19 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 import numpy as np
 
 from ..config.settings import DEFAULT_PIPELINE_DEPTH, ONE_HOST_PIPELINE_DEPTH
-from ..wire.protocol import DTYPES, MOVED_TYPES, OPS, DType, ErrorCode, Header, ReduceOp
+from ..wire.formats import COMPRESSED, INT8_BLOCK, WireFormat, block_bytes
+from ..wire.protocol import (
+    DTYPES,
+    ITEMSIZE,
+    MOVED_TYPES,
+    MSG_FINAL,
+    OPS,
+    DType,
+    ErrorCode,
+    Header,
+    ReduceOp,
+    format_name,
+)
 
 if TYPE_CHECKING:
     from ..wire.shared_memory import Segment
@@ -54,7 +66,7 @@ def describe_fields(h: Header) -> str:
     for name in AGREED_FIELDS:
         value = getattr(h, name)
         if name == "dtype":
-            value = DTYPES[value].name.lower() if value in DTYPES else value
+            value = format_name(value)
         elif name == "op":
             value = OPS[value].name.lower() if value in OPS else value
         elif name == "aux" and h.op != ReduceOp.BROADCAST:
@@ -97,6 +109,19 @@ class Round:
         return DTYPES[self.first.dtype]
 
     @property
+    def compressed(self) -> Optional[WireFormat]:
+        """Its compressed format (int8 blocks up), or None for an element type both ways."""
+        return COMPRESSED.get(self.first.dtype)
+
+    @property
+    def result_nbytes(self) -> int:
+        """The size of its result on the wire."""
+        h, fmt = self.first, self.compressed
+        if fmt is None:
+            return h.count * DTYPES[h.dtype].itemsize
+        return block_bytes(h.count, h.block) if fmt.down == INT8_BLOCK else h.count * ITEMSIZE[fmt.down]
+
+    @property
     def op(self) -> ReduceOp:
         return OPS[self.first.op]
 
@@ -127,6 +152,11 @@ class Round:
                     f"{ONE_HOST_PIPELINE_DEPTH} for its ranks, {DEFAULT_PIPELINE_DEPTH} is the default elsewhere)"
                 )
             return f"contributions to {self.first.describe()} disagree: {detail}"
+        if h.block != self.first.block and MSG_FINAL not in (h.type, self.first.type):
+            return (
+                f"contributions to {self.first.describe()} disagree: rank {h.rank} sent int8 blocks of {h.block} "
+                f"elements, rank {self.first.rank} of {self.first.block}: every rank must use the same RS_INT8_BLOCK"
+            )
         return None
 
     @property

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..log import event, get_logger
-from ..wire.protocol import ACCUMULATOR_ITEMSIZE, DTYPES, MOVED_TYPES, ErrorCode, Header, MsgType
+from ..wire.protocol import ACCUMULATOR_ITEMSIZE, MOVED_TYPES, ErrorCode, Header, MsgType, format_name
 from .accumulator import AccumulatorPool, PoolExhausted
 from .clock import Clock
 from .delivery import Delivery
@@ -105,7 +105,7 @@ class Rounds:
                 h,
                 ErrorCode.TOO_LARGE,
                 (
-                    f"rank {h.rank} sent a chunk of {h.count} x {DTYPES[h.dtype].name.lower()}, over this reducer's "
+                    f"rank {h.rank} sent a chunk of {h.count} x {format_name(h.dtype)}, over this reducer's "
                     f"limit of {self.max_chunk_bytes} bytes per chunk"
                 ),
             )

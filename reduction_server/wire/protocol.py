@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from ..errors import ProtocolError
+from .formats import COMPRESSED, INT8_BLOCK, block_of
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
 VERSION = 5  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL); 5: shards
@@ -209,6 +210,14 @@ ITEMSIZE: Dict[int, int] = {
     DType.BFLOAT16: 2,
 }
 ACCUMULATOR_ITEMSIZE: Dict[int, int] = {d: ITEMSIZE[d.accumulator] for d in DType}
+ACCUMULATOR_ITEMSIZE.update(dict.fromkeys(COMPRESSED, 4))  # int8 blocks are decoded into float32
+
+
+def format_name(code: int) -> str:
+    """A header's dtype byte in words: an element type's name, or a compressed format's (formats.py)."""
+    return DTYPES[code].name.lower() if code in DTYPES else COMPRESSED[code].name if code in COMPRESSED else str(code)
+
+
 #: the members the per-message paths (here, reducer.py, client/engine.py) compare with, as module
 #: globals: an enum class attribute costs a lookup each time
 MSG_DATA, MSG_DATA_SHM, MSG_RESULT, MSG_RESULT_SHM = MsgType.DATA, MsgType.DATA_SHM, MsgType.RESULT, MsgType.RESULT_SHM
@@ -247,6 +256,8 @@ class Header:
     count: int = 0  # elements in this chunk
     total: int = 0  # elements in the whole collective
     nbytes: int = 0  # bytes in the payload frame (0: no payload frame), or in the slot (*_SHM)
+    #: not on the wire: the block size of an int8-block payload, derived from count and nbytes (formats.py)
+    block: int = 0
 
     def pack(self) -> bytes:
         return pack_as(self, self.type, self.rank, self.nbytes)
@@ -312,7 +323,7 @@ def validate_data(h: Header) -> None:
     """Field checks for DATA/RESULT headers that need no state."""
     itemsize, op = ITEMSIZE.get(h.dtype), h.op
     if itemsize is None:
-        raise ProtocolError(f"unknown dtype code {h.dtype}")
+        return _validate_compressed(h)
     if op not in OPS:
         raise ProtocolError(f"unknown op code {h.op}")
     if not 0 < h.world <= MAX_WORLD_SIZE:
@@ -337,6 +348,41 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(
             f"header says {h.nbytes} payload bytes but {h.count} x {DTYPES[h.dtype].name.lower()} is {expected}"
         )
+
+
+def _validate_compressed(h: Header) -> None:
+    """validate_data for a compressed format (formats.py): a sum or an average, as a frame, its
+    payload a whole number of blocks."""
+    fmt = COMPRESSED.get(h.dtype)
+    if fmt is None:
+        raise ProtocolError(
+            f"unknown dtype (format) code {h.dtype} (up {h.dtype & 15}, down {h.dtype >> 4}): this side knows the "
+            f"element types 0-9 and int8 blocks up, {', '.join(f'{c:#x}' for c in sorted(COMPRESSED))}"
+        )
+    h.dtype = fmt.code  # an int, not an IntEnum: describe() and the round's checks name it
+    if h.op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ProtocolError(f"{fmt.name} carries sums and averages only, not op code {h.op}")
+    if h.type in _SHARED:
+        raise ProtocolError(f"{h.type.name} cannot carry {fmt.name} (a compressed chunk travels as a frame)")
+    if not 0 < h.world <= MAX_WORLD_SIZE or (h.type in _FROM_WORKER and h.rank >= h.world):
+        raise ProtocolError(f"rank {h.rank} or world size {h.world} out of range")
+    if h.nchunks == 0 or h.chunk >= h.nchunks or h.count == 0 or h.offset + h.count > h.total:
+        raise ProtocolError(f"chunk {h.chunk}/{h.nchunks} of {h.count} at {h.offset} does not fit {h.total} elements")
+    result = h.type in (MSG_RESULT, MSG_FINAL)
+    down = fmt.down if result else fmt.up
+    if result and h.nbytes == 0 and h.type is MSG_RESULT:
+        return
+    if down == INT8_BLOCK:
+        block = block_of(h.count, h.nbytes)
+        if block is None:
+            raise ProtocolError(
+                f"{h.nbytes} payload bytes are not {h.count} elements in int8 blocks (a float32 scale and up to "
+                "B int8 values each, B a power of two: RS_INT8_BLOCK)"
+            )
+        h.block = block
+    elif h.nbytes != h.count * ITEMSIZE[down]:
+        name, expected = DTYPES[down].name.lower(), h.count * ITEMSIZE[down]
+        raise ProtocolError(f"header says {h.nbytes} payload bytes but {h.count} x {name} is {expected}")
 
 
 def data_header(

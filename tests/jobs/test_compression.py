@@ -1,0 +1,175 @@
+"""Compressed all-reduce through real reducers (docs/protocol.md, "Formats"): each format up and
+down and each op against a NumPy reference of decode-sum-encode, exact where the spec makes it so
+(group mode: rank order; or two ranks, whose sum has one order), block tails, zeros,
+non-finite values, mixed formats between ranks refused by name, and bitwise equal reruns."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import int8_blocks as ref
+from helpers.cluster import reducers
+from helpers.jobs import run_job
+from helpers.peers import JOB, Peer, data
+from reduction_server.errors import CollectiveError
+from reduction_server.wire.formats import INT8_BLOCK
+from reduction_server.wire.protocol import ErrorCode
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 3
+CHUNK = 64 * 1024  # a 100,003-element collective is several chunks over both reducers
+B = 256
+F32 = np.float32
+BF16 = ml_dtypes.bfloat16
+#: compression= -> (the format up, the format down), as the reference names them
+FORMATS = {
+    "int8": ("int8", "int8"),
+    ("int8", "none"): ("int8", "float32"),
+    ("int8", "bf16"): ("int8", "bfloat16"),
+    ("int8", "fp16"): ("int8", "float16"),
+    "bf16": ("bfloat16", "bfloat16"),
+    "fp16": ("float16", "float16"),
+}
+
+
+@pytest.fixture(scope="module")
+def group():
+    """The module's reducers (in place of conftest's): deterministic, so that every sum has one order."""
+    with reducers(2, extra_env={"RS_DETERMINISTIC": "1"}) as group:
+        yield group
+        assert group.alive(), "a reducer died during the tests"
+
+
+def inputs(count: int, seed: int, world: int = WORLD):
+    rng = np.random.default_rng([seed, count])
+    return [(rng.standard_normal(count) * 10.0 ** rng.integers(-2, 3, count)).astype(F32) for _ in range(world)]
+
+
+def expected(xs, compression, op: str) -> np.ndarray:
+    """What every rank gets: each contribution encoded, decoded, summed in rank order in float32,
+    averaged, encoded once in the format down, decoded into float32."""
+    up, down = FORMATS[compression]
+    if up == "int8":
+        acc = ref.reduced([ref.encode(x, B) for x in xs], xs[0].size, B, average=op == "avg")
+    else:
+        acc = xs[0].astype(up).astype(F32)
+        for x in xs[1:]:
+            acc = acc + x.astype(up).astype(F32)
+        acc = acc / F32(len(xs)) if op == "avg" else acc
+    if down == "int8":
+        return ref.decode(ref.encode(acc, B), acc.size, B)
+    return acc.astype(BF16 if down == "bfloat16" else down).astype(F32)
+
+
+def reduce(group, xs, compression, op="sum", **options):
+    return run_job(
+        len(xs),
+        lambda comm, r: comm.all_reduce(xs[r], op, compression=compression),
+        group=group,
+        chunk_bytes=CHUNK,
+        **options,
+    )
+
+
+CASES = [(count, op) for count in (1, 300, 100_003) for op in ("sum", "avg")]  # one element, a tail, chunks
+
+
+@pytest.mark.parametrize("compression", list(FORMATS), ids=str)
+def test_every_format_and_op_is_the_rank_ordered_decode_sum_encode(group, compression):
+    cases = [(inputs(count, 1), op) for count, op in CASES]
+    results = run_job(
+        WORLD,
+        lambda comm, r: [comm.all_reduce(xs[r], op, compression=compression) for xs, op in cases],
+        group=group,
+        chunk_bytes=CHUNK,
+    )
+    for (xs, op), *ys in zip(cases, *results):
+        want = expected(xs, compression, op)
+        for y in ys:
+            assert y.dtype == F32 and y.shape == xs[0].shape
+            assert y.tobytes() == want.tobytes(), (op, xs[0].size)
+
+
+def test_runs_are_bitwise_equal_in_deterministic_mode(group):
+    xs = inputs(100_003, 3)
+    first = reduce(group, xs, "int8")
+    again = reduce(group, xs, "int8")
+    assert all(a.tobytes() == first[0].tobytes() for a in first + again)
+
+
+def test_other_float_types_and_out_take_the_result_in_their_own_type(group):
+    xs = [x.astype(BF16) for x in inputs(1000, 4)]
+    widened = [x.astype(F32) for x in xs]
+    outs = run_job(
+        WORLD,
+        lambda comm, r: comm.all_reduce(xs[r], "sum", out=np.empty(1000, BF16), compression=("int8", "none")),
+        group=group,
+    )
+    want = expected(widened, ("int8", "none"), "sum").astype(BF16)
+    for y in outs:
+        assert y.dtype == BF16 and y.tobytes() == want.tobytes()
+
+
+def test_zeros_stay_zeros(group):
+    for y in reduce(group, [np.zeros(777, F32)] * WORLD, "int8"):
+        assert y.tobytes() == np.zeros(777, F32).tobytes()
+
+
+def test_a_nan_or_an_infinity_makes_its_block_nan_on_every_rank(group):
+    xs = inputs(1000, 5)
+    xs[1][5] = np.inf  # block 0
+    xs[2][600] = np.nan  # block 2
+    xs[0][999] = -np.inf  # the tail block, 3
+    for compression in ["int8", ("int8", "none")]:
+        for y in reduce(group, xs, compression):
+            assert np.isnan(y[:256]).all() and np.isnan(y[512:]).all()
+            assert np.isfinite(y[256:512]).all()
+            assert y[256:512].tobytes() == expected(xs, compression, "sum")[256:512].tobytes()
+
+
+@pytest.mark.parametrize(
+    "theirs,named",
+    [("none", "float32"), (("int8", "none"), "int8 blocks up, float32 down"), ("bf16", "bfloat16")],
+    ids=["float32", "int8-float32", "bf16"],
+)
+def test_ranks_that_send_different_formats_fail_naming_both(group, theirs, named):
+    def body(comm, rank):
+        try:
+            comm.all_reduce(np.ones(1000, F32), compression="int8" if rank == 0 else theirs)
+        except CollectiveError as exc:
+            return str(exc)
+        return "no error"
+
+    for text in run_job(2, body, group=group):
+        assert "disagree" in text and "dtype=int8 blocks up, int8 blocks down" in text and f"dtype={named}" in text
+
+
+def test_ops_and_types_that_do_not_compress_are_refused_by_name(solo):
+    with pytest.raises(ValueError, match="op max cannot be compressed"):
+        solo.all_reduce(np.ones(10, F32), "max", compression="int8")
+    with pytest.raises(TypeError, match="only float tensors compress; this one holds 10 x int32"):
+        solo.all_reduce(np.ones(10, np.int32), compression="int8")
+    with pytest.raises(ValueError, match="compression 'int4' is not known"):
+        solo.all_reduce(np.ones(10, F32), compression="int4")
+    with pytest.raises(ValueError, match="only int8 up may come back in another format"):
+        solo.all_reduce(np.ones(10, F32), compression=("bf16", "none"))
+
+
+def test_a_reducer_refuses_a_format_it_does_not_know_and_blocks_of_another_size_by_name(group):
+    peers = [Peer(group.addresses[0]) for _ in range(2)]
+    try:
+        for rank, peer in enumerate(peers):
+            peer.handshake(rank, 2, job=JOB + 1)
+        peers[0].send(data(0, job=JOB + 1, count=10, dtype=13, nbytes=14), bytes(14))
+        peers[0].expect_error(ErrorCode.MALFORMED, "unknown dtype (format) code 13 (up 13, down 0)")
+        for rank, block in enumerate([256, 64]):  # ranks whose RS_INT8_BLOCK differ
+            payload = ref.encode(np.ones(1000, F32), block).tobytes()
+            peers[rank].send(data(rank, job=JOB + 1, count=1000, dtype=INT8_BLOCK, nbytes=len(payload)), payload)
+        for peer in peers:
+            peer.expect_error(ErrorCode.MISMATCH, "int8 blocks of 64", "of 256", "RS_INT8_BLOCK")
+    finally:
+        for peer in peers:
+            peer.close()
