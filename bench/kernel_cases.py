@@ -1,7 +1,9 @@
 """The reducer's kernels and their NumPy peers, one case per dtype x op, on equal operands.
 
 Accumulate cases time `acc = op(acc, widen(src))` (what the reducer does for every contribution
-after the first); AVG times the final store (divide once, narrow to the wire dtype).
+after the first); AVG times the final store (divide once, narrow to the wire dtype). The int8
+case times a contribution of int8 blocks decoded into the float32 accumulator beside NumPy's
+float32 add of as many elements (what an uncompressed contribution costs).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Callable, Tuple
 import numpy as np
 
 from reduction_server import _native
+from reduction_server.config import settings
+from reduction_server.wire.formats import block_bytes
 from reduction_server.wire.protocol import DType, ReduceOp
 
 OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG)
@@ -65,5 +69,23 @@ def case(dtype: DType, op: ReduceOp, acc_bytes: int) -> Tuple[Callable[[], None]
 
         def theirs() -> None:
             ufunc(acc, src, out=acc)  # float16 into float32: numpy's mixed-type loop
+
+    return ours, theirs, acc.nbytes
+
+
+def int8_case(acc_bytes: int) -> Tuple[Callable[[], None], Callable[[], None], int]:
+    """(ours: acc += decode(int8 blocks), numpy's: float32 acc += float32, bytes of accumulator)."""
+    n = max(1, acc_bytes // 4)
+    block = settings.read("RS_INT8_BLOCK")
+    values = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    blocks = np.empty(block_bytes(n, block), np.uint8)
+    _native.store_int8(values, blocks, block)
+    acc = np.ones(n, np.float32)
+
+    def ours() -> None:
+        _native.accumulate_int8(acc, blocks, block)
+
+    def theirs() -> None:
+        np.add(acc, values, out=acc)
 
     return ours, theirs, acc.nbytes

@@ -458,23 +458,98 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
 /* Encoding: s = absmax / 127 and q = nearest-even(x * (127 / absmax)); a block holding a NaN  */
 /* or an infinity gets s = NaN and q = 0, so it decodes as NaN throughout; a block whose       */
 /* absmax is below 2^-96 (zeros, or too small for 127 / absmax) gets s = 0 and q = 0.          */
-/* Plain loops that gcc vectorises for each ISA's target, like the same-type kernels.          */
 
 #define RS_I8B_NAN_BITS 0x7fc00000u
 #define RS_I8B_TINY_BITS 0x0f800000u /* 2^-96 */
 #define RS_I8B_ROUNDER 12582912.0f   /* 1.5 * 2^23: x + it - it rounds |x| < 2^22 to nearest even */
 
-#define RS_DEF_I8B(ISA)                                                                          \
-    static RS_ATTR_##ISA void rs_i8b_decode_##ISA(float *a, const int8_t *q, size_t m, float s)  \
-    {                                                                                            \
-        for (size_t j = 0; j < m; j++)                                                           \
-            a[j] = s * (float)q[j];                                                              \
-    }                                                                                            \
-    static RS_ATTR_##ISA void rs_i8b_add_##ISA(float *a, const int8_t *q, size_t m, float s)     \
-    {                                                                                            \
-        for (size_t j = 0; j < m; j++)                                                           \
-            a[j] += s * (float)q[j];                                                             \
-    }                                                                                            \
+/* The per-block loops, plain (the baseline: gcc vectorises them for its target) and SIMD (AVX2
+ * intrinsics, which the AVX-512 level uses too: its 512-bit converts gain nothing on a loop bound
+ * by memory). Both give the same bits; a loop's tail uses the plain form. */
+static inline void rs_i8b_decode_plain(float *a, const int8_t *q, size_t m, float s, int add)
+{
+    if (add)
+        for (size_t j = 0; j < m; j++)
+            a[j] += s * (float)q[j];
+    else
+        for (size_t j = 0; j < m; j++)
+            a[j] = s * (float)q[j];
+}
+static inline uint32_t rs_i8b_absmax_plain(const float *x, size_t m, uint32_t mx)
+{ /* as bits: |x| orders like its bits, and a NaN's are above an infinity's */
+    const uint32_t *b = (const uint32_t *)x;
+    for (size_t j = 0; j < m; j++) {
+        uint32_t v = b[j] & 0x7fffffffu;
+        mx = v > mx ? v : mx;
+    }
+    return mx;
+}
+static inline void rs_i8b_quantize_plain(const float *x, int8_t *q, size_t m, float inv)
+{
+    for (size_t j = 0; j < m; j++) {
+        float r = (x[j] * inv + RS_I8B_ROUNDER) - RS_I8B_ROUNDER;
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        q[j] = (int8_t)(int32_t)r;
+    }
+}
+
+#if RS_X86
+static inline RS_ATTR_avx2 void rs_i8b_decode8_avx2(float *a, __m128i q8, __m256 vs, int add)
+{
+    __m256 v = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+    _mm256_storeu_ps(a, add ? _mm256_add_ps(_mm256_loadu_ps(a), v) : v);
+}
+static inline RS_ATTR_avx2 void rs_i8b_decode_simd(float *a, const int8_t *q, size_t m, float s, int add)
+{
+    const __m256 vs = _mm256_set1_ps(s);
+    size_t j = 0;
+    for (; j + 32 <= m; j += 32) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + j));
+        __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+        rs_i8b_decode8_avx2(a + j, lo, vs, add);
+        rs_i8b_decode8_avx2(a + j + 8, _mm_srli_si128(lo, 8), vs, add);
+        rs_i8b_decode8_avx2(a + j + 16, hi, vs, add);
+        rs_i8b_decode8_avx2(a + j + 24, _mm_srli_si128(hi, 8), vs, add);
+    }
+    for (; j + 8 <= m; j += 8)
+        rs_i8b_decode8_avx2(a + j, _mm_loadl_epi64((const __m128i *)(q + j)), vs, add);
+    rs_i8b_decode_plain(a + j, q + j, m - j, s, add);
+}
+static inline RS_ATTR_avx2 uint32_t rs_i8b_absmax_simd(const float *x, size_t m, uint32_t mx)
+{
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i v = _mm256_setzero_si256();
+    size_t j = 0;
+    for (; j + 8 <= m; j += 8)
+        v = _mm256_max_epu32(v, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + j)), mask));
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+    uint32_t top = (uint32_t)_mm_cvtsi128_si32(h);
+    return rs_i8b_absmax_plain(x + j, m - j, top > mx ? top : mx);
+}
+static inline RS_ATTR_avx2 __m256i rs_i8b_round8_avx2(const float *x, __m256 vinv)
+{ /* nearest even, as the plain form's rounder gives for |x * inv| <= 127 */
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_max_ps(_mm256_min_ps(r, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
+    return _mm256_cvtps_epi32(r);
+}
+static inline RS_ATTR_avx2 void rs_i8b_quantize_simd(const float *x, int8_t *q, size_t m, float inv)
+{
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
+    size_t j = 0;
+    for (; j + 32 <= m; j += 32) {
+        __m256i ab = _mm256_packs_epi32(rs_i8b_round8_avx2(x + j, vinv), rs_i8b_round8_avx2(x + j + 8, vinv));
+        __m256i cd = _mm256_packs_epi32(rs_i8b_round8_avx2(x + j + 16, vinv), rs_i8b_round8_avx2(x + j + 24, vinv));
+        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+    }
+    rs_i8b_quantize_plain(x + j, q + j, m - j, inv);
+}
+#endif
+
+/* Per ISA: the walk over blocks, with the per-block loops of IMPL (plain or simd). */
+#define RS_DEF_I8B(ISA, IMPL)                                                                    \
     static RS_ATTR_##ISA void rs_i8b_fold_##ISA(float *acc, const unsigned char *src, size_t n,  \
                                                 size_t block, int add)                           \
     {                                                                                            \
@@ -482,10 +557,7 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
             size_t m = n - off < block ? n - off : block;                                        \
             float s;                                                                             \
             memcpy(&s, src, 4);                                                                  \
-            if (add)                                                                             \
-                rs_i8b_add_##ISA(acc + off, (const int8_t *)(src + 4), m, s);                    \
-            else                                                                                 \
-                rs_i8b_decode_##ISA(acc + off, (const int8_t *)(src + 4), m, s);                 \
+            rs_i8b_decode_##IMPL(acc + off, (const int8_t *)(src + 4), m, s, add);               \
             src += 4 + m;                                                                        \
         }                                                                                        \
     }                                                                                            \
@@ -499,30 +571,12 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
     {                                                                                            \
         rs_i8b_fold_##ISA(acc, src, n, block, 1);                                                \
     }                                                                                            \
-    static RS_ATTR_##ISA uint32_t rs_i8b_absmax_##ISA(const float *x, size_t m)                  \
-    { /* as bits: |x| orders like its bits, and a NaN's are above an infinity's */               \
-        const uint32_t *b = (const uint32_t *)x;                                                 \
-        uint32_t mx = 0;                                                                         \
-        for (size_t j = 0; j < m; j++) {                                                         \
-            uint32_t v = b[j] & 0x7fffffffu;                                                     \
-            mx = v > mx ? v : mx;                                                                \
-        }                                                                                        \
-        return mx;                                                                               \
-    }                                                                                            \
-    static RS_ATTR_##ISA void rs_i8b_quantize_##ISA(const float *x, int8_t *q, size_t m, float inv) \
-    {                                                                                            \
-        for (size_t j = 0; j < m; j++) {                                                         \
-            float r = (x[j] * inv + RS_I8B_ROUNDER) - RS_I8B_ROUNDER;                            \
-            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;                                 \
-            q[j] = (int8_t)(int32_t)r;                                                           \
-        }                                                                                        \
-    }                                                                                            \
     static RS_ATTR_##ISA void rs_i8b_store_##ISA(const float *acc, unsigned char *dst, size_t n, \
                                                  size_t block)                                   \
     {                                                                                            \
         for (size_t off = 0; off < n; off += block) {                                            \
             size_t m = n - off < block ? n - off : block;                                        \
-            uint32_t mx = rs_i8b_absmax_##ISA(acc + off, m);                                     \
+            uint32_t mx = rs_i8b_absmax_##IMPL(acc + off, m, 0);                                 \
             float s = 0.0f;                                                                      \
             if (mx >= 0x7f800000u || mx < RS_I8B_TINY_BITS) {                                    \
                 s = mx >= 0x7f800000u ? rs_bits_f32(RS_I8B_NAN_BITS) : 0.0f;                     \
@@ -530,7 +584,7 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
             } else {                                                                             \
                 float amax = rs_bits_f32(mx);                                                    \
                 s = amax / 127.0f;                                                               \
-                rs_i8b_quantize_##ISA(acc + off, (int8_t *)(dst + 4), m, 127.0f / amax);         \
+                rs_i8b_quantize_##IMPL(acc + off, (int8_t *)(dst + 4), m, 127.0f / amax);        \
             }                                                                                    \
             memcpy(dst, &s, 4);                                                                  \
             dst += 4 + m;                                                                        \
@@ -544,7 +598,7 @@ static inline int rs_avg_is_zero(int64_t world, size_t itemsize)
 
 RS_SAME_TYPES(RS_DEF_SAME, baseline)
 RS_HALF_TYPES(RS_DEF_HALF_SCALAR, baseline)
-RS_DEF_I8B(baseline)
+RS_DEF_I8B(baseline, plain)
 
 static void rs_fill_baseline(rs_table *t)
 {
@@ -759,8 +813,8 @@ RS_SAME_TYPES(RS_DEF_SAME, avx2)
 RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx2)
 RS_SAME_TYPES(RS_DEF_SAME, avx512)
 RS_HALF_TYPES(RS_DEF_HALF_SIMD, avx512)
-RS_DEF_I8B(avx2)
-RS_DEF_I8B(avx512)
+RS_DEF_I8B(avx2, simd)
+RS_DEF_I8B(avx512, simd)
 
 static void rs_fill_avx2(rs_table *t)
 {

@@ -36,8 +36,13 @@ def run_suite(suite, out, *options):
 
 def test_kernels_suite(tmp_path):
     table, rows = run_suite("kernels", tmp_path)
-    assert len(rows) == 10 * 5  # every dtype x op at the one quick size
-    assert {(r["dtype"], r["op"]) for r in rows} >= {("float16", "sum"), ("bfloat16", "avg"), ("int8", "prod")}
+    assert len(rows) == 10 * 5 + 1  # every dtype x op at the one quick size, and int8 blocks' decode-add
+    assert {(r["dtype"], r["op"]) for r in rows} >= {
+        ("float16", "sum"),
+        ("bfloat16", "avg"),
+        ("int8", "prod"),
+        ("int8-blocks", "sum"),
+    }
     for row in rows:
         assert set(kernels.COLUMNS) <= set(row)
         assert row["native_ms"] > 0 and row["numpy_ms"] > 0
