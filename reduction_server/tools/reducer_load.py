@@ -112,10 +112,11 @@ def _cpu_seconds(task: str) -> float:
         return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 300) -> Load:
+def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 300, compression: str = "none") -> Load:
     """Start a reducer of `shards` shards and W workers, time `iters` all-reduces of `mib` MiB
-    float32 after a warm-up, and stop them all (they die with this process). RuntimeError if any
-    of them fails or the whole takes longer than `timeout` seconds."""
+    float32 after a warm-up, and stop them all (they die with this process). `compression`: the
+    workers' `compression=` (the gradient a GiB counts stays float32's). RuntimeError if any of
+    them fails or the whole takes longer than `timeout` seconds."""
     if world < 1 or mib <= 0 or iters < 1 or shards < 1:
         raise ValueError(
             f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
@@ -159,7 +160,7 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
         for rank in range(world):
             workers.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters)],
+                    [sys.executable, "-m", "reduction_server.bench.reducer_job", f"{mib:g}", str(iters), compression],
                     cwd=AWAY_FROM_SOURCE,
                     env=dict(env, RS_REDUCERS=address, RS_RANK=str(rank), RS_WORLD_SIZE=str(world)),
                     stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
