@@ -5,17 +5,21 @@ non-finite values, mixed formats between ranks refused by name, and bitwise equa
 
 from __future__ import annotations
 
+import signal
+
 import ml_dtypes
 import numpy as np
 import pytest
 
+import reduction_server.client as rs
 from helpers import int8_blocks as ref
-from helpers.cluster import reducers
-from helpers.jobs import run_job
+from helpers.cluster import ONE_PROCESS, TOKEN, reducers
+from helpers.jobs import new_job, run_job
 from helpers.peers import JOB, Peer, data
+from helpers.training import FAST
 from reduction_server.errors import CollectiveError
 from reduction_server.wire.formats import INT8_BLOCK
-from reduction_server.wire.protocol import ErrorCode
+from reduction_server.wire.protocol import ErrorCode, MsgType
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -173,3 +177,35 @@ def test_a_reducer_refuses_a_format_it_does_not_know_and_blocks_of_another_size_
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_result_brought_to_a_substitute_is_the_encoded_one_rank_0_got():
+    """Reducer 0 answers an int8 chunk and dies; rank 1 (a hand-driven peer) resends its
+    contribution to the substitute as MOVED and gets, bit for bit, the int8 blocks that rank 0 got
+    and brought there as a FINAL, not a new sum."""
+    code, job = INT8_BLOCK, new_job()
+    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as pair:
+        peers = [Peer(address) for address in pair.addresses]
+        for peer in peers:
+            peer.handshake(1, 2, job=job)
+        comm = rs.Communicator(pair.addresses, 0, 2, job_token=TOKEN, job_id=job, timeout=20, connect_timeout=10)
+        try:
+            mine, theirs = inputs(1000, 6, world=2)
+            handle = comm.all_reduce_async(mine, compression="int8")  # seq 0: reducer 0's
+            blocks = ref.encode(theirs, B).tobytes()
+            peers[0].send(data(1, 2, job=job, seq=0, count=1000, dtype=code, nbytes=len(blocks)), blocks)
+            got = handle.wait(5)
+            header, answer = peers[0].recv(5)
+            assert header.type is MsgType.RESULT and header.dtype == code
+            assert got.tobytes() == ref.decode(np.frombuffer(answer, np.uint8), 1000, B).tobytes()
+            pair.signal(0, signal.SIGKILL)
+            other = ref.encode(np.zeros(1000, F32), B).tobytes()  # what a new sum would take instead
+            moved = data(1, 2, job=job, seq=0, count=1000, dtype=code, nbytes=len(other), mtype=MsgType.MOVED)
+            peers[1].send(moved, other)
+            header, brought = peers[1].recv(10)
+            assert header.type is MsgType.RESULT and brought == answer
+            assert comm._engine.failover.finals == 1
+        finally:
+            comm.close()
+            for peer in peers:
+                peer.close()
