@@ -144,6 +144,7 @@ class Communicator:
         self._submit_lock = threading.Lock()  # seq order == submission order
         self._engine = Engine(options)
         self._engine.start()
+        self._buffers = compressed.Buffers()  # of compressed collectives (a Group shares its parent's)
         #: the reducers that size the chunk plan (RS_PIPELINE_DEPTH chunks each at least), and
         #: their shards, over which the chunks are spread (the spares' follow them): endpoints.py
         self.active_reducers = options.active_reducers
@@ -215,17 +216,19 @@ class Communicator:
         time_limit: Optional[float],
     ) -> Handle:
         """A compressed all-reduce: src encoded, its result received in the format down (straight
-        into dst when that is dst's own type) and decoded into dst by the first wait()."""
-        send = compressed.encode(how, compressed.as_float32(src), how.up)
+        into dst when that is dst's own type) and decoded into dst by the first wait(), which also
+        gives its buffers back."""
+        send = self._buffers.take(how.wire_bytes(how.up, src.count))
+        compressed.encode(how, compressed.as_float32(src), how.up, send)
         dtype = DType.FLOAT32 if how.fmt is not None else DType(how.up)  # int8 blocks describe float32
-        if how.down == dst.dtype:
-            recv, finish = dst.data, None
-        else:
-            received = np.empty(how.wire_bytes(how.down, dst.count), np.uint8)
-            recv = memoryview(received)
+        received = None if how.down == dst.dtype else self._buffers.take(how.wire_bytes(how.down, dst.count))
+        recv = dst.data if received is None else memoryview(received)
 
-            def finish() -> None:
+        def finish() -> None:
+            if received is not None:
                 compressed.decode_into(how, received, dst)
+                self._buffers.give(received)
+            self._buffers.give(send)
 
         wire_src = WireBuffer(dtype, src.count, memoryview(send))
         wire_dst = WireBuffer(dtype, dst.count, recv)

@@ -11,8 +11,9 @@ and average, compress.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -99,9 +100,37 @@ def as_float32(buf: WireBuffer) -> np.ndarray:
     return out
 
 
-def encode(compression: Compression, values: np.ndarray, code: int) -> np.ndarray:
-    """float32 values in format `code` (the format up, or down): bytes."""
-    out = np.empty(compression.wire_bytes(code, values.size), np.uint8)
+class Buffers:
+    """The byte buffers of a communicator's compressed collectives, reused by size: a training
+    step all-reduces the same sizes every step, and a fresh multi-MiB array is page-faulted (and
+    zeroed by the kernel) each time. At most KEEP_BYTES are kept free."""
+
+    KEEP_BYTES = 256 << 20
+
+    def __init__(self) -> None:
+        self._free: Dict[int, List[np.ndarray]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()  # user threads start and finish collectives
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._free_bytes -= nbytes
+                return free.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """buf is free again (its collective has ended); dropped when KEEP_BYTES are kept already."""
+        with self._lock:
+            if self._free_bytes + buf.nbytes <= self.KEEP_BYTES:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._free_bytes += buf.nbytes
+
+
+def encode(compression: Compression, values: np.ndarray, code: int, out: np.ndarray) -> np.ndarray:
+    """float32 values in format `code` (the format up, or down), written into `out` (bytes of
+    compression.wire_bytes(code, values.size)); returns out."""
     if code == INT8_BLOCK:
         _native.store_int8(values, out, compression.block)
     else:  # a 16-bit float, rounded to nearest even

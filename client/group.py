@@ -57,6 +57,7 @@ class Group(Communicator):
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()
         self._engine = parent._engine
+        self._buffers = parent._buffers
         self._closed = False
         self._engine.add_group(self.group_id, self.ranks)
 
