@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from ..errors import ProtocolError
-from .formats import COMPRESSED, INT8_BLOCK, block_of
+from .formats import COMPRESSED, INT8_BLOCK, WireFormat, block_of
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
 VERSION = 5  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL); 5: shards
@@ -322,8 +322,7 @@ def unpack(frame: Union[bytes, memoryview]) -> Header:
 def validate_data(h: Header) -> None:
     """Field checks for DATA/RESULT headers that need no state."""
     itemsize, op = ITEMSIZE.get(h.dtype), h.op
-    if itemsize is None:
-        return _validate_compressed(h)
+    fmt = None if itemsize is not None else _compressed(h)
     if op not in OPS:
         raise ProtocolError(f"unknown op code {h.op}")
     if not 0 < h.world <= MAX_WORLD_SIZE:
@@ -339,6 +338,8 @@ def validate_data(h: Header) -> None:
         raise ProtocolError(f"chunk index {h.chunk} out of range for {h.nchunks} chunks")
     if h.count == 0 or h.offset + h.count > h.total:
         raise ProtocolError(f"chunk of {h.count} elements at offset {h.offset} does not fit a collective of {h.total}")
+    if fmt is not None:
+        return _check_blocks(h, fmt)
     expected = h.count * itemsize
     # A broadcast's non-root contributions carry no payload, nor does a RESULT to a rank that holds
     # the data already (a broadcast's root, a FINAL's sender).
@@ -350,29 +351,29 @@ def validate_data(h: Header) -> None:
         )
 
 
-def _validate_compressed(h: Header) -> None:
-    """validate_data for a compressed format (formats.py): a sum or an average, as a frame, its
-    payload a whole number of blocks."""
+def _compressed(h: Header) -> WireFormat:
+    """h's compressed format (formats.py), which carries sums and averages only, as frames."""
     fmt = COMPRESSED.get(h.dtype)
     if fmt is None:
         raise ProtocolError(
             f"unknown dtype (format) code {h.dtype} (up {h.dtype & 15}, down {h.dtype >> 4}): this side knows the "
             f"element types 0-9 and int8 blocks up, {', '.join(f'{c:#x}' for c in sorted(COMPRESSED))}"
         )
-    h.dtype = fmt.code  # an int, not an IntEnum: describe() and the round's checks name it
     if h.op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ProtocolError(f"{fmt.name} carries sums and averages only, not op code {h.op}")
     if h.type in _SHARED:
         raise ProtocolError(f"{h.type.name} cannot carry {fmt.name} (a compressed chunk travels as a frame)")
-    if not 0 < h.world <= MAX_WORLD_SIZE or (h.type in _FROM_WORKER and h.rank >= h.world):
-        raise ProtocolError(f"rank {h.rank} or world size {h.world} out of range")
-    if h.nchunks == 0 or h.chunk >= h.nchunks or h.count == 0 or h.offset + h.count > h.total:
-        raise ProtocolError(f"chunk {h.chunk}/{h.nchunks} of {h.count} at {h.offset} does not fit {h.total} elements")
-    result = h.type in (MSG_RESULT, MSG_FINAL)
-    down = fmt.down if result else fmt.up
-    if result and h.nbytes == 0 and h.type is MSG_RESULT:
+    return fmt
+
+
+def _check_blocks(h: Header, fmt: WireFormat) -> None:
+    """The payload size of a compressed chunk: the format up's (the workers'), or down's (RESULT,
+    FINAL); int8 blocks set h.block from it."""
+    down = h.type in (MSG_RESULT, MSG_FINAL)
+    code = fmt.down if down else fmt.up
+    if h.nbytes == 0 and h.type is MSG_RESULT:  # to a FINAL's sender
         return
-    if down == INT8_BLOCK:
+    if code == INT8_BLOCK:
         block = block_of(h.count, h.nbytes)
         if block is None:
             raise ProtocolError(
@@ -380,8 +381,8 @@ def _validate_compressed(h: Header) -> None:
                 "B int8 values each, B a power of two: RS_INT8_BLOCK)"
             )
         h.block = block
-    elif h.nbytes != h.count * ITEMSIZE[down]:
-        name, expected = DTYPES[down].name.lower(), h.count * ITEMSIZE[down]
+    elif h.nbytes != h.count * ITEMSIZE[code]:
+        name, expected = DTYPES[code].name.lower(), h.count * ITEMSIZE[code]
         raise ProtocolError(f"header says {h.nbytes} payload bytes but {h.count} x {name} is {expected}")
 
 
