@@ -172,10 +172,16 @@ class Communicator:
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
-        self, x: Any, op: OpLike = "sum", out: Any = None, *, compression: compressed.CompressionLike = "none"
+        self,
+        x: Any,
+        op: OpLike = "sum",
+        out: Any = None,
+        *,
+        compression: compressed.CompressionLike = "none",
+        residual: Any = None,
     ) -> Any:
         """Reduce x over all ranks; a new array (or `out`, which may be x itself)."""
-        return self.all_reduce_async(x, op, out, compression=compression).wait()
+        return self.all_reduce_async(x, op, out, compression=compression, residual=residual).wait()
 
     def all_reduce_async(
         self,
@@ -185,12 +191,15 @@ class Communicator:
         *,
         timeout: Optional[float] = None,
         compression: compressed.CompressionLike = "none",
+        residual: Any = None,
     ) -> Handle:
         """all_reduce without waiting: a Handle whose wait() gives the result. x (and out) must
         not change until then; collectives complete in the order they were started. `timeout`:
         seconds it may take from this call before it fails, waiting to start included (None: the
         reducers' RS_TIMEOUT). `compression`: "none", "bf16", "fp16" or "int8" both ways, or a
-        pair (up, down) such as ("int8", "none") (compression.py); every rank passes the same."""
+        pair (up, down) such as ("int8", "none") (compression.py); every rank passes the same.
+        `residual`: a float32 array of x's size that gets, before this returns, what compressing x
+        lost (x minus what this rank sends), for error feedback (error_feedback.py)."""
         op = ReduceOp.parse(op)
         if op is ReduceOp.BROADCAST:
             raise ValueError("broadcast is not a reduction op; use broadcast()")
@@ -200,10 +209,11 @@ class Communicator:
         if (dst.dtype, dst.count) != (src.dtype, src.count):
             raise ValueError(f"out holds {dst.describe()} but the input holds {src.describe()}")
         how = compressed.parse(compression)
+        lost = None if residual is None else compressed.residual_view(residual, src, how)
         if how is not None:
             compressed.check(how, src, op)
-            if how.fmt is not None or how.up != src.dtype:  # else a 16-bit tensor goes as it is
-                return self._start_compressed(how, src, dst, op, result, timeout)
+            if how.fmt is not None or how.up != src.dtype or lost is not None:  # else a 16-bit tensor goes as it is
+                return self._start_compressed(how, src, dst, op, result, timeout, lost)
         return self._start(src, dst, op, 0, result, time_limit=timeout)
 
     def _start_compressed(
@@ -214,12 +224,16 @@ class Communicator:
         op: ReduceOp,
         result: Any,
         time_limit: Optional[float],
+        lost: Optional[np.ndarray] = None,
     ) -> Handle:
-        """A compressed all-reduce: src encoded, its result received in the format down (straight
-        into dst when that is dst's own type) and decoded into dst by the first wait(), which also
-        gives its buffers back."""
+        """A compressed all-reduce: src encoded (what that lost written into `lost`), its result
+        received in the format down (straight into dst when that is dst's own type) and decoded
+        into dst by the first wait(), which also gives its buffers back."""
         send = self._buffers.take(how.wire_bytes(how.up, src.count))
-        compressed.encode(how, compressed.as_float32(src), how.up, send)
+        values = compressed.as_float32(src)
+        compressed.encode(how, values, how.up, send)
+        if lost is not None:
+            compressed.residual_into(how, values, send, lost)
         dtype = DType.FLOAT32 if how.fmt is not None else DType(how.up)  # int8 blocks describe float32
         received = None if how.down == dst.dtype else self._buffers.take(how.wire_bytes(how.down, dst.count))
         recv = dst.data if received is None else memoryview(received)

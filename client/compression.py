@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from reduction_server.errors import ConfigError
 from reduction_server.wire.formats import COMPRESSED, INT8_BLOCK, WireFormat, block_bytes, format_code
 from reduction_server.wire.protocol import ITEMSIZE, DType, ReduceOp
 
-from .buffers import WireBuffer
+from .buffers import WireBuffer, wire_view
 
 #: the names compression= takes, and the format each is (None: the tensor's own type)
 _FORMATS = {
@@ -89,6 +89,16 @@ def check(compression: Compression, src: WireBuffer, op: ReduceOp) -> None:
         raise TypeError(f"only float tensors compress; this one holds {src.describe()}")
 
 
+def residual_view(residual: Any, src: WireBuffer, compression: Optional[Compression]) -> np.ndarray:
+    """all_reduce's `residual=` as a float32 array of src's size; ValueError naming what is wrong."""
+    if compression is None:
+        raise ValueError("residual= is what compression loses: it needs compression= other than 'none'")
+    view = wire_view(residual, writable=True, what="residual")
+    if (view.dtype, view.count) != (DType.FLOAT32, src.count):
+        raise ValueError(f"residual holds {view.describe()}, not {src.count} x float32 like the input")
+    return np.frombuffer(view.data, np.float32)
+
+
 def as_float32(buf: WireBuffer) -> np.ndarray:
     """buf's elements as float32: its own memory when it is float32, else a widened copy."""
     if buf.dtype is DType.FLOAT32:
@@ -136,6 +146,15 @@ def encode(compression: Compression, values: np.ndarray, code: int, out: np.ndar
     else:  # a 16-bit float, rounded to nearest even
         _native.store(values, out, code, ReduceOp.SUM, 1)
     return out
+
+
+def residual_into(compression: Compression, values: np.ndarray, sent: np.ndarray, out: np.ndarray) -> None:
+    """out = values - decode(sent): what encoding `values` (float32) into `sent` (the format up) lost."""
+    if compression.up == INT8_BLOCK:
+        _native.load_int8(out, sent, compression.block)
+    else:
+        _native.load(out, sent, compression.up)
+    np.subtract(values, out, out=out)
 
 
 def decode_into(compression: Compression, result: np.ndarray, dst: WireBuffer) -> None:

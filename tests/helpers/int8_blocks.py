@@ -28,7 +28,8 @@ def encode(x: np.ndarray, block: int) -> np.ndarray:
         amax = np.maximum(top, TINY_BITS).astype(np.uint32).view(F32)  # kept finite where it is not used
         amax = np.where(top >= 0x7F800000, F32(1), amax)
         s = np.where(top >= 0x7F800000, NAN_SCALE, np.where(top < TINY_BITS, F32(0), amax / F32(127))).astype(F32)
-        q = np.clip(np.rint(b * (F32(127) / amax)[:, None]), -127, 127).astype(np.int8)
+        with np.errstate(invalid="ignore"):  # a non-finite block's values are replaced by zeros below
+            q = np.clip(np.rint(b * (F32(127) / amax)[:, None]), -127, 127).astype(np.int8)
         q[(top >= 0x7F800000) | (top < TINY_BITS)] = 0
         parts.append(np.concatenate([s.astype("<f4")[:, None].view(np.uint8), q.view(np.uint8)], axis=1).ravel())
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)

@@ -17,6 +17,7 @@ from helpers.cluster import ONE_PROCESS, TOKEN, reducers
 from helpers.jobs import new_job, run_job
 from helpers.peers import JOB, Peer, data
 from helpers.training import FAST
+from reduction_server.client.error_feedback import ErrorFeedback
 from reduction_server.errors import CollectiveError
 from reduction_server.wire.formats import INT8_BLOCK
 from reduction_server.wire.protocol import ErrorCode, MsgType
@@ -218,3 +219,23 @@ def test_a_result_brought_to_a_substitute_is_the_encoded_one_rank_0_got():
             comm.close()
             for peer in peers:
                 peer.close()
+
+
+def test_error_feedback_sends_the_sum_of_the_gradients_within_one_quantum(solo):
+    """Gradients under half a quantum of their block are never sent by int8 alone; with error
+    feedback their residual grows until it goes out, so the sum sent over the steps tracks the
+    sum of the gradients within a quantum (here one rank: the result is what it sent)."""
+    grad = np.full(300, 0.001, F32)
+    grad[0] = 1.0  # block 0's quantum is 1/127: 0.001 rounds to 0
+    assert not solo.all_reduce(grad, compression=("int8", "none"))[1:256].any()
+    feedback = ErrorFeedback(solo, compression=("int8", "none"))
+    sent = np.zeros(300, np.float64)
+    for _ in range(50):
+        sent += feedback.all_reduce("w", grad, op="sum")
+    assert np.abs(sent - 50 * grad.astype(np.float64)).max() <= 1 / 127
+    assert sent[1:256].min() > 0.04  # 0.05 of gradient in 50 steps, sent a quantum at a time
+    np.testing.assert_allclose(sent + feedback.residual("w"), 50 * grad.astype(np.float64), atol=1e-5)
+    with pytest.raises(ValueError, match="residual= is what compression loses"):
+        solo.all_reduce(grad, residual=np.zeros(300, F32))
+    with pytest.raises(ValueError, match="residual holds 10 x float32, not 300 x float32"):
+        solo.all_reduce(grad, compression="int8", residual=np.zeros(10, F32))
