@@ -36,6 +36,7 @@ from functools import cached_property
 from typing import Mapping, Optional
 
 from ..errors import ConfigError
+from ..job_token import job_id as job_id_of_token
 from . import settings
 from .cluster_spec import Cluster, Task, address_list, join_address, parse_address, parse_cluster
 
@@ -149,8 +150,9 @@ def discover_reducers(environ: Optional[Mapping[str, str]] = None) -> tuple[str,
 
 
 def job_id_from(token: str) -> int:
-    """The id of a job known only by its token (0 without one), as discover_worker derives it."""
-    return _hash64(token) if token else 0
+    """The id of a job known only by its token (0 without one), as discover_worker derives it:
+    a slow function of the token (job_token.py), since the id travels in clear."""
+    return job_id_of_token(token)
 
 
 def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[ReducerPlace]:

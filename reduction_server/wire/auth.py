@@ -13,13 +13,11 @@ both sides proves nothing, and admits anyone: that is a job started without RS_J
 
 Anyone who reaches a reducer can have it prove the token over a nonce of their choosing, and
 then guess the token offline against that proof: so the HMAC key is the token stretched with
-scrypt (about 30 ms and 16 MiB once per token and process), and a token should be random anyway
-(`reduction-server run` makes one of 128 bits).
+scrypt (job_token.py).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import secrets
@@ -27,23 +25,17 @@ import struct
 from typing import Tuple
 
 from ..errors import ProtocolError
+from ..job_token import key as _key
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # an HMAC-SHA256 digest
 _WORKER_LABEL = b"reduction-server worker proof v2\0"
 _REDUCER_LABEL = b"reduction-server reducer proof v2\0"
-_STRETCH_SALT = b"reduction-server job token v2"
 
 
 def new_nonce() -> bytes:
     """A fresh random nonce for one handshake."""
     return secrets.token_bytes(NONCE_BYTES)
-
-
-@functools.lru_cache(maxsize=16)
-def _key(token: str) -> bytes:
-    """The HMAC key: the token stretched, so that each offline guess costs scrypt's work."""
-    return hashlib.scrypt(token.encode(), salt=_STRETCH_SALT, n=1 << 14, r=8, p=1, dklen=32)
 
 
 def digest(token: str, message: bytes) -> bytes:

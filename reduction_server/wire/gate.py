@@ -14,7 +14,7 @@ the peer's. What can be prevented is a stranger's connection reaching identify_p
 - otherwise, with a job token: the reducer is a ZMQ_PLAIN server, and a ZAP handler (a thread of
   this module, on the reducer's own context) admits a connection only if its PLAIN credential
   proves the token. The credential is one-use: the username is a time and a random nonce, the
-  password HMAC-SHA256 over it under the stretched token (auth.py's key, so a sniffed one is no
+  password HMAC-SHA256 over it under the stretched token (job_token.py's key, so a sniffed one is no
   faster to guess the token from than a proof of the job handshake). The handler refuses a
   username it has seen, or older or newer than MAX_AGE_S by its clock. PLAIN touches nothing after
   the handshake: a connection costs one ZAP round trip, a message nothing.
@@ -39,8 +39,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import zmq
 
+from ..job_token import key as token_key
 from ..log import Throttle, event
-from . import auth
 
 #: a credential older or newer than this by the reducer's clock is refused (hosts' clocks may differ)
 MAX_AGE_S = 600
@@ -58,7 +58,7 @@ def applies(token: str, encrypt: bool) -> bool:
 
 
 def _password(token: str, username: bytes) -> bytes:
-    return hmac.new(auth._key(token), _LABEL + username, hashlib.sha256).hexdigest().encode()
+    return hmac.new(token_key(token), _LABEL + username, hashlib.sha256).hexdigest().encode()
 
 
 def credential(token: str, now: Optional[float] = None) -> Tuple[bytes, bytes]:
@@ -100,7 +100,7 @@ class Gate:
         self.refused: Dict[str, int] = {}  # reason -> count
         # strangers' refusals are logged as the reducer's are: once a cause each interval, then a count
         self.throttle = Throttle(log) if log is not None else None
-        auth._key(token)  # the scrypt stretch, once, before any connection waits for it
+        token_key(token)  # the scrypt stretch, once, before any connection waits for it
         self._zap = context.socket(zmq.REP)
         self._zap.linger = 0
         self._zap.bind(ZAP_ENDPOINT)  # here, not in the thread: bound before the reducer binds

@@ -6,12 +6,15 @@ os.environ.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from typing import Dict
 
 import pytest
 
 from helpers.cluster_specs import VERTEX_REDUCERS, as_task, config_error, hash64, load, tf_config, vertex
+from reduction_server import job_token
 from reduction_server.config.discovery import discover_reducer, discover_worker, parse_address
 from reduction_server.errors import ConfigError
 
@@ -239,7 +242,21 @@ def test_job_id_from_token_then_zero():
     environ = {"RS_RANK": "0", "RS_WORLD_SIZE": "1", "RS_REDUCERS": "a:5000"}
     assert discover_worker(environ).job_id == 0
     place = discover_worker(dict(environ, RS_JOB_TOKEN="s3cret"))
-    assert (place.job_token, place.job_id) == ("s3cret", hash64("s3cret"))
+    assert (place.job_token, place.job_id) == ("s3cret", job_token.job_id("s3cret"))
+    assert discover_reducer(dict(environ, RS_JOB_TOKEN="s3cret", RS_REDUCER_INDEX="0")).job_id == place.job_id
+
+
+def test_the_job_id_of_a_token_is_no_fast_function_of_it():
+    """Issue 37, item 3: the id travels in clear; it is an HMAC under the scrypt-stretched token
+    (the handshake's key), never a plain hash a stranger could test guesses against."""
+    expected = hmac.new(
+        hashlib.scrypt(b"s3cret", salt=b"reduction-server job token v2", n=1 << 14, r=8, p=1, dklen=32),
+        b"reduction-server job id v1\0",
+        hashlib.sha256,
+    ).digest()[:8]
+    assert job_token.job_id("s3cret") == int.from_bytes(expected, "big")
+    assert job_token.job_id("s3cret") != hash64("s3cret")
+    assert job_token.job_id("s3cret") != job_token.job_id("s3cret2")
 
 
 def test_generation():
