@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import List, NamedTuple, Tuple
 
 from reduction_server.config.settings import DEFAULT_PIPELINE_DEPTH
+from reduction_server.wire import protocol
 
 
 class Chunk(NamedTuple):
@@ -53,6 +54,13 @@ def plan_chunks(
     elif size > _ALIGN_ELEMENTS:
         size -= size % _ALIGN_ELEMENTS  # chunk starts stay cache-line aligned
     return [(offset, min(size, total - offset)) for offset in range(0, total, size)]
+
+
+def largest_frame_bytes(chunk_bytes: int) -> int:
+    """The largest frame a reducer sends a worker whose chunks are at most `chunk_bytes`: the
+    RESULT of plan_chunks' largest chunk (of the widest dtype), or a message that carries no
+    chunk. The worker's ZMQ_MAXMSGSIZE: whatever sends more is cut off before it is buffered."""
+    return max(chunk_bytes, max(protocol.ITEMSIZE.values()), protocol.MAX_CONTROL_PAYLOAD)
 
 
 def reducer_of(seq: int, chunk: int, num_reducers: int) -> int:

@@ -30,13 +30,14 @@ from reduction_server.wire import auth, encryption, gate, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
 
+from ..chunking import largest_frame_bytes
 from .endpoints import Endpoint, make_room
 from .failover import Failover
 from .identity import Identity
 from .ledger import Ledger
 from .options import EngineOptions
 from .slots import Slots
-from .watch import CONNECTING, REFUSED, Watch
+from .watch import CONNECTING, CUT, REFUSED, Watch
 
 log = get_logger("client")
 
@@ -119,6 +120,9 @@ class Connections:
         if sndbuf > 0:  # never 0 here: ZMQ_SNDBUF=0 would ask the kernel for its smallest buffer, not autotuning
             sock.setsockopt(zmq.SNDBUF, sndbuf)
         protocol.set_heartbeats(sock, self.heartbeat, self.liveness)  # a stopped reducer's connection closes
+        # A peer at a reducer's address that proved nothing yet must not stream GiBs into this
+        # process: libzmq cuts off a connection whose frame announces more than a reducer sends.
+        sock.setsockopt(zmq.MAXMSGSIZE, largest_frame_bytes(self.options.chunk_bytes))
         if self.options.encrypt:  # keys from the job token (encryption.py)
             encryption.secure_worker(sock, self.options.job_token)
         elif self.options.job_token:  # a fresh credential: a reducer lets no stranger's connection through (gate.py)
@@ -138,7 +142,7 @@ class Connections:
     def hello(self, e: int, rejoin: bool = False) -> None:
         """Start endpoint e's handshake: who this worker is, and a nonce to prove the token over."""
         self.nonces[e] = auth.new_nonce()
-        if self.progress[e] != REFUSED:  # refused stays refused until a connection is made
+        if self.progress[e] not in (REFUSED, CUT):  # either stays until a connection gets further
             self.progress[e] = CONNECTING
         # "heartbeats": this engine PINGs its endpoints once it runs, so a reducer may probe it from
         # its admission on (a worker killed before its first PING is seen lost at once).

@@ -12,14 +12,17 @@ from zmq.utils.monitor import parse_monitor_message
 
 from reduction_server.wire import encryption
 
-# How far an endpoint's handshake got: no connection, no connection and refused, connected, proved.
-CONNECTING, REFUSED, CONNECTED, CHALLENGED = 0, 1, 2, 3
+# How far an endpoint's handshake got: no connection, no connection and refused, connected, proved;
+# CUT: a connection closed after its security handshake, before the peer proved the token.
+CONNECTING, REFUSED, CONNECTED, CHALLENGED, CUT = 0, 1, 2, 3, 4
 PROGRESS = {
     CONNECTING: "no TCP connection yet (is the host reachable, and the address in RS_REDUCERS right?)",
     REFUSED: "connection refused: nothing listens there (is `reduction-server serve` running there, and the "
     "port in RS_REDUCERS right?)",
     CONNECTED: "connected, but no answer to HELLO yet (is it a reducer?)",
     CHALLENGED: "it proved the job token; waiting for its WELCOME",
+    CUT: "connected, but the connection closed before an answer to HELLO: whatever listens there closed it, or "
+    "sent a frame larger than a reducer's answer can be (RS_CHUNK_BYTES), which a worker does not take",
 }
 
 
@@ -43,6 +46,8 @@ class Watch:
                 self.progress[e] = max(self.progress[e], CONNECTED)
             elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
                 closed = True
+                if kind == zmq.EVENT_DISCONNECTED and self.progress[e] == CONNECTED:
+                    self.progress[e] = CUT
                 if kind == zmq.EVENT_CLOSED and self.progress[e] < CONNECTED:  # the connect itself failed
                     self.progress[e] = REFUSED
             failure = encryption.handshake_failure(kind, message["value"], self.encrypt, self.gated)

@@ -169,6 +169,8 @@ MSG_TYPES: Dict[int, MsgType] = {int(m): m for m in MsgType}
 #: the largest payload of a message that is neither a chunk nor text: GROUP's ranks, PROGRESS's and
 #: JOIN's (group, seq) pairs (at most a reducer's 65,536 groups and group 0)
 _PAYLOAD_LIMITS = {MsgType.GROUP: 4 * MAX_WORLD_SIZE, MsgType.PROGRESS: 16 * 65537, MsgType.JOIN: 16 * 65537}
+#: the largest payload of any message that carries no chunk
+MAX_CONTROL_PAYLOAD = max(MAX_TEXT_PAYLOAD, *_PAYLOAD_LIMITS.values())
 DTYPES: Dict[int, DType] = {int(m): m for m in DType}
 OPS: Dict[int, ReduceOp] = {int(m): m for m in ReduceOp}
 

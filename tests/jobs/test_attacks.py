@@ -14,6 +14,7 @@ import threading
 import time
 from typing import List, Tuple
 
+import psutil
 import pytest
 
 import reduction_server.client as rs
@@ -108,6 +109,28 @@ class Impostor:
         self.listener.close()
 
 
+class PeakRss:
+    """The highest RSS of a process, sampled every 10 ms while in the `with` block."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.before = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 # -- item 3: the job id gives nothing away --------------------------------------------------------
 def test_the_job_id_in_clear_headers_is_no_fast_hash_of_the_token():
     """Issue 37, item 3: a job known only by its token sends, in every header, an id that is not
@@ -192,3 +215,28 @@ def test_a_stranger_hears_nothing_of_the_job_a_reducer_serves():
     stranger_lines = [line for line in logs.splitlines() if "refused" in line or "handshake_failed" in line]
     assert stranger_lines, logs[-2000:]
     assert not any(f"{job:x}" in line for line in stranger_lines)
+
+
+# -- item 5: a worker takes no more from an impostor than a reducer's answer can be --------------
+def test_an_impostor_at_a_reducers_address_cannot_stream_gibs_into_a_worker():
+    """Issue 37, item 5: a tokenless listener at the reducer's address announces a 1 GiB frame
+    and streams it: the worker (ZMQ_MAXMSGSIZE from its chunk size) cuts the connection at the
+    frame's size, its RSS does not grow by what was streamed, and it fails naming what happened."""
+    impostor = Impostor()
+    try:
+        with PeakRss(psutil.Process().pid) as rss:
+            start = time.monotonic()
+            with pytest.raises(CollectiveError) as info:
+                rs.Communicator(
+                    [impostor.address], 0, 1, job_token=TOKEN, chunk_bytes=64 * 1024, connect_timeout=2, timeout=2
+                )
+            took = time.monotonic() - start
+    finally:
+        impostor.close()
+    assert impostor.hellos, "the worker never greeted the impostor"
+    text = str(info.value)
+    assert "closed before an answer to HELLO" in text and "RS_CHUNK_BYTES" in text, text
+    # Each connection was cut at the frame's announced size: at most the kernel's socket buffers got through.
+    assert impostor.sent and max(impostor.sent) < 32 * MiB, impostor.sent
+    assert rss.peak - rss.before < 64 * MiB, f"RSS {rss.before / MiB:.0f} -> peak {rss.peak / MiB:.0f} MiB"
+    assert took < 30
