@@ -5,7 +5,7 @@
 - A closed connection may be a killed worker's. The reducer then probes its heartbeat peers
   (ROUTER_NOTIFY would say whose, but it needs libzmq's draft API).
 - A failed security handshake is logged through the reducer's Throttle, once an interval for each
-  reason: that peer was never admitted.
+  reason: that peer was never admitted. One the gate refused is logged by the gate alone.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class SocketEvents:
             # as a closed connection and is logged below the warning level.
             closed += -1 if certain else 1
             self.handshake_failures += 1
+            if self.gated and message["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                continue  # the gate refused it, and logged that (connection_refused): one line, not two
             self.throttle.event(
                 logging.WARNING if certain else logging.INFO,
                 "handshake_failed",

@@ -190,7 +190,8 @@ def _as_frames(*frames: bytes) -> bytes:
 def test_a_stranger_hears_nothing_of_the_job_a_reducer_serves():
     """Issue 37, item 3: while a job known by its token runs, strangers (no credential, or one of
     another token) send a PING, a HELLO and a rejoining HELLO: nothing that comes back (libzmq's
-    handshake bytes included) carries the job id, nor does any log line they cause."""
+    handshake bytes included) carries the job id, nor does any log line they cause; the gate's
+    refusal is logged once (issue 37, item 6)."""
     from helpers.handshake import hello_payload
 
     with reducers(1, extra_env=ONE_PROCESS) as group:
@@ -215,6 +216,9 @@ def test_a_stranger_hears_nothing_of_the_job_a_reducer_serves():
     stranger_lines = [line for line in logs.splitlines() if "refused" in line or "handshake_failed" in line]
     assert stranger_lines, logs[-2000:]
     assert not any(f"{job:x}" in line for line in stranger_lines)
+    # The gate's refusal of the credential is one line (connection_refused), not two.
+    assert len([line for line in stranger_lines if "does not prove the job token" in line]) == 1, stranger_lines
+    assert not any("handshake_failed" in line and "job tokens differ" in line for line in stranger_lines)
 
 
 # -- item 5: a worker takes no more from an impostor than a reducer's answer can be --------------
