@@ -66,6 +66,13 @@ DEFAULT_MAX_PEER_BYTES = 2048 * MiB
 #: rounds (one chunk of one collective) in flight on a reducer for its job: ranks send in one
 #: order, so a well-behaved job has at most RS_WINDOW (<= MAX_WINDOW) open per reducer and group
 DEFAULT_MAX_ROUNDS = 1024
+#: connections a reducer keeps that have not said HELLO (a worker's says it within milliseconds):
+#: past it the oldest is closed (reducer/arrivals.py), and it reconnects. It also bounds what
+#: strangers make a reducer buffer before the token is proved: libzmq takes a frame of up to
+#: RS_MAX_CHUNK_BYTES on each such connection (docs/reliability.md)
+DEFAULT_MAX_UNGREETED = 128
+#: seconds a connection may stay without saying HELLO before the reducer closes it
+DEFAULT_HELLO_TIMEOUT = 10.0
 #: shards one `serve` may run (each a process with its own port)
 MAX_SHARDS = 256
 #: bytes per fused bucket of all-reduces (Horovod's default)
@@ -492,6 +499,24 @@ VARIABLES: Tuple[Variable, ...] = (
         int,
         DEFAULT_MAX_ROUNDS,
         1,
+    ),
+    Variable(
+        "RS_MAX_UNGREETED",
+        (REDUCERS,),
+        str(DEFAULT_MAX_UNGREETED),
+        "connections without a HELLO a reducer keeps (the oldest is closed past it)",
+        int,
+        DEFAULT_MAX_UNGREETED,
+        1,
+    ),
+    Variable(
+        "RS_HELLO_TIMEOUT",
+        (REDUCERS,),
+        _seconds(DEFAULT_HELLO_TIMEOUT),
+        "a connection that has not said HELLO by then is closed",
+        float,
+        DEFAULT_HELLO_TIMEOUT,
+        0.1,
     ),
     Variable("RS_METRICS_PORT", (REDUCERS,), "off", "serve Prometheus metrics on this port", int, 0, 0, 65535),
     Variable(

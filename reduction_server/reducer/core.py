@@ -15,11 +15,13 @@ import zmq
 
 from ..config.settings import (
     DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HELLO_TIMEOUT,
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_MAX_ACCUMULATOR_BYTES,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_PEER_BYTES,
     DEFAULT_MAX_ROUNDS,
+    DEFAULT_MAX_UNGREETED,
     DEFAULT_TIMEOUT,
 )
 from ..errors import ProtocolError
@@ -30,6 +32,7 @@ from ..wire.send_buffers import AcceptedBuffers
 from ..wire.shared_memory import MAX_OFFERED_SLOT_BYTES
 from .accumulator import AccumulatorPool
 from .admission import Admission
+from .arrivals import Arrivals
 from .clock import Clock
 from .fold import Payload
 from .membership import Membership, Peer
@@ -79,6 +82,8 @@ class Reducer:
         max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES,
         max_rounds: int = DEFAULT_MAX_ROUNDS,
         round_timeout: float = DEFAULT_TIMEOUT,
+        max_ungreeted: int = DEFAULT_MAX_UNGREETED,
+        hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         deterministic: bool = False,
@@ -87,6 +92,7 @@ class Reducer:
         shard: int = 0,
         shards: int = 1,
         send_buffers: Optional[AcceptedBuffers] = None,
+        monitor: Optional[zmq.Socket] = None,
     ) -> None:
         self.socket = socket
         self.index = index
@@ -144,8 +150,10 @@ class Reducer:
             index=index,
             encrypt=encrypt,
             gated=gate.applies(job_token, encrypt),
+            arrivals=Arrivals(self.outbox.throttle, index=index, cap=max_ungreeted, timeout=hello_timeout),
             send_buffers=send_buffers,
             throttle=self.outbox.throttle,
+            monitor=monitor,
         )
         self.probes: List[float] = []  # times to probe heartbeat peers (after a disconnect)
         self.bytes_in = 0
@@ -223,6 +231,7 @@ class Reducer:
                     self.rounds.check_skipped()
                     self.rounds.expire(now)
                     self.admission.forget_strangers(now)
+                    self.events.arrivals.expire(now)
                     self.outbox.throttle.flush()
                     if send_buffers is not None:
                         send_buffers.measure()
@@ -284,6 +293,8 @@ class Reducer:
             self.bytes_in += size
             self._data(identity, self.members.admitted(identity), h, payload)
         elif h.type is MsgType.HELLO:
+            self._read_events()  # its connection's acceptance first: the monitor may not have been read since
+            self.events.arrivals.greeted(frames[1])  # the id frame is the ROUTER's own, of no connection
             self.admission.hello(identity, h, payload)
         elif h.type is MsgType.AUTH:
             self.admission.auth(identity, payload)

@@ -48,6 +48,8 @@ class ReducerConfig:
     max_peer_bytes: int
     max_rounds: int
     round_timeout: float
+    max_ungreeted: int  # connections without a HELLO (arrivals.py)
+    hello_timeout: float
     shared: bool  # shared memory with the workers on this host (RS_SHM, where supported)
 
     @property
@@ -97,6 +99,7 @@ class ReducerConfig:
         budget = settings.read("RS_MAX_ACCUMULATOR_BYTES") // count  # the shards share it
         max_peer, max_rounds = settings.read("RS_MAX_PEER_BYTES"), settings.read("RS_MAX_ROUNDS")
         round_timeout = settings.read("RS_TIMEOUT")
+        max_ungreeted, hello_timeout = settings.read("RS_MAX_UNGREETED"), settings.read("RS_HELLO_TIMEOUT")
         _check_budget(budget, max_chunk, count)
         return cls(
             host=host,
@@ -117,6 +120,8 @@ class ReducerConfig:
             max_peer_bytes=max_peer,
             max_rounds=max_rounds,
             round_timeout=round_timeout,
+            max_ungreeted=max_ungreeted,
+            hello_timeout=hello_timeout,
             shared=shared_memory.enabled(),
         )
 

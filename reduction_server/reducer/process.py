@@ -24,7 +24,7 @@ from ..errors import ConfigError, ListenError
 from ..log import NOTICE, event, get_logger
 from ..wire import encryption, gate, protocol
 from ..wire.send_buffers import AcceptedBuffers
-from . import heap
+from . import heap, socket_events
 from .core import Reducer
 from .options import ReducerConfig
 from .shards import Supervisor, port_in_use
@@ -120,41 +120,46 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
     gate.seed_routing_ids()  # before the ROUTER: its first routing id is not every process's (gate.py)
     # Whatever fails from here on (a busy port, a metrics port in use), the socket and context close.
     with zmq.Context() as context, _gate(context, config) as zap, context.socket(zmq.ROUTER) as socket:
-        bound = _listen(socket, config, zap)
-        send_buffers = AcceptedBuffers(bound) if config.sndbuf == settings.SNDBUF_AUTO else None
-        reducer = Reducer(
-            socket,
-            index=config.index,
-            address=f"{config.host}:{bound}",
-            world_size=config.workers,
-            job_token=config.token,
-            max_chunk_bytes=config.max_chunk_bytes,
-            max_accumulator_bytes=config.max_accumulator_bytes,
-            max_peer_bytes=config.max_peer_bytes,
-            max_rounds=config.max_rounds,
-            round_timeout=config.round_timeout,
-            heartbeat_interval=config.heartbeat_interval,
-            liveness_timeout=config.liveness_timeout,
-            deterministic=config.deterministic,
-            encrypt=config.encrypt,
-            shared=config.shared,
-            shard=config.shard_number,
-            shards=config.shards,
-            send_buffers=send_buffers,
-        )
-        try:
-            metrics_at = _serve_metrics(config, reducer)
-            stopping = _stopping()
-            if reducer.metrics is not None:  # it listens: ready until told to stop
-                reducer.metrics.not_ready = lambda: "stopping" if stopping else None
-            _announce(config, reducer, bound, metrics_at, heap_kept)
-            _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and config.shards > 1 else None)
-            reducer.run(lambda: bool(stopping))
-        finally:
-            if reducer.metrics is not None:
-                reducer.metrics.stop()
-            if reducer.results is not None:
-                reducer.results.close()
+        # made before the socket binds: no connection is accepted unseen (arrivals.py)
+        with socket_events.monitoring(socket) as monitor:
+            bound = _listen(socket, config, zap)
+            send_buffers = AcceptedBuffers(bound) if config.sndbuf == settings.SNDBUF_AUTO else None
+            reducer = Reducer(
+                socket,
+                index=config.index,
+                address=f"{config.host}:{bound}",
+                world_size=config.workers,
+                job_token=config.token,
+                max_chunk_bytes=config.max_chunk_bytes,
+                max_accumulator_bytes=config.max_accumulator_bytes,
+                max_peer_bytes=config.max_peer_bytes,
+                max_rounds=config.max_rounds,
+                round_timeout=config.round_timeout,
+                max_ungreeted=config.max_ungreeted,
+                hello_timeout=config.hello_timeout,
+                heartbeat_interval=config.heartbeat_interval,
+                liveness_timeout=config.liveness_timeout,
+                deterministic=config.deterministic,
+                encrypt=config.encrypt,
+                shared=config.shared,
+                shard=config.shard_number,
+                shards=config.shards,
+                send_buffers=send_buffers,
+                monitor=monitor,
+            )
+            try:
+                metrics_at = _serve_metrics(config, reducer)
+                stopping = _stopping()
+                if reducer.metrics is not None:  # it listens: ready until told to stop
+                    reducer.metrics.not_ready = lambda: "stopping" if stopping else None
+                _announce(config, reducer, bound, metrics_at, heap_kept)
+                _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and config.shards > 1 else None)
+                reducer.run(lambda: bool(stopping))
+            finally:
+                if reducer.metrics is not None:
+                    reducer.metrics.stop()
+                if reducer.results is not None:
+                    reducer.results.close()
     return reducer
 
 
@@ -173,6 +178,9 @@ def _listen(socket: zmq.Socket, config: ReducerConfig, zap: Optional[gate.Gate] 
     socket.setsockopt(zmq.LINGER, 0)
     # libzmq drops a connection whose message exceeds this: a bogus size is never allocated.
     socket.setsockopt(zmq.MAXMSGSIZE, config.max_chunk_bytes + protocol.HEADER_SIZE)
+    # Connections without a HELLO are closed after RS_HELLO_TIMEOUT (arrivals.py); libzmq drops one
+    # still in its handshake twice as late, should a flood have overrun the socket monitor's queue.
+    socket.setsockopt(zmq.HANDSHAKE_IVL, int(2 * config.hello_timeout * 1000))
     if config.sndbuf > 0:  # before bind: libzmq copies a socket's options into its listener and each connection
         socket.setsockopt(zmq.SNDBUF, config.sndbuf)
     protocol.set_heartbeats(socket, config.heartbeat_interval, config.liveness_timeout)
