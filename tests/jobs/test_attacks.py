@@ -239,11 +239,11 @@ def test_an_impostor_at_a_reducers_address_cannot_stream_gibs_into_a_worker():
     finally:
         impostor.close()
     assert impostor.hellos, "the worker never greeted the impostor"
-    text = str(info.value)
-    assert "closed before an answer to HELLO" in text and "RS_CHUNK_BYTES" in text, text
     # Each connection was cut at the frame's announced size: at most the kernel's socket buffers got through.
     assert impostor.sent and max(impostor.sent) < 32 * MiB, impostor.sent
     assert rss.peak - rss.before < 64 * MiB, f"RSS {rss.before / MiB:.0f} -> peak {rss.peak / MiB:.0f} MiB"
+    text = str(info.value)
+    assert "closed before an answer to HELLO" in text and "RS_CHUNK_BYTES" in text, text
 
 
 # -- item 7: connections that never say HELLO ----------------------------------------------------
