@@ -51,12 +51,14 @@ PLACEMENT = (
 _references: Dict[str, List[dict]] = {}
 
 
-def needs(*packages: str) -> None:
-    """Skip, naming what to install, unless each package is importable (found, not imported: the
-    frameworks take seconds to import, and only the jobs need them)."""
+def needs(*packages: str, install: Optional[str] = None) -> None:
+    """Skip, naming what to install (`install`: the pip arguments, where the test extra lacks
+    them), unless each package is importable (found, not imported: the frameworks take seconds to
+    import, and only the jobs need them)."""
     for package in ("torch", *packages):
         if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{package} is not installed (pip install {package}, or pip install '.[test]')")
+            how = f"pip install {install}" if install else f"pip install {package}, or pip install '.[test]'"
+            pytest.skip(f"{package} is not installed ({how})")
 
 
 def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
