@@ -8,8 +8,8 @@ own part of the data (asserted), so ranks whose gradients were not all-reduced w
 
 - PyTorch Lightning: DDPStrategy(process_group_backend=...) with Lightning's own launcher (it
   starts rank 1 itself, as `_SubprocessScriptLauncher` does on CPU with devices=2) and under
-  torchrun; ModelParallelStrategy (FSDP2 fully_shard) on CPU. (FSDPStrategy, FSDP1, refuses a CPU
-  accelerator in Lightning itself.)
+  torchrun; ModelParallelStrategy (FSDP2 fully_shard) on CPU, with both launchers too. (FSDPStrategy,
+  FSDP1, refuses a CPU accelerator in Lightning itself.)
 - Hugging Face Accelerate on CPU: the group initialised first, then Accelerator(cpu=True);
   Accelerate's own InitProcessGroupKwargs(backend=) is refused on CPU (asserted, as documented).
 - Hugging Face Transformers' Trainer: the group initialised first, ddp_backend unset; its
@@ -60,6 +60,13 @@ def test_lightning_fsdp2_model_parallel_strategy_on_cpu(tmp_path, tmp_path_facto
     gloo = reference("lightning fsdp2", lambda out: lightning("gloo", "fsdp2", out), tmp_path_factory)
     out = tmp_path / "out"
     check(on_reducers(lightning("reduction_server", "fsdp2", out), out), gloo)
+
+
+def test_lightning_fsdp2_model_parallel_strategy_under_torchrun(tmp_path, tmp_path_factory):
+    needs("lightning")
+    gloo = reference("lightning fsdp2", lambda out: lightning("gloo", "fsdp2", out), tmp_path_factory)
+    out = tmp_path / "out"
+    check(on_reducers(torchrun("trainer_lightning.py", "reduction_server", "fsdp2", str(out)), out), gloo)
 
 
 # --- Hugging Face Accelerate ----------------------------------------------------------------------
