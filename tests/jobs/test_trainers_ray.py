@@ -29,9 +29,15 @@ TIMEOUT = 360
 def test_ray_train_torch_trainer_with_env_vars_only(tmp_path):
     needs("ray", "pyarrow", "pandas", install="'ray[train]'")
     # Ray's session files (with sockets, whose paths must stay short) in a folder of this test; the
-    # cluster's token given, so that Ray writes none to ~/.ray
+    # cluster's token given, so that Ray writes none to ~/.ray; the cluster on loopback (Ray's
+    # one-host mode, its default on Windows and macOS: node address 127.0.0.1, servers bound there)
     with tempfile.TemporaryDirectory(prefix="rs-ray-") as ray_tmp:
-        ray = {"RAY_TMPDIR": ray_tmp, "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
+        ray = {
+            "RAY_TMPDIR": ray_tmp,
+            "RAY_AUTH_TOKEN": secrets.token_hex(16),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         command = [sys.executable, str(SCRIPTS / "trainer_ray.py"), str(tmp_path), "gloo", "reduction_server"]
         results = on_reducers(command, tmp_path / "reduction_server", ray, TIMEOUT)
     gloo = written(tmp_path / "gloo")
