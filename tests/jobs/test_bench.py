@@ -392,7 +392,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     [
         (
             ["kernels", "--rounds", "3"],
-            "--rounds is for the loopback, netem, ddp, collectives and failover suites, not kernels",
+            "--rounds is for the loopback, netem, ddp, collectives, failover and sizing suites, not kernels",
         ),
         (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
         (
