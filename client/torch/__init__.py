@@ -22,6 +22,11 @@ For jobs that keep gloo or nccl as their process group, the same all-reduce is a
     ddp.register_comm_hook(state, reduction_server_hook)          # or reduction_server_fp16_hook,
                                                                    #    reduction_server_bf16_hook
 
+and int8 blocks with error feedback, on this backend or another (hooks.py)::
+
+    state = ReductionServerInt8HookState.for_process_group()      # or .from_env() over gloo/nccl
+    ddp.register_comm_hook(state, reduction_server_int8_hook)
+
 Rendezvous: with MASTER_ADDR/MASTER_PORT set, ``init_process_group`` works as for any backend
 (torchrun). Without them, the ``env://`` rendezvous takes rank and world size from the
 arguments, RANK/WORLD_SIZE or the package's discovery (RS_RANK, CLUSTER_SPEC, TF_CONFIG, ...)
@@ -35,9 +40,11 @@ The adapter's modules: docs/design.md, "Where each concept lives".
 
 from .hooks import (
     ReductionServerHookState,
+    ReductionServerInt8HookState,
     reduction_server_bf16_hook,
     reduction_server_fp16_hook,
     reduction_server_hook,
+    reduction_server_int8_hook,
 )
 from .process_group import BACKEND_NAME, ReductionServerProcessGroup, create_backend
 from .rendezvous import register
@@ -46,12 +53,14 @@ from .tensors import Staged, torch_reduce_op
 __all__ = [
     "BACKEND_NAME",
     "ReductionServerHookState",
+    "ReductionServerInt8HookState",
     "ReductionServerProcessGroup",
     "Staged",
     "create_backend",
     "reduction_server_bf16_hook",
     "reduction_server_fp16_hook",
     "reduction_server_hook",
+    "reduction_server_int8_hook",
     "torch_reduce_op",
 ]
 

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
@@ -15,13 +16,17 @@ if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 import reduction_server.client.torch as rst  # noqa: E402
+from helpers import int8_blocks as ref  # noqa: E402
 from helpers.cluster import SCRIPTS, once, reducers, run_example, run_workers  # noqa: E402
 from helpers.devices import TOLERANCE, label, on_device  # noqa: E402
 from helpers.ports import free_ports  # noqa: E402
 from reduction_server.client.torch import tensors as rst_tensors  # noqa: E402
+from reduction_server.config import settings  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 import torch_model  # noqa: E402
+
+F32 = np.float32
 
 
 def reference(world):
@@ -42,7 +47,7 @@ def close(a, b, tol):
 # following gloo group (C code; not yet explained), so the DDP setups go first. On a GPU machine
 # two ranks share its GPU.
 JOBS = {
-    (2, "cpu"): (1, ["gloo", "rs", "hook", "fp16", "ops", "overlap"]),
+    (2, "cpu"): (1, ["gloo", "rs", "hook", "fp16", "int8", "ops", "overlap"]),
     (3, "cpu"): (2, ["gloo", "rs", "hook", "bf16", "ops"]),
     (2, "cuda"): (1, ["gloo", "rs", "hook", "fp16", "bf16", "ops"]),
 }
@@ -106,6 +111,41 @@ def test_ddp_matches_single_process_and_gloo(job):
             ok, err = close(final[setup], final["gloo"], (loose, loose))
             assert ok, f"{setup} hook vs gloo: max error {err}"
             assert final[setup] != final["gloo"], f"the {setup} hook did not compress"
+
+
+def test_int8_hook_is_the_decode_average_encode_of_each_ranks_gradients_plus_its_residual():
+    """The int8 hook on the reduction_server group (over its Communicator), bucket by bucket and
+    step by step, against the NumPy reference: each rank's gradients plus its residual encoded,
+    the reducers' float32 average encoded once; the residual is what encoding lost, and carried
+    to the next step, also across DDP's bucket rebuild after the first iteration."""
+    results = run_job((2, "cpu"))
+    block = settings.read("RS_INT8_BLOCK")
+    sizes = {name: p.numel() for name, p in torch_model.make_model(seed=0).named_parameters()}
+    records = [r["int8"]["buckets"] for r in results]
+    layouts = [b["params"] for b in records[0]]
+    # DDP's first iteration: one bucket of every parameter; then the same buckets, rebuilt by bucket_cap_mb
+    first, rebuilt = layouts[0], layouts[1:]
+    per_step = len(rebuilt) // (torch_model.STEPS - 1)
+    assert sorted(first) == sorted(sizes) and per_step > 1, layouts
+    assert rebuilt == rebuilt[:per_step] * (torch_model.STEPS - 1), layouts
+    assert sorted(name for names in rebuilt[:per_step] for name in names) == sorted(sizes)
+    residuals = [{name: np.zeros(n, F32) for name, n in sizes.items()} for _ in results]
+    for step in zip(*records):
+        names = step[0]["params"]
+        sent = []
+        for rank, got in enumerate(step):
+            assert got["params"] == names
+            corrected = np.array(got["grad"], F32) + np.concatenate([residuals[rank][name] for name in names])
+            sent.append(ref.encode(corrected, block))
+            lost = corrected - ref.decode(sent[-1], corrected.size, block)
+            assert np.array_equal(np.array(got["residual"], F32), lost), (rank, names)
+            residuals[rank].update(zip(names, np.split(lost, np.cumsum([sizes[name] for name in names])[:-1])))
+        average = ref.reduced(sent, corrected.size, block, average=True)
+        want = ref.decode(ref.encode(average, block), average.size, block)
+        for got in step:
+            assert np.array_equal(np.array(got["out"], F32), want), names
+    first = np.array(records[0][0]["residual"], F32)
+    assert np.abs(first).max() > 0, "the first step's residual (carried over the rebuild) is all zeros"
 
 
 def test_bucket_all_reduce_overlaps_backward():

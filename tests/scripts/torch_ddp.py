@@ -5,8 +5,10 @@ against backward), and DDP setups, each training the same small model on this ra
 fixed batch and reporting the weights after DDP construction and at the end.
 
 Setups: "gloo" (gloo process group), "rs" (init_process_group("reduction_server")), "hook",
-"fp16", "bf16" (gloo process group with the reduction_server comm hooks). Ranks seed their
-models differently, so identical starting weights show DDP's initial broadcast worked.
+"fp16", "bf16" (gloo process group with the reduction_server comm hooks), "int8" (the
+reduction_server group with the int8 hook over its Communicator; every bucket's gradients, result
+and residual recorded). Ranks seed their models differently, so identical starting weights show
+DDP's initial broadcast worked.
 """
 
 import json
@@ -31,8 +33,32 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
+def recording(state, buckets, model):
+    """The int8 hook, recording each bucket's parameters, gradients (before the hook adds the
+    residual), result and residual."""
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def hook(state, bucket):
+        grad = bucket.buffer().clone()
+        params = [names[id(p)] for p in bucket.parameters()]
+        assert sum(p.numel() for p in bucket.parameters()) == grad.numel(), "a padded bucket"
+        future = rst.reduction_server_int8_hook(state, bucket)
+
+        def record(done):
+            out = done.value()
+            residual = state.residual(bucket)
+            buckets.append(
+                {"params": params, "grad": grad.tolist(), "out": out.tolist(), "residual": residual.tolist()}
+            )
+            return out
+
+        return future.then(record)
+
+    return hook
+
+
 def run(setup, spec, rank, world):
-    backend = "reduction_server" if setup == "rs" else "gloo"
+    backend = "reduction_server" if setup in ("rs", "int8") else "gloo"
     env_before = dict(os.environ)
     if setup == "rs" and spec.get("rs_without_master"):
         os.environ.pop("MASTER_ADDR", None)  # the discovery-only rendezvous (no TCP store)
@@ -53,6 +79,10 @@ def run(setup, spec, rank, world):
             "bf16": rst.reduction_server_bf16_hook,
         }[setup]
         ddp.register_comm_hook(state, hook)
+    buckets = []
+    if setup == "int8":
+        state = rst.ReductionServerInt8HookState.for_process_group()
+        ddp.register_comm_hook(state, recording(state, buckets, model))
     initial = flat(model)
     x, y = batch(world)
     per = x.shape[0] // world
@@ -63,6 +93,8 @@ def run(setup, spec, rank, world):
         "before": before,
         "buffers": {k: v.tolist() for k, v in model.named_buffers()},
     }
+    if buckets:
+        result["buckets"] = buckets
     if state is not None:
         state.close()
     dist.destroy_process_group()
