@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bucket-mib", type=float, default=25.0, help="--simulate: DDP's bucket_cap_mb or Horovod's fusion threshold"
     )
     size.add_argument(
-        "--compression", default="none", help="--simulate: the gradient's wire format: none (float32) or fp16"
+        "--compression", default="none", help="--simulate: the gradient's wire format: none (float32), fp16 or int8"
     )
     size.add_argument("--json", action="store_true", help="--simulate: the prediction as JSON")
     size.add_argument("--plot", default=None, metavar="FILE.svg", help="--simulate: draw time against R as SVG")

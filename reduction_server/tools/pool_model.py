@@ -76,12 +76,14 @@ def binding(limits: Dict[str, float]) -> Tuple[str, float]:
 
 
 def allreduce(
-    net: Network, elements: int, itemsize: int, planner: Planner, chunking: Chunking, costs: Costs = MEASURED
+    net: Network, elements: int, itemsize: float, planner: Planner, chunking: Chunking, costs: Costs = MEASURED
 ) -> Timing:
-    """One all-reduce of `elements` elements of `itemsize` bytes through net's R reducer hosts."""
+    """One all-reduce of `elements` elements of `itemsize` bytes (on average) through net's R
+    reducer hosts."""
     if elements < 1:
         return Timing(0.0, 0.0, "nothing to send")
-    spans = planner(elements, itemsize, net.reducers, chunking.chunk_bytes, chunking.depth)
+    # The Communicator plans an int8 element as its byte; its block's scale rides along.
+    spans = planner(elements, int(itemsize), net.reducers, chunking.chunk_bytes, chunking.depth)
     n = len(spans)
     payload = elements * itemsize
     chunk = spans[0][1] * itemsize

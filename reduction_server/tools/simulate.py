@@ -126,7 +126,7 @@ def as_json(job: Job, rows: Sequence[Row], costs: Costs = MEASURED) -> Dict:
     near = smallest_near_best(rows)
     return {
         "workers": job.network.workers,
-        "gradient_bytes": job.elements * job.fmt.itemsize,
+        "gradient_bytes": round(job.elements * job.fmt.itemsize),
         "format": job.fmt.name,
         "chunks": {"chunk_bytes": job.chunking.chunk_bytes, "depth": job.chunking.depth, "window": job.chunking.window},
         "reducers_within_5pct": near.reducers,

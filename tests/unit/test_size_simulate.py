@@ -29,7 +29,7 @@ def run(capsys, *args: str):
         (["--mib", "64", "--reducers", "0"], "each count must be in 1..4096"),
         (["--mib", "64", "--reducers", "a lot"], "expected a count, a range like 1-32"),
         (["--model", "gpt-9"], "unknown --model 'gpt-9'; choose from resnet50, bert-large, 7b, 70b"),
-        (["--mib", "64", "--compression", "zip"], "unknown --compression 'zip'; choose from none, fp16"),
+        (["--mib", "64", "--compression", "zip"], "unknown --compression 'zip'; choose from none, fp16, int8"),
         ([], "--mib or --model"),
         (["--mib", "1", "--model", "7b"], "--mib or --model"),
         (["--mib", "64", "--plot", "out.png"], "--plot writes SVG"),
@@ -63,6 +63,29 @@ def test_json_carries_the_documented_keys_for_each_r(capsys):
     # 25 reducers all-reduce faster than one, and the ring is the same for every R
     assert doc["rows"][24]["allreduce_s"] < doc["rows"][0]["allreduce_s"] / 2
     assert len({row["ring_s"] for row in doc["rows"]}) == 1
+
+
+def test_int8_sizes_the_pool_by_a_byte_an_element_and_its_blocks_scales(capsys):
+    """--compression int8: 1 + 4/B bytes an element (B: RS_INT8_BLOCK's default), so a link-bound
+    all-reduce takes about a quarter of float32's time."""
+    from reduction_server.config.settings import DEFAULT_INT8_BLOCK
+    from reduction_server.wire.formats import block_bytes
+
+    docs = {}
+    for name in ("none", "int8"):
+        code, out, _ = run(
+            capsys, "--mib", "64", "--worker-gbps", "10", "--reducers", "64", "--compression", name, "--json"
+        )
+        assert code == 0
+        docs[name] = json.loads(out)
+    elements = 64 << 18
+    assert docs["none"]["gradient_bytes"] == 4 * elements
+    assert docs["int8"]["format"] == "int8"
+    assert docs["int8"]["gradient_bytes"] == block_bytes(elements, DEFAULT_INT8_BLOCK)
+    (none,), (int8,) = docs["none"]["rows"], docs["int8"]["rows"]
+    assert none["binds"] == int8["binds"] == "worker link"
+    ratio = int8["allreduce_s"] / none["allreduce_s"]
+    assert abs(ratio - (1 + 4 / DEFAULT_INT8_BLOCK) / 4) < 0.01, ratio
 
 
 def test_the_text_says_which_limit_binds_and_the_plot_is_svg(capsys, tmp_path: Path):
