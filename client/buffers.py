@@ -55,7 +55,11 @@ def _as_ndarray(x: Any, what: str) -> tuple:
 
 
 def wire_view(x: Any, *, writable: bool = False, what: str = "input") -> WireBuffer:
-    """A byte view of x without copying; errors name what was wrong."""
+    """A byte view of x without copying (x itself when it is one already); errors name what was wrong."""
+    if isinstance(x, WireBuffer):
+        if writable and x.data.readonly:
+            raise ValueError(f"{what} is read-only; the result needs a writable buffer")
+        return x
     arr, dtype = _as_ndarray(x, what)
     if not arr.flags.c_contiguous:
         raise ValueError(

@@ -262,20 +262,26 @@ def submit(
     process_set: Optional[ProcessSet] = None,
     splits: Sequence[int] = (),
     type_name: str = "",
+    compression: str = "",
+    residual: Optional[np.ndarray] = None,
 ) -> Future:
     """Start one named collective of NumPy arrays among `process_set` (default: every rank);
     `root` is a global rank, `splits` alltoall's rows for each rank. The Future's value is the
     gathered array for allgather, (rows received, rows from each rank) for alltoall, None for
     the others, which leave their result in `out` (reducescatter: the whole reduction).
     `type_name`: the framework's name for the dtype, checked across ranks where the wire's
-    dtype would not show it (bytes). A collective that cannot start raises HorovodInternalError."""
+    dtype would not show it (bytes). `compression`: an allreduce's wire format ("int8"), every
+    rank the same; `residual`: a float32 array of send's size that gets what compressing it
+    lost (error feedback). A collective that cannot start raises HorovodInternalError."""
     coord = coordinator(process_set)
     wire = wire_view(send, what=f"tensor {name!r}")
     local_root = set_root(process_set, root) if kind == BROADCAST else 0
-    request = Request(name, kind, wire.dtype, tuple(np.shape(send)), op, local_root, type_name, tuple(splits))
+    request = Request(
+        name, kind, wire.dtype, tuple(np.shape(send)), op, local_root, type_name, tuple(splits), compression
+    )
     dst = None if out is None else wire_view(out, writable=True, what=f"output of {name!r}")
     with as_horovod_errors():
-        return coord.submit(request, wire, dst)
+        return coord.submit(request, wire, dst, residual)
 
 
 def run(

@@ -23,6 +23,8 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from reduction_server.config import settings
 from reduction_server.errors import CollectiveError
 
@@ -104,10 +106,17 @@ class Coordinator:
         return counter()
 
     # -- submission (any thread) -----------------------------------------------------------
-    def submit(self, request: Request, send: Optional[WireBuffer], out: Optional[WireBuffer]) -> Future:
+    def submit(
+        self,
+        request: Request,
+        send: Optional[WireBuffer],
+        out: Optional[WireBuffer],
+        residual: Optional[np.ndarray] = None,
+    ) -> Future:
         """Queue one named collective; the Future's value is `out`'s owner-free result: for
-        allreduce and broadcast None (the result is in `out`), for allgather a new array."""
-        mine = Submission(request, send, out)
+        allreduce and broadcast None (the result is in `out`), for allgather a new array.
+        `residual`: see Submission."""
+        mine = Submission(request, send, out, residual)
         with self._lock:
             if self._stopping:
                 raise CollectiveError(

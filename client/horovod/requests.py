@@ -10,6 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
+
 from reduction_server.wire.protocol import DType, ReduceOp
 
 from ..buffers import WireBuffer
@@ -37,6 +39,7 @@ class Request:
     root: int = 0
     type_name: str = ""  # the framework's name for the dtype (torch.bool travels as uint8)
     splits: Tuple[int, ...] = ()  # alltoall: rows of the first dimension for each rank, in rank order
+    compression: str = ""  # an allreduce's format on the wire ("int8"), "" for the tensor's own
 
     def encode(self) -> list:
         """The request as a JSON-able list, as it travels in the negotiation (decode() reverses it)."""
@@ -49,13 +52,14 @@ class Request:
             self.root,
             self.type_name,
             list(self.splits),
+            self.compression,
         ]
 
     @classmethod
     def decode(cls, item: list) -> "Request":
         """The Request an encode() list describes."""
-        name, kind, dtype, shape, op, root, type_name, splits = item
-        return cls(name, kind, DType(dtype), tuple(shape), ReduceOp(op), root, type_name, tuple(splits))
+        name, kind, dtype, shape, op, root, type_name, splits, compression = item
+        return cls(name, kind, DType(dtype), tuple(shape), ReduceOp(op), root, type_name, tuple(splits), compression)
 
     @property
     def rows(self) -> int:
@@ -84,6 +88,7 @@ class Submission:
     request: Request
     send: Optional[WireBuffer]
     out: Optional[WireBuffer]
+    residual: Optional[np.ndarray] = None  # float32: gets what compressing `send` lost (error feedback)
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -95,6 +100,7 @@ def disagreement(name: str, requests: Mapping[int, Request]) -> Optional[str]:
         ("kind", lambda r: r.kind),
         ("dtype", lambda r: r.type_name or r.dtype.name.lower()),
         ("op", lambda r: r.op.name.lower() if r.kind in REDUCING else ""),
+        ("compression", lambda r: r.compression or "none"),
         ("root", lambda r: r.root if r.kind == BROADCAST else 0),
         ("shape", lambda r: list(r.shape[1:]) if r.kind in RAGGED else list(r.shape)),
         ("rank", lambda r: len(r.shape) if r.kind in RAGGED else 0),

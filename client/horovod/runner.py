@@ -72,7 +72,8 @@ class Runner:
                 if batch:
                     head = batch[0].request
                     fused_bytes = (count + n) * req.dtype.itemsize
-                    if (head.dtype, head.op) != (req.dtype, req.op) or fused_bytes > max(self.threshold, 1):
+                    same = (head.dtype, head.op, head.compression) == (req.dtype, req.op, req.compression)
+                    if not same or fused_bytes > max(self.threshold, 1):
                         self._flush(batch, count)
                         batch, count = [], 0
                 batch.append(mine)
@@ -105,9 +106,10 @@ class Runner:
             return
         req = batch[0].request
         if len(batch) == 1:
-            self._start(batch, batch[0].send, batch[0].out, req.op, 0)
+            mine = batch[0]
+            self._start(batch, mine.send, mine.out, req.op, 0, compression=req.compression, residual=mine.residual)
             return
-        trace = self._trace(batch)
+        trace = None if req.compression else self._trace(batch)
         size = req.dtype.itemsize
         fused = self._buffer(total * size)
         offset = 0
@@ -119,7 +121,14 @@ class Runner:
         if trace is not None:
             trace.copied(copy_started)
         wire = WireBuffer(req.dtype, total, memoryview(fused[: total * size]))
-        self._start(batch, wire, wire, req.op, 0, fused, trace=trace)
+        residual = np.zeros(total, np.float32) if any(m.residual is not None for m in batch) else None
+        self._start(batch, wire, wire, req.op, 0, fused, trace=trace, compression=req.compression, residual=residual)
+        if residual is not None:  # written before the start returned: each tensor's part
+            offset = 0
+            for m in batch:
+                if m.residual is not None:
+                    m.residual[:] = residual[offset : offset + m.request.count]
+                offset += m.request.count
 
     def _trace(self, batch: List[Submission]) -> Optional[Trace]:
         """The timeline record of a batch's collective, named after its tensors as Horovod names
@@ -145,14 +154,26 @@ class Runner:
         fused: Optional[np.ndarray] = None,
         result: Optional[Callable[[], Any]] = None,
         trace: Optional[Trace] = None,
+        compression: str = "",
+        residual: Optional[np.ndarray] = None,
     ) -> None:
-        """Start one collective for `batch`; its Futures get `result()` (None without it) once done."""
-        if trace is None and len(batch) == 1:
+        """Start one collective for `batch`; its Futures get `result()` (None without it) once
+        done. With `compression`, an all-reduce in that format (not on the timeline), what
+        compressing lost written into `residual` before this returns."""
+        if trace is None and len(batch) == 1 and not compression:
             trace = self._trace(batch)
         try:
-            handle = self.comm._start(
-                send if op is not ReduceOp.BROADCAST or self.rank == root else None, out, op, root, None, trace=trace
-            )
+            if compression:
+                handle = self.comm.all_reduce_async(send, op, out, compression=compression, residual=residual)
+            else:
+                handle = self.comm._start(
+                    send if op is not ReduceOp.BROADCAST or self.rank == root else None,
+                    out,
+                    op,
+                    root,
+                    None,
+                    trace=trace,
+                )
         except BaseException as exc:  # noqa: BLE001 - e.g. the communicator has failed
             if trace is not None:
                 trace.timeline.finish(trace, str(exc))

@@ -98,7 +98,38 @@ def collectives(rank, world):
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["mismatch"] = f"{type(exc).__name__}: {exc}"
     out["after_mismatch"] = hvd.allreduce(torch.ones(1), name="after", op=hvd.Sum).tolist()
+    int8_compressed(rank, out)
     return out
+
+
+def int8_inputs(rank):
+    """This rank's inputs of the int8 collectives (the test makes the same): 300 and 768 floats."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(300, generator=g) * 10.0 ** (rank % 3), torch.randn(768, generator=g)
+
+
+def int8_compressed(rank, out):
+    """Compression.int8: allreduce, grouped_allreduce (blocks of 256 whether fused or not), an
+    int64 tensor (sent as it is), ranks that disagree on the compression, and reducescatter."""
+    one, two = (t.to(DEVICE) for t in int8_inputs(rank))
+    summed = hvd.allreduce(one, name="int8", compression=hvd.Compression.int8, op=hvd.Sum)
+    grouped = hvd.grouped_allreduce([two[:256], two[256:]], name="int8.grouped", compression=hvd.Compression.int8)
+    counts = hvd.allreduce(torch.arange(3) + rank, name="int8.int64", compression=hvd.Compression.int8, op=hvd.Sum)
+    out["int8"] = [str(summed.dtype), summed.tolist(), torch.cat(grouped).tolist(), counts.tolist()]
+    for name, call in (
+        (
+            "disagree",
+            lambda: hvd.allreduce(
+                one, name="int8.disagree", compression=[hvd.Compression.int8, hvd.Compression.none][rank % 2]
+            ),
+        ),
+        ("reducescatter", lambda: hvd.reducescatter(one, compression=hvd.Compression.int8)),
+    ):
+        try:
+            call()
+            out[f"int8_{name}"] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[f"int8_{name}"] = f"{type(exc).__name__}: {exc}"
 
 
 def train(rank, world, config):
@@ -117,9 +148,14 @@ def train(rank, world, config):
         opt,
         named_parameters=model.named_parameters(),
         backward_passes_per_step=passes,
-        compression=hvd.Compression.fp16 if config.get("fp16") else hvd.Compression.none,
+        compression=hvd.Compression.int8
+        if config.get("int8")
+        else hvd.Compression.fp16
+        if config.get("fp16")
+        else hvd.Compression.none,
         op=hvd.Sum if summing else hvd.Average,
         gradient_predivide_factor=config.get("predivide", 1.0),
+        error_feedback=config.get("error_feedback", True),
     )
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     x, y = batch(world)
@@ -138,7 +174,10 @@ def train(rank, world, config):
                 opt.step()
         else:
             opt.step()
-    return {"initial": initial, "final": flat(model), "started_before_first_layer": started}
+    residuals = {
+        name: dist_opt._residuals[p].tolist() for name, p in model.named_parameters() if p in dist_opt._residuals
+    }
+    return {"initial": initial, "final": flat(model), "started_before_first_layer": started, "residuals": residuals}
 
 
 def main():

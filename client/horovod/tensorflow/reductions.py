@@ -11,7 +11,7 @@ import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.wire.protocol import ReduceOp
 
-from ..compression import Compression
+from ..compression import Compression, cast_only
 from ..coordinator import ALLREDUCE, REDUCESCATTER
 from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
@@ -29,6 +29,7 @@ def reduce_any(
 ) -> List[Any]:
     """Dense tensors all-reduced together (compressed); IndexedSlices gathered together (op
     Average divides their values by the set's size); None stays None."""
+    cast_only(compression, "TensorFlow's allreduce")
     results = list(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if t is not None and i not in sparse]
@@ -124,6 +125,7 @@ def _scatter(
     prescale: float,
     postscale: float,
 ) -> List[Any]:
+    cast_only(compression, "TensorFlow's reducescatter")
     process_set = process_set_of(process_set)  # checked before a name is taken: every rank takes the same
     names = name_list(REDUCESCATTER, name, len(tensors), grouped)
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]

@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch  # the real torch: absolute import
 
-from ..compression import Compression
+from ..compression import Compression, cast_only
 from ..ops import Average, Sum
 from ..process_sets import ProcessSet, global_process_set
 from .mpi_ops import (
@@ -49,9 +49,12 @@ class _Allreduce(torch.autograd.Function):
         prescale: float,
         postscale: float,
         process_set: ProcessSet,
+        compression: Any,
     ) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale, postscale, process_set))
+        return synchronize(
+            allreduce_async(tensor, average, name, op, prescale, postscale, process_set, compression=compression)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -60,6 +63,7 @@ class _Allreduce(torch.autograd.Function):
             allreduce(
                 grad, average, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
             ),
+            None,
             None,
             None,
             None,
@@ -82,7 +86,9 @@ def allreduce(
     """The reduction of `tensor` over all ranks (Average by default), as a new tensor
     (compressed on the wire); differentiable."""
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    reduced = _Allreduce.apply(
+        compressed, average, name, op, prescale_factor, postscale_factor, process_set, compression
+    )
     return compression.decompress(reduced, ctx)
 
 
@@ -96,15 +102,22 @@ class _GroupedAllreduce(torch.autograd.Function):
         prescale: float,
         postscale: float,
         process_set: ProcessSet,
+        compression: Any,
         *tensors: torch.Tensor,
     ) -> tuple:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale, postscale, process_set)))
+        return tuple(
+            synchronize(
+                grouped_allreduce_async(
+                    tensors, average, name, op, prescale, postscale, process_set, compression=compression
+                )
+            )
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         average, op, prescale, postscale, process_set = ctx.args
-        return (None,) * 6 + tuple(
+        return (None,) * 7 + tuple(
             grouped_allreduce(
                 list(grads),
                 average,
@@ -130,7 +143,7 @@ def grouped_allreduce(
     together (compressed on the wire); differentiable."""
     compressed = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduce.apply(
-        average, name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
+        average, name, op, prescale_factor, postscale_factor, process_set, compression, *[c for c, _ in compressed]
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
@@ -261,6 +274,7 @@ def reducescatter(
 ) -> torch.Tensor:
     """Horovod's hvd.reducescatter: `tensor` reduced over the ranks (Average by default), each
     rank keeping its share of the first dimension; differentiable."""
+    cast_only(compression, "reducescatter")
     compressed, ctx = compression.compress(tensor)
     reduced = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
@@ -297,6 +311,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> List[torch.Tensor]:
     """Horovod's hvd.grouped_reducescatter: reducescatters of a list of tensors, submitted together; differentiable."""
+    cast_only(compression, "grouped_reducescatter")
     compressed = [compression.compress(t) for t in tensors]
     reduced = _GroupedReducescatter.apply(
         name, op, process_set, prescale_factor, postscale_factor, *[c for c, _ in compressed]

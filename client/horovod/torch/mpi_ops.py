@@ -19,6 +19,7 @@ from reduction_server.wire.protocol import ReduceOp
 from ...torch.tensors import Staged
 from .. import shares
 from ..basics import coordinator, rank, submit
+from ..compression import wire_format
 from ..coordinator import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER
 from ..exceptions import as_horovod_errors
 from ..ops import Adasum, Average, resolve_op
@@ -85,9 +86,11 @@ def _submit(
     op: ReduceOp = ReduceOp.SUM,
     root: int = 0,
     splits: Sequence[int] = (),
+    compression: str = "",
+    residual: Optional[torch.Tensor] = None,
 ) -> Any:
     """Submit one named collective of `wire_tensor` (the wire's view of `tensor`) in place; its
-    Future. `root` is a global rank."""
+    Future. `root` is a global rank; `compression` and `residual` as for basics.submit."""
     return submit(
         kind,
         name,
@@ -98,6 +101,8 @@ def _submit(
         process_set=process_set,
         splits=splits,
         type_name=_type_name(tensor),
+        compression=compression,
+        residual=None if residual is None else residual.numpy(),
     )
 
 
@@ -113,13 +118,22 @@ def _reduce(
     postscale: float,
     process_set: Optional[ProcessSet],
     kind: str = ALLREDUCE,
+    compression: Any = None,
+    residual: Optional[torch.Tensor] = None,
 ) -> tuple:
-    """Start reducing `tensor` in place: (its Future, the finishing step that scales it)."""
+    """Start reducing `tensor` in place: (its Future, the finishing step that scales it). Under
+    Compression.int8 a float tensor goes as int8 blocks; `residual` (float32, on the host, of
+    tensor's size) is added to it after the prescale and gets what compressing that lost."""
     integer = not tensor.is_floating_point() and not tensor.is_complex()
     rop, postscale = shares.reduction(resolve_op(op, average), integer, postscale, coordinator(process_set).size)
+    wire = wire_format(compression, tensor)
+    if residual is not None and not (wire and tensor.dtype == torch.float32):
+        raise ValueError(f"{kind} of {name!r}: residual= is for float32 tensors under Compression.int8")
     _scale(tensor, prescale)
     staged = Staged(tensor, f"{kind} tensor {name!r}")
-    future = _submit(kind, name, staged.wire(rop), tensor, process_set, rop)
+    if residual is not None:
+        staged.host.add_(residual.view(staged.host.shape))
+    future = _submit(kind, name, staged.wire(rop), tensor, process_set, rop, compression=wire, residual=residual)
 
     def finish() -> torch.Tensor:
         staged.finish()
@@ -137,10 +151,25 @@ def allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Optional[ProcessSet] = None,
+    *,
+    compression: Any = None,
+    residual: Optional[torch.Tensor] = None,
 ) -> int:
-    """Start an in-place all-reduce of `tensor` (Average by default); a handle for synchronize()/poll()."""
+    """Start an in-place all-reduce of `tensor` (Average by default); a handle for synchronize()/poll().
+    `compression`: Compression.int8 sends a float tensor as int8 blocks (other compressors cast,
+    before this: autograd.py); `residual`: its error feedback (_reduce)."""
     name = name or coordinator(process_set).auto_name(ALLREDUCE)
-    future, finish = _reduce(tensor, name, op, average, prescale_factor, postscale_factor, process_set)
+    future, finish = _reduce(
+        tensor,
+        name,
+        op,
+        average,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        compression=compression,
+        residual=residual,
+    )
     return new_handle([future], finish)
 
 
@@ -152,9 +181,13 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Optional[ProcessSet] = None,
+    *,
+    compression: Any = None,
 ) -> int:
     """Start an all-reduce into a new tensor; `tensor` is left as it is."""
-    return allreduce_async_(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
+    return allreduce_async_(
+        _copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set, compression=compression
+    )
 
 
 def allreduce_(
@@ -184,13 +217,17 @@ def grouped_allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Optional[ProcessSet] = None,
+    *,
+    compression: Any = None,
 ) -> int:
     """Start in-place all-reduces of a list of tensors, submitted together (so fused together
     when they fit the fusion threshold); synchronize() returns the list."""
     name = name or coordinator(process_set).auto_name("grouped_allreduce")
     return _grouped(
         [
-            allreduce_async_(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
+            allreduce_async_(
+                t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set, compression=compression
+            )
             for i, t in enumerate(tensors)
         ]
     )
@@ -204,11 +241,20 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Optional[ProcessSet] = None,
+    *,
+    compression: Any = None,
 ) -> int:
     """Horovod's hvd.grouped_allreduce_async: start all-reducing copies of `tensors`, which are
     left as they are; synchronize() returns the list of results."""
     return grouped_allreduce_async_(
-        [_copy(t) for t in tensors], average, name, op, prescale_factor, postscale_factor, process_set
+        [_copy(t) for t in tensors],
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        compression=compression,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch  # the real torch: absolute import
 
 from .. import elastic
-from ..compression import Compression
+from ..compression import Compression, wire_format
 from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
 from .mpi_ops import allreduce_async_, synchronize
@@ -31,6 +31,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
         process_set: ProcessSet,
+        error_feedback: bool = True,
     ) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is not None:
@@ -62,6 +63,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if op != Average and gradient_predivide_factor != 1.0:  # Horovod's rule, and its words
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         self._compression = compression
+        self._error_feedback = error_feedback
+        #: parameter -> what compressing its last gradient lost (float32, host), for Compression.int8
+        self._residuals: Dict[torch.Tensor, torch.Tensor] = {}
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
         self._parameter_names = {p: n for n, p in named if id(p) in ours}
@@ -122,8 +126,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             prescale_factor=prescale,
             postscale_factor=postscale,
             process_set=self._process_set,
+            compression=self._compression,
+            residual=self._residual(p, compressed),
         )
         return handle, (compressed, ctx)
+
+    def _residual(self, p: torch.Tensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """p's error feedback residual when its gradient goes as int8 blocks (float32 ones only)."""
+        if not (self._error_feedback and wire_format(self._compression, grad) and grad.dtype == torch.float32):
+            return None
+        residual = self._residuals.get(p)
+        if residual is None or residual.numel() != grad.numel():
+            residual = self._residuals[p] = torch.zeros(grad.numel(), dtype=torch.float32)
+        return residual
 
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce, starting those backward did not reach (a
@@ -198,11 +213,14 @@ def DistributedOptimizer(
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
+    error_feedback: bool = True,
 ) -> torch.optim.Optimizer:
     """`optimizer`, whose step() first averages (op) the gradients over all ranks (of
     `process_set`). Each gradient's all-reduce starts as soon as backward has produced it, fused
     with its neighbours up to HOROVOD_FUSION_THRESHOLD; sparse gradients are gathered (or
-    densified and all-reduced with `sparse_as_dense`)."""
+    densified and all-reduced with `sparse_as_dense`). Under `compression=Compression.int8`,
+    `error_feedback` adds to each float32 gradient what compressing its last one lost (EF-SGD;
+    a float32 residual per parameter on the host)."""
     if num_groups or groups:
         warnings.warn("num_groups/groups are ignored: the reduction server fuses by the fusion threshold", stacklevel=2)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
@@ -215,4 +233,5 @@ def DistributedOptimizer(
         gradient_predivide_factor,
         sparse_as_dense,
         process_set,
+        error_feedback,
     )
