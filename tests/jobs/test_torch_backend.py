@@ -49,7 +49,7 @@ def close(a, b, tol):
 JOBS = {
     (2, "cpu"): (1, ["gloo", "rs", "hook", "fp16", "int8", "ops", "overlap"]),
     (3, "cpu"): (2, ["gloo", "rs", "hook", "bf16", "ops"]),
-    (2, "cuda"): (1, ["gloo", "rs", "hook", "fp16", "bf16", "ops"]),
+    (2, "cuda"): (1, ["gloo", "rs", "hook", "fp16", "bf16", "int8", "ops"]),
 }
 _results = {}
 
@@ -113,12 +113,14 @@ def test_ddp_matches_single_process_and_gloo(job):
             assert final[setup] != final["gloo"], f"the {setup} hook did not compress"
 
 
-def test_int8_hook_is_the_decode_average_encode_of_each_ranks_gradients_plus_its_residual():
+@pytest.mark.parametrize("key", [(2, "cpu"), (2, "cuda")], ids=label)
+def test_int8_hook_is_the_decode_average_encode_of_each_ranks_gradients_plus_its_residual(key):
     """The int8 hook on the reduction_server group (over its Communicator), bucket by bucket and
     step by step, against the NumPy reference: each rank's gradients plus its residual encoded,
     the reducers' float32 average encoded once; the residual is what encoding lost, and carried
-    to the next step, also across DDP's bucket rebuild after the first iteration."""
-    results = run_job((2, "cpu"))
+    to the next step, also across DDP's bucket rebuild after the first iteration (CUDA buckets:
+    through the pinned host buffers)."""
+    results = run_job(key)
     block = settings.read("RS_INT8_BLOCK")
     sizes = {name: p.numel() for name, p in torch_model.make_model(seed=0).named_parameters()}
     records = [r["int8"]["buckets"] for r in results]
@@ -144,6 +146,10 @@ def test_int8_hook_is_the_decode_average_encode_of_each_ranks_gradients_plus_its
         want = ref.decode(ref.encode(average, block), average.size, block)
         for got in step:
             assert np.array_equal(np.array(got["out"], F32), want), names
+    assert (
+        "for_process_group needs a reduction_server process group, not a ProcessGroupGloo"
+        in (results[0]["hook"]["refused"])
+    )
     first = np.array(records[0][0]["residual"], F32)
     assert np.abs(first).max() > 0, "the first step's residual (carried over the rebuild) is all zeros"
 
