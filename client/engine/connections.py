@@ -255,15 +255,8 @@ class Connections:
         self.slots.welcomed(e, welcome)
         self._tell_groups(e, list(self.groups))
 
-    def readmitted(self, e: int, welcome: dict, max_chunk_bytes: int) -> None:
-        """Endpoint e admitted this worker again after it was lost."""
-        limit = int(welcome.get("max_chunk_bytes", max_chunk_bytes))
-        if limit < max_chunk_bytes:  # the ranks' chunk plans would no longer agree
-            return self.refuse(
-                e,
-                f"{self.name(e)} came back with a smaller chunk limit ({limit} < "
-                f"{max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job",
-            )
+    def readmitted(self, e: int, welcome: dict) -> None:
+        """Endpoint e admitted this worker again after it was lost (its WELCOME agrees with the job's)."""
         del self.down[e]
         self.admitted(e, welcome)
         self.event("reducer_readmitted", e)

@@ -46,6 +46,10 @@ class Handshake:
         self.max_chunk_bytes = 1 << 62
         #: how many shards each endpoint's reducer runs, as its WELCOME said (endpoints.py)
         self.shards = [1] * len(connections.endpoints)
+        #: whether the job's reducers fold in rank order (RS_DETERMINISTIC), and the first endpoint
+        #: whose WELCOME said so: every reducer of a job must fold alike (invariant 5)
+        self.deterministic: Optional[bool] = None
+        self.deterministic_from = 0
 
     def answer_challenge(self, e: int, h: protocol.Header, payload: bytes) -> Optional[str]:
         """Check endpoint e's proof of the job token and, if it holds, send AUTH: this worker's
@@ -172,6 +176,9 @@ class Handshake:
             raise CollectiveError(f"rank {self.me.rank}: {self.unproved_welcome(e)}")
         elif h.type is MsgType.WELCOME:
             welcome = json.loads(text)
+            other = self.folds_otherwise(e, welcome)
+            if other:
+                raise CollectiveError(f"rank {self.me.rank}: {other}")
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(welcome.get("max_chunk_bytes", self.max_chunk_bytes)))
             self.shards[e] = self._shard_count(e, welcome)
             self.connections.admitted(e, welcome)
@@ -179,6 +186,37 @@ class Handshake:
         elif h.type in (MsgType.REJECT, MsgType.ERROR):
             raise CollectiveError(f"rank {self.me.rank}: {name} refused this worker: {text.decode(errors='replace')}")
         return False
+
+    def folds_otherwise(self, e: int, welcome: dict) -> Optional[str]:
+        """Why endpoint e's WELCOME cannot be the job's: it folds in another order than the
+        reducers that welcomed this worker before (one in rank order, RS_DETERMINISTIC=1, and one
+        not), so that results would no longer be bitwise reproducible; None when it folds alike
+        (the first WELCOME sets the job's mode)."""
+        deterministic = welcome.get("deterministic") is True
+        if self.deterministic is None:
+            self.deterministic, self.deterministic_from = deterministic, e
+            return None
+        if deterministic == self.deterministic:
+            return None
+        names = self.connections.name
+        ordered, other = (e, self.deterministic_from) if deterministic else (self.deterministic_from, e)
+        return (
+            f"{names(ordered)} sums in rank order (RS_DETERMINISTIC=1) and {names(other)} does not: "
+            "start every reducer of a job with --deterministic (RS_DETERMINISTIC=1), or none"
+        )
+
+    def came_back_otherwise(self, e: int, welcome: dict) -> Optional[str]:
+        """Why endpoint e, lost and now admitting this worker again, cannot be used again: its
+        WELCOME no longer agrees with what the ranks' chunk plans and results rest on (a smaller
+        chunk limit, or another folding order); None when it can."""
+        limit = int(welcome.get("max_chunk_bytes", self.max_chunk_bytes))
+        if limit < self.max_chunk_bytes:  # the ranks' chunk plans would no longer agree
+            return (
+                f"{self.connections.name(e)} came back with a smaller chunk limit ({limit} < "
+                f"{self.max_chunk_bytes} bytes, RS_MAX_CHUNK_BYTES); restart the job"
+            )
+        other = self.folds_otherwise(e, welcome)
+        return f"{other} (when it came back)" if other else None
 
     def _shard_count(self, e: int, welcome: dict) -> int:
         """How many shards endpoint e's WELCOME says its reducer runs; CollectiveError unless a

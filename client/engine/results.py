@@ -131,7 +131,12 @@ class Results:
                 welcome = json.loads(text)
             except ValueError:
                 welcome = {}
-            conn.readmitted(e, welcome if isinstance(welcome, dict) else {}, self.handshake.max_chunk_bytes)
+            welcome = welcome if isinstance(welcome, dict) else {}
+            otherwise = self.handshake.came_back_otherwise(e, welcome)
+            if otherwise:
+                conn.refuse(e, otherwise)
+            else:
+                conn.readmitted(e, welcome)
         else:
             conn.refuse(e, f"{conn.name(e)} came back but refused this worker: {text.decode(errors='replace')}")
 

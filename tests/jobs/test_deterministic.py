@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -234,3 +235,17 @@ def test_the_reducer_announces_deterministic_mode_and_the_switch_is_validated():
         serve, env=child_env({"RS_DETERMINISTIC": "sometimes"}), capture_output=True, text=True, timeout=30
     )
     assert bad.returncode == 2 and "RS_DETERMINISTIC='sometimes' is not a switch" in bad.stderr, bad.stderr
+
+
+def test_a_worker_whose_reducers_disagree_on_deterministic_mode_fails_at_start_naming_both():
+    """One reducer sums in rank order and the other in arrival order: the job's results would not
+    be reproducible, in their last bits, without a word; the worker refuses to start instead."""
+    from reduction_server import CollectiveError
+
+    with reducers(2, extra_env=DETERMINISTIC) as group:
+        group.signal(1, signal.SIGKILL)
+        group.restart(1, env={**group.env, "RS_DETERMINISTIC": "0"})
+        with pytest.raises(CollectiveError, match="RS_DETERMINISTIC") as failed:
+            rs.Communicator(group.addresses, 0, 1, job_token=TOKEN, connect_timeout=10)
+        text = str(failed.value)
+        assert all(f"reducer {i} ({address})" in text for i, address in enumerate(group.addresses)), text

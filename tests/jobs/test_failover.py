@@ -350,14 +350,15 @@ def test_a_pool_with_no_reducer_left_fails_naming_every_reducer(monkeypatch):
 
 
 @contextlib.contextmanager
-def _rank_0_beside_a_hand_driven_rank_1(monkeypatch):
-    """Two reducers of one process each; rank 0 a Communicator, rank 1 a hand-driven peer at each
-    reducer (helpers/peers.py), both admitted: (group, peers, comm), closed at the end."""
+def _rank_0_beside_a_hand_driven_rank_1(monkeypatch, env: Optional[Dict[str, str]] = None):
+    """Two reducers of one process each (`env` added to theirs); rank 0 a Communicator, rank 1 a
+    hand-driven peer at each reducer (helpers/peers.py), both admitted: (group, peers, comm),
+    closed at the end."""
     import reduction_server.client as rs
     from helpers.peers import Peer
 
     monkeypatch.setenv("RS_HEARTBEAT_INTERVAL", "0.25")
-    with reducers(2, extra_env={**FAST, **ONE_PROCESS}) as group:
+    with reducers(2, extra_env={**FAST, **ONE_PROCESS, **(env or {})}) as group:
         peers = [Peer(address) for address in group.addresses]
         for p in peers:
             p.handshake(1, 2)
@@ -438,6 +439,47 @@ def test_a_reducer_that_comes_back_is_used_from_the_boundary_its_join_names(monk
             step(seq % 2, MsgType.DATA)
         failover = comm._engine.failover
         assert failover.joins == 1 and failover.rejoined_chunks == 2
+
+
+def test_a_reducer_that_comes_back_summing_in_another_order_is_refused(monkeypatch):
+    """In a deterministic job, what admits rank 0 at lost reducer 1's address sums in arrival
+    order (started without --deterministic; or, on a loaded host, another job's reducer that took
+    the freed port and holds the same token). Its sums of 3 or more ranks would differ from the
+    rank-order ones in their last bits, on every rank alike: rank 0 refuses it, naming
+    RS_DETERMINISTIC, and reducer 1's chunks stay with reducer 0."""
+    import numpy as np
+
+    from helpers.peers import data
+    from reduction_server.wire.protocol import MsgType
+
+    n = 64
+    ones = np.ones(n, np.float32)
+    with _rank_0_beside_a_hand_driven_rank_1(monkeypatch, {"RS_DETERMINISTIC": "1"}) as (group, peers, comm):
+
+        def step(seq: int, reducer: int, mtype: MsgType) -> None:
+            handle = comm.all_reduce_async(ones)
+            peers[reducer].send(data(1, 2, seq=seq, count=n, mtype=mtype), ones.tobytes())
+            assert np.array_equal(handle.wait(10), 2 * ones)
+            assert peers[reducer].recv(5)[0].type is MsgType.RESULT
+
+        step(0, 0, MsgType.DATA)
+        step(1, 1, MsgType.DATA)
+        group.signal(1, signal.SIGKILL)
+        peers[1].close()
+        step(2, 0, MsgType.DATA)
+        step(3, 0, MsgType.MOVED)
+        group.restart(1, env={**group.env, "RS_DETERMINISTIC": "0"})
+        engine = comm._engine
+        deadline = time.monotonic() + 10
+        while "RS_DETERMINISTIC" not in engine.connections.down.get(1, ("", True))[0]:  # a test's glimpse
+            assert time.monotonic() < deadline, f"rank 0 did not refuse it: {engine.connections.down.get(1)}"
+            assert 1 not in engine.failover.rejoining, "rank 0 readmitted a reducer that sums in arrival order"
+            time.sleep(0.05)
+        reason = engine.connections.down[1][0]
+        assert "reducer 0 (" in reason and "sums in rank order" in reason and "reducer 1 (" in reason, reason
+        assert 1 not in engine.failover.rejoining and 1 in engine.failover.lost
+        for seq in range(4, 8):  # reducer 1's own chunks (odd seqs) still moved to reducer 0
+            step(seq, 0, MsgType.MOVED if seq % 2 else MsgType.DATA)
 
 
 def test_a_reducer_lost_while_another_awaits_its_join_is_a_loss_like_any_other(monkeypatch):
