@@ -26,8 +26,10 @@ from .ports import REDUCER_PORTS, free_port_range
 from .source_tree import ROOT
 
 SCRIPTS = ROOT / "tests" / "scripts"
-#: the job token of the reducer groups and workers the helpers start, unless a test gives another
-TOKEN = "test-token"
+#: the job token of the reducer groups and workers the helpers start, unless a test gives another;
+#: one per test session, so that a reducer of another session on this host, which took a port one
+#: of ours freed, cannot prove it (nor, the job id coming from it, pass for our job's reducer)
+TOKEN = f"test-token-{os.getpid()}"
 #: for a test of one reducer process itself (hand-driven peers on its one port, its own logs,
 #: metrics or budgets): one shard whatever RS_SHARDS says (conftest.py)
 ONE_PROCESS = {"RS_SHARDS": "1"}
