@@ -44,6 +44,10 @@ log = get_logger("client")
 #: seconds before the engine opens a new connection to an endpoint whose last one failed (libzmq's
 #: own reconnect interval, which it does not use)
 RECONNECT_S = 0.1
+#: seconds between the attempts at an endpoint that came back but refused this worker: the right
+#: reducer may yet answer there (another job's that took its port stopped, or it was restarted as
+#: it should be), and only once every rank is admitted again can the ranks agree to use it (JOIN)
+REFUSED_RETRY_S = 1.0
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | encryption.HANDSHAKE_FAILED
 
 
@@ -201,21 +205,21 @@ class Connections:
         if not closed and not refused:
             return  # a connection made: nothing lost
         down = self.down.get(e)
-        if down is not None and down[1] and refused:
-            self.refuse(e, f"{self.name(e)} came back but refused this worker: {refused}")
-        elif down is None:
+        if down is None:
             self.lose(
                 e,
                 "its connection closed (the process exited, stopped answering heartbeats for "
                 f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
                 reconnect=True,
             )
-        elif down[1]:  # not back yet, or gone again in the middle of the new handshake
-            self.retry_later(e)
+        elif refused:
+            self.refuse(e, f"{self.name(e)} came back but refused this worker: {refused}")
+        else:  # not back yet, or gone again in the middle of the new handshake
+            self.retry_later(e, RECONNECT_S if down[1] else REFUSED_RETRY_S)
 
-    def retry_later(self, e: int) -> None:
-        """Open a new connection to endpoint e after RECONNECT_S."""
-        self.reopen_at[e] = time.monotonic() + RECONNECT_S
+    def retry_later(self, e: int, after: float = RECONNECT_S) -> None:
+        """Open a new connection to endpoint e `after` seconds from now."""
+        self.reopen_at[e] = time.monotonic() + after
 
     def lose(self, e: int, reason: str, *, reconnect: bool) -> None:
         """Endpoint e is gone. With failover and another endpoint in use, its chunks move there
@@ -244,10 +248,13 @@ class Connections:
             self.reopen(e, rejoin=True)
 
     def refuse(self, e: int, reason: str) -> None:
-        """Endpoint e came back but cannot be used again: collectives that need it fail with reason."""
+        """Endpoint e came back but cannot be used: collectives that need it fail with reason until
+        it admits this worker as it should, which is tried every REFUSED_RETRY_S (said once per reason)."""
+        previous = self.down.get(e)
         self.down[e] = (reason, False)
-        self.reopen_at.pop(e, None)
-        self.event("reducer_refused", e, reason=reason)
+        self.retry_later(e, REFUSED_RETRY_S)
+        if previous is None or previous[0] != reason:
+            self.event("reducer_refused", e, reason=reason)
 
     def admitted(self, e: int, welcome: dict) -> None:
         """Endpoint e's WELCOME: its handshake holds, and its shared-memory answer is known."""

@@ -29,6 +29,8 @@ log = get_logger("client")
 
 #: seconds between the lines a worker logs while it waits for reducers to admit it
 WAITING_REPORT_S = 5.0
+#: how a reducer folds contributions, by its WELCOME's "deterministic"
+_ORDERS = {True: "in rank order (RS_DETERMINISTIC=1)", False: "in arrival order (RS_DETERMINISTIC=0)"}
 
 
 class Handshake:
@@ -198,10 +200,10 @@ class Handshake:
             return None
         if deterministic == self.deterministic:
             return None
-        names = self.connections.name
-        ordered, other = (e, self.deterministic_from) if deterministic else (self.deterministic_from, e)
+        first = e == self.deterministic_from  # it came back folding otherwise than it did
+        others = "the job's reducers" if first else self.connections.name(self.deterministic_from)
         return (
-            f"{names(ordered)} sums in rank order (RS_DETERMINISTIC=1) and {names(other)} does not: "
+            f"{self.connections.name(e)} sums {_ORDERS[deterministic]}, and {others} {_ORDERS[self.deterministic]}: "
             "start every reducer of a job with --deterministic (RS_DETERMINISTIC=1), or none"
         )
 
