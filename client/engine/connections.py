@@ -25,7 +25,7 @@ import zmq
 
 from reduction_server import __version__
 from reduction_server.config.settings import SNDBUF_AUTO
-from reduction_server.log import event, get_logger
+from reduction_server.log import Throttle, event, get_logger
 from reduction_server.wire import auth, encryption, gate, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
@@ -85,6 +85,9 @@ class Connections:
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
         self.watch = Watch(len(ends), options.encrypt, gated=gate.applies(options.job_token, options.encrypt))
+        # What answers at a lost reducer's address, tried every REFUSED_RETRY_S, may be a stranger
+        # whose every refusal reads otherwise: its reducer_refused lines are bounded per endpoint.
+        self.refusals = Throttle(log)
         self.progress = self.watch.progress
         self.context: Optional[zmq.Context] = None
         self.groups: Dict[int, bytes] = {}  # group -> its GROUP message, told to every endpoint that admits us
@@ -249,12 +252,21 @@ class Connections:
 
     def refuse(self, e: int, reason: str) -> None:
         """Endpoint e came back but cannot be used: collectives that need it fail with reason until
-        it admits this worker as it should, which is tried every REFUSED_RETRY_S (said once per reason)."""
+        it admits this worker as it should, which is tried every REFUSED_RETRY_S (logged when the
+        reason changes, at most once per THROTTLE_S)."""
         previous = self.down.get(e)
         self.down[e] = (reason, False)
         self.retry_later(e, REFUSED_RETRY_S)
         if previous is None or previous[0] != reason:
-            self.event("reducer_refused", e, reason=reason)
+            self.refusals.event(
+                logging.WARNING,
+                "reducer_refused",
+                cause=str(e),
+                rank=self.me.rank,
+                reducer=e,
+                address=self.addresses[e],
+                reason=reason,
+            )
 
     def admitted(self, e: int, welcome: dict) -> None:
         """Endpoint e's WELCOME: its handshake holds, and its shared-memory answer is known."""
