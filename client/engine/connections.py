@@ -160,6 +160,8 @@ class Connections:
             "nonce": self.nonces[e].hex(),
             "heartbeats": True,
         }
+        if self.options.run_id:  # a reducer tells this run from a late rank of the last by it
+            facts["run_id"] = self.options.run_id
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
         self.slots.drop(e)  # a new connection gets a new segment: nothing old can reach it

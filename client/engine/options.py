@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple, Union
 
 from reduction_server.config import settings
-from reduction_server.config.discovery import job_id_from, parse_address
+from reduction_server.config.discovery import job_id_from, parse_address, run_id
 from reduction_server.config.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 from reduction_server.errors import ConfigError
 from reduction_server.wire import encryption
@@ -77,6 +77,7 @@ class EngineOptions:
     job_token: str = field(repr=False)  # a secret: kept out of repr() and so out of logs
     job_id: int
     generation: int
+    run_id: str  # this run of the job, from its launcher (discovery.run_id; "": none says)
     chunk_bytes: int
     window: int
     pipeline_depth: int
@@ -157,6 +158,7 @@ class EngineOptions:
             job_token=job_token,
             job_id=job_id_from(job_token) if job_id is None else job_id,
             generation=generation,
+            run_id=run_id(),
             chunk_bytes=chunk_bytes,
             window=window,
             pipeline_depth=pipeline_depth,

@@ -48,6 +48,7 @@ __all__ = [
     "discover_worker",
     "job_id_from",
     "parse_address",
+    "run_id",
 ]
 
 # (local rank, its sizes: the first set counts), highest priority first. A launcher's local size
@@ -72,6 +73,15 @@ _LAUNCHER_VARIABLES = (
 #: the whole job's SLURM_NTASKS too, and is no rank of anything: SLURM_* count only in a step
 _SLURM_STEP = "SLURM_STEP_ID"
 _TASKS_PER_NODE = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+
+#: what names one run of the job, the same on all its ranks and another on the next run, highest
+#: priority first; a tuple's values are joined (a Slurm step: its job's id and its own)
+_RUN_VARIABLES = (
+    ("RS_RUN_ID",),  # the user's, or `reduction-server run`'s (a fresh one per start of its workers)
+    ("TORCHELASTIC_RUN_ID",),  # torchrun's --rdzv-id (--standalone: a fresh one per launch)
+    ("SLURM_JOB_ID", _SLURM_STEP),
+    ("CLOUD_ML_JOB_ID",),  # Vertex AI's job
+)
 
 _JOB_ID_NUMBER = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]+")
 
@@ -153,6 +163,18 @@ def job_id_from(token: str) -> int:
     """The id of a job known only by its token (0 without one), as discover_worker derives it:
     a slow function of the token (job_token.py), since the id travels in clear."""
     return job_id_of_token(token)
+
+
+def run_id(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This run of the job as its launcher names it (_RUN_VARIABLES), "" when none does. A worker
+    says it in its HELLOs: a reducer tells a rerun of a job (same id and generation) from a late
+    rank of the run before by it (reducer/membership.py)."""
+    env = _Environment(environ)
+    for names in _RUN_VARIABLES:
+        values = [env.text(name) for name in names]
+        if None not in values:
+            return ".".join(values)
+    return ""
 
 
 def discover_reducer(environ: Optional[Mapping[str, str]] = None) -> Optional[ReducerPlace]:

@@ -148,6 +148,16 @@ VARIABLES: Tuple[Variable, ...] = (
         "RS_GENERATION", _BOTH, "0", "job generation; a newer one replaces an older one on the reducers", int, least=0
     ),
     Variable(
+        "RS_RUN_ID",
+        (WORKERS, LAUNCHER),
+        "from the launcher (`run`: a fresh one per start of its workers)",
+        "this run of the job, the same on all its ranks: a reducer that remembers another run of the same job "
+        "and generation starts afresh for it (else `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`.`SLURM_STEP_ID`, "
+        "`CLOUD_ML_JOB_ID`)",
+    ),
+    Variable("TORCHELASTIC_RUN_ID", (WORKERS,), "-", "torchrun's `--rdzv-id`: the run id after `RS_RUN_ID`"),
+    Variable("SLURM_JOB_ID", (WORKERS,), "-", "with `SLURM_STEP_ID`, srun's job step: the run id after those above"),
+    Variable(
         "TORCHELASTIC_RESTART_COUNT",
         (WORKERS,),
         "0",

@@ -9,12 +9,15 @@ With --max-restarts N, as torchrun's elastic agent does, a failing worker instea
 other workers and starts the whole group again, up to N times, with TORCHELASTIC_RESTART_COUNT
 one higher: the workers add it to RS_GENERATION, so the same reducers serve the new group as the
 next generation, and the script knows which attempt it is (so it resumes from its checkpoint).
+Each start of the worker group gets a fresh RS_RUN_ID (unless the caller set one): a reducer
+tells its ranks from late ones of the group before by it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -38,6 +41,7 @@ from ..children import (
     stop_all,
     wait_briefly,
 )
+from ..config import settings
 from .elastic import Elastic
 from .local_layout import Layout, busy_port, check_arguments, job_environment, plan_layout, worker_environment
 
@@ -166,6 +170,10 @@ class _Job:
         return self._spawn_workers(die_with_parent)
 
     def _spawn_workers(self, die_with_parent: Optional[Callable[[], None]]) -> Optional[int]:
+        # Each start of the group is a run of its own (unless the caller named one): a reducer
+        # never takes one of its ranks for a late rank of the group before (discovery.run_id).
+        # Workers an elastic job adds later (self.env) join this run.
+        self.env["RS_RUN_ID"] = settings.read("RS_RUN_ID") or secrets.token_hex(8)
         # As torchrun's agent does; the workers add it to RS_GENERATION (discovery.py), so the
         # reducers drop the previous group's rounds.
         env = dict(self.env, TORCHELASTIC_RESTART_COUNT=str(self.restarts))

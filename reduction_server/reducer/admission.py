@@ -6,9 +6,11 @@ worker's nonce (auth.py) and a nonce for the worker's own proof; the AUTH that a
 the worker (WELCOME) when its proof holds, and may offer shared-memory slots. A HELLO for a
 newer generation, or for another job, replaces the job served once it authenticates; one for an
 older generation is refused, and a reconnecting worker never takes the reducer from the job it
-serves now. A peer that sends MAX_STRIKES malformed frames or failed handshakes is ignored from
-then on; a HELLO costs the reducer a few hundred bytes until AUTH follows, and at most
-MAX_PENDING_HELLOS of them are kept, whatever the rate of new connections.
+serves now; a rank of another run of the same job and generation (its HELLO's run id) starts it
+afresh once none of the run before is connected, and is refused while some are (membership.py).
+A peer that sends MAX_STRIKES malformed frames or failed handshakes is ignored from then on; a
+HELLO costs the reducer a few hundred bytes until AUTH follows, and at most MAX_PENDING_HELLOS of
+them are kept, whatever the rate of new connections.
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ FORGET_AFTER_S = 60.0
 MAX_STRIKE_ENTRIES = 65536
 #: HELLOs not (yet) followed by AUTH that are kept, the oldest dropped first
 MAX_PENDING_HELLOS = 65536
-#: what is kept of a HELLO's JSON, for log lines and to tell a restarted worker process from the
-#: same one (Peer.process): a stranger's HELLO may carry 64 KiB, and none of it is kept but these
-_KEPT_FACTS = ("host", "pid")
+#: what is kept of a HELLO's JSON, for log lines, to tell a restarted worker process from the
+#: same one (Peer.process) and a new run of the job from the last (Peer.run_id): a stranger's
+#: HELLO may carry 64 KiB, and none of it is kept but these
+_KEPT_FACTS = ("host", "pid", "run_id")
 _MAX_FACT_CHARS = 256
 
 
 def _facts(info: object) -> dict:
-    """The worker's host and pid as its HELLO said them, short; nothing else of it."""
+    """The worker's host, pid and run id as its HELLO said them, short; nothing else of it."""
     kept: dict = {}
     for key in _KEPT_FACTS:
         value = info.get(key) if isinstance(info, dict) else None
@@ -227,6 +230,9 @@ class Admission:
             self._start_job(peer)
         elif over := members.run_over(peer):
             self._start_job(peer, over)
+        elif busy := members.other_run(peer):
+            del members.peers[identity]
+            return self.outbox.reject(identity, busy)
         elif members.world != peer.world:
             del members.peers[identity]
             return self.outbox.reject(

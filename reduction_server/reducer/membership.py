@@ -8,8 +8,9 @@ over, not before: a rank that dies before the others connect still fails their r
 come. A run is over when every rank of the world has come and all are gone (the job, or one
 communicator of it, ended: a next run may then say another world size); and, while none of its
 ranks is connected, when a lost rank comes back from another process (the job was started again
-under the same id and generation), or when none has been connected for the round timeout. Each
-reducer (each shard) judges this from the ranks that reach it, in the order they come.
+under the same id and generation), when a rank says another run id than the run's (its
+launcher's name for the run: a rerun), or when none has been connected for the round timeout.
+Each reducer (each shard) judges this from the ranks that reach it, in the order they come.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Peer:
         info = self.info if isinstance(self.info, dict) else {}
         return None if "host" not in info and "pid" not in info else (info.get("host"), info.get("pid"))
 
+    def run_id(self) -> Optional[str]:
+        """The run of the job this worker belongs to, as its launcher named it; None when unnamed."""
+        run = (self.info or {}).get("run_id")
+        return run if isinstance(run, str) else None
+
     def describe(self) -> str:
         info = self.info if isinstance(self.info, dict) else {}
         where = ", ".join(f"{k} {info[k]}" for k in ("host", "pid") if k in info)
@@ -88,6 +94,7 @@ class Membership:
         self.lost: Dict[int, str] = {}  # rank -> why it is gone (until it is admitted again)
         self.came: Set[int] = set()  # ranks admitted since the losses were last forgotten
         self.lost_process: Dict[int, Optional[Tuple[object, object]]] = {}  # rank -> Peer.process() of the one lost
+        self.run: Optional[str] = None  # the run id of the ranks that came (None: the first said none)
         self.empty_since = 0.0  # when the last connected rank was lost
         self.gone: List[bytes] = []  # identities a send found gone, judged after the batch (check_unreachable)
         # Groups of the job's ranks other than all of them (0): id -> ranks, as their members announce them.
@@ -121,6 +128,8 @@ class Membership:
             self.peers.pop(old, None)
         peer.admitted = True
         self.rank_identity[peer.rank] = peer.identity
+        if not self.came:
+            self.run = peer.run_id()
         self.came.add(peer.rank)
         self.lost_process.pop(peer.rank, None)
         if self.lost.pop(peer.rank, None) is not None:
@@ -132,9 +141,12 @@ class Membership:
         ranks is connected: when the last run ended whole, a peer that says another world size
         starts the job afresh; when ranks were lost before every rank came, a lost rank that comes
         back from another process does, and any rank once none has been connected for the round
-        timeout. (A reducer told the world refused another world size at HELLO.)"""
+        timeout; and any rank whose run id (its launcher's: discovery.run_id) is not the one the
+        run before said. (A reducer told the world refused another world size at HELLO.)"""
         if self.rank_identity:
             return None
+        if self._runs_differ(peer):
+            return f"rank {peer.rank} belongs to run {peer.run_id()!r}, the run before was {self.run!r}"
         if not self.lost:
             if self.world != peer.world:
                 return f"rank {peer.rank} says the world size is {peer.world}, the run before said {self.world}"
@@ -145,6 +157,22 @@ class Membership:
         if before is not None and before != peer.process():
             return f"rank {peer.rank}, lost before, came back from another process"
         return None
+
+    def other_run(self, peer: Peer) -> Optional[str]:
+        """Why `peer` is refused while ranks of another run of its job and generation are connected
+        (None: it is not). A run id is not ordered, so neither run can be told to be the newer."""
+        if not self._runs_differ(peer):
+            return None
+        return (
+            f"rank {peer.rank} belongs to run {peer.run_id()!r} of job {peer.job:#x} generation {peer.generation}, "
+            f"but ranks {format_ranks(self.rank_identity)} of run {self.run!r} are still connected: "
+            "a new run is served once they are gone, or at once with a higher RS_GENERATION"
+        )
+
+    def _runs_differ(self, peer: Peer) -> bool:
+        """Whether `peer` and the ranks that came say different runs (both saying one)."""
+        run = peer.run_id()
+        return bool(self.came) and self.run is not None and run is not None and run != self.run
 
     def leave(self, identity: bytes) -> None:
         """A BYE: the peer leaves on purpose."""
@@ -187,6 +215,7 @@ class Membership:
         self.lost.clear()
         self.lost_process.clear()
         self.came.clear()
+        self.run = None
         self.forget_groups()
 
     def ping_peers(self) -> None:

@@ -4,6 +4,7 @@ all_reduce's results: test_communicator.py.
 """
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -201,11 +202,25 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+#: the variables a run id comes from (discovery.run_id): unset around the tests that set one
+_RUN_VARIABLES = ("RS_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "CLOUD_ML_JOB_ID")
+
+
+def _name_the_run(monkeypatch, variable, run):
+    """This process's ranks (and the processes it starts) say run `run` by `variable` (None: none)."""
+    for name in _RUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, run)
+
+
+@pytest.mark.parametrize("run_id", [None, "TORCHELASTIC_RUN_ID"])
 @pytest.mark.parametrize("how", ["closed", "vanished"])
-def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how):
+def test_a_rank_gone_before_the_others_come_fails_them_when_they_come(how, run_id, monkeypatch):
     """Rank 1 connects and is gone before rank 0 connects: rank 0's collective fails at once
     with rank 1's loss, not at its timeout (a reducer used to forget the loss as its last
-    admitted rank went)."""
+    admitted rank went). Ranks that say one run id (torchrun's) are one run the same way."""
+    _name_the_run(monkeypatch, run_id, "rdzv-1")
     port = free_port_range(1)
     with reducers(1, token=TOKEN, extra_env={"RS_METRICS_PORT": str(port)}) as group:
         job = new_job()
@@ -291,6 +306,81 @@ def test_a_job_started_again_is_not_failed_by_what_its_last_run_lost(how):
     total = sum(range(1, world + 1))
     for result in results:
         np.testing.assert_array_equal(result, np.full(5, total, np.float32))
+
+
+# how each run names itself: as torchrun does, as `reduction-server run` does, or not at all
+_RERUN_NAMES = {
+    "torchrun": ("TORCHELASTIC_RUN_ID", lambda attempt, run: f"rdzv-{attempt}-{run}"),
+    "reduction-server run": ("RS_RUN_ID", lambda attempt, run: secrets.token_hex(8)),
+    "no run id": (None, None),
+}
+
+
+@pytest.mark.parametrize("named", list(_RERUN_NAMES))
+def test_a_rerun_after_a_run_that_timed_out_is_not_failed_by_its_error(named, monkeypatch):
+    """Issue 37, item 8: run 1 times out because rank 1 never came; run 2, with the same job and
+    generation within RS_TIMEOUT, starts with rank 1 (a collective in flight before rank 0
+    connects). With run ids it sums exactly, every time; without, the reducer takes run 2's rank
+    1 for run 1's late one, and its collective completes the round run 1's rank 0 left open with
+    run 1's contribution (docs/reliability.md, "Limits")."""
+    variable, name = _RERUN_NAMES[named]
+    port = free_port_range(1)
+    with reducers(1, token=TOKEN, extra_env={"RS_METRICS_PORT": str(port), "RS_TIMEOUT": "30"}) as group:
+        job = new_job()
+        for attempt in range(3 if variable else 1):
+            _name_the_run(monkeypatch, variable, name and name(attempt, 1))
+            with connect(group, 0, 2, job, timeout=1) as alone:  # rank 1 never comes
+                with pytest.raises(rs.CollectiveError):
+                    alone.all_reduce(np.full(3, 100.0, np.float32))
+            until(lambda: _connected(port) == 0, "the reducer to see run 1 gone")
+            _name_the_run(monkeypatch, variable, name and name(attempt, 2))
+            first = connect(group, 1, 2, job, timeout=20)
+            started = threading.Event()
+
+            def make(rank, first=first, started=started):
+                if rank == 1:
+                    return first
+                assert started.wait(10)
+                time.sleep(0.3)
+                # without a run id, its collective waits for rank 1, gone by then: not for long
+                return connect(group, 0, 2, job, timeout=20 if variable else 1)
+
+            def body(comm, rank, started=started):
+                handle = comm.all_reduce_async(np.full(3, rank + 1.0, np.float32))
+                if rank == 1:
+                    started.set()
+                try:
+                    return handle.wait(20)
+                except rs.CollectiveError as exc:
+                    return exc
+
+            results = run_job(2, body, make=make, limit=40)
+            if variable is None:
+                np.testing.assert_array_equal(results[1], np.full(3, 102.0, np.float32))  # 100: run 1's
+            else:
+                for result in results:
+                    np.testing.assert_array_equal(result, np.full(3, 3.0, np.float32), err_msg=f"attempt {attempt}")
+            until(lambda: _connected(port) == 0, "the reducer to see run 2 gone")
+
+
+def test_a_rank_of_another_run_is_refused_while_the_run_before_is_connected(monkeypatch):
+    """Two runs of one job and generation at once: a run id is not ordered, so the reducer
+    refuses the newcomer, naming both runs and RS_GENERATION, and the connected run goes on."""
+    with reducers(1, token=TOKEN) as group:
+        job = new_job()
+        _name_the_run(monkeypatch, "RS_RUN_ID", "run-a")
+        with connect(group, 0, 2, job) as held:
+            _name_the_run(monkeypatch, "RS_RUN_ID", "run-b")
+            with pytest.raises(rs.CollectiveError) as info:
+                connect(group, 1, 2, job, connect_timeout=10)
+            _name_the_run(monkeypatch, "RS_RUN_ID", "run-a")
+            with connect(group, 1, 2, job) as other:
+                results = run_job(2, lambda comm, rank: comm.all_reduce(np.ones(3)), make=[held, other].__getitem__)
+    message = str(info.value)
+    assert "'run-b'" in message and "'run-a'" in message and "still connected" in message, message
+    assert "RS_GENERATION" in message, message
+    for result in results:
+        np.testing.assert_array_equal(result, np.full(3, 2.0))
 
 
 def test_timeout_names_rank_reducer_and_seq(group):

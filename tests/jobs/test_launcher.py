@@ -315,6 +315,9 @@ def test_max_restarts_starts_the_worker_group_again_on_the_same_reducers(tmp_pat
     assert [(r["rank"], r["attempt"], r["generation"]) for r in reports] == [(0, 1, 8), (1, 1, 8)], reports
     assert {r["resumed_from"] for r in reports} == {5}, reports  # rank 0 never finished step 5 without rank 1
     assert all(r["state"] == [30.0] * 4 for r in reports), reports
+    # Each start of the group is a run of its own (RS_RUN_ID), the same on its ranks.
+    runs = {tuple(line.split()) for rank in (0, 1) for line in lines_of(result.stdout, f"[rank {rank}] RUN ")}
+    assert {attempt for attempt, _ in runs} == {"0", "1"} and len({run for _, run in runs}) == 2, runs
     # Without restarts left, the same failure ends the job with the worker's status.
     again = run_launcher("-np", "2", "--max-restarts", "0", "--", *worker)
     assert again.returncode in (128 + signal.SIGKILL, 1) and "stopping the job" in again.stderr, again

@@ -5,7 +5,7 @@ Each step all-reduces (rank + 1) * ones and adds the sum to the state; after eac
 saves (step, state) to DIR/checkpoint.json, and every rank of a restarted group (its
 TORCHELASTIC_RESTART_COUNT > 0) resumes from that file, as training scripts do. On the first
 attempt rank 1 kills itself (SIGKILL) before contributing to step KILL_STEP. Each rank prints
-`RESULT {json}` at the end.
+`RUN attempt run-id` (RS_RUN_ID, the launcher's) at its start and `RESULT {json}` at the end.
 """
 
 import json
@@ -22,6 +22,7 @@ from reduction_server.client import Communicator
 def main() -> None:
     directory, steps, kill_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"RUN {attempt} {os.environ['RS_RUN_ID']}", flush=True)
     checkpoint = directory / "checkpoint.json"
     start, state = 0, np.zeros(4, np.float64)
     if attempt > 0:

@@ -15,7 +15,7 @@ import pytest
 
 from helpers.cluster_specs import VERTEX_REDUCERS, as_task, config_error, hash64, load, tf_config, vertex
 from reduction_server import job_token
-from reduction_server.config.discovery import discover_reducer, discover_worker, parse_address
+from reduction_server.config.discovery import discover_reducer, discover_worker, parse_address, run_id
 from reduction_server.errors import ConfigError
 
 # --- launcher variables -----------------------------------------------------------------------
@@ -28,6 +28,20 @@ def test_torchrun():
     assert (place.rank, place.world_size, place.source) == (5, 8, "RANK")
     assert (place.local_rank, place.local_world_size) == (1, 4)
     assert place.reducers == ("r0:5555", "r1:5556")
+
+
+def test_run_id_from_the_launcher_first_set_wins():
+    """One run's name, shared by its ranks without talking: RS_RUN_ID (the user's, or `run`'s),
+    torchrun's rendezvous id, a Slurm job step, a Vertex AI job; "" when none says."""
+    slurm = {"SLURM_JOB_ID": "812", "SLURM_STEP_ID": "3", "CLOUD_ML_JOB_ID": "vertex-9"}
+    assert run_id({}) == ""
+    assert run_id({"CLOUD_ML_JOB_ID": "vertex-9"}) == "vertex-9"
+    assert run_id(slurm) == "812.3"
+    assert run_id({"SLURM_JOB_ID": "812"}) == ""  # an sbatch script outside a step names no run
+    assert run_id({**slurm, "TORCHELASTIC_RUN_ID": "rdzv"}) == "rdzv"
+    assert run_id({**slurm, "TORCHELASTIC_RUN_ID": "rdzv", "RS_RUN_ID": " mine "}) == "mine"
+    with pytest.raises(ConfigError, match="RS_RUN_ID is set but empty"):
+        run_id({"RS_RUN_ID": " "})
 
 
 def test_horovod():
