@@ -308,11 +308,12 @@ def test_a_job_started_again_is_not_failed_by_what_its_last_run_lost(how):
         np.testing.assert_array_equal(result, np.full(5, total, np.float32))
 
 
-# how each run names itself: as torchrun does, as `reduction-server run` does, or not at all
+# how each run names itself (as torchrun does, as `reduction-server run` does, or not at all),
+# and how many times the rerun is tried (the same reducer path each time: a few, in seconds)
 _RERUN_NAMES = {
-    "torchrun": ("TORCHELASTIC_RUN_ID", lambda attempt, run: f"rdzv-{attempt}-{run}"),
-    "reduction-server run": ("RS_RUN_ID", lambda attempt, run: secrets.token_hex(8)),
-    "no run id": (None, None),
+    "torchrun": ("TORCHELASTIC_RUN_ID", lambda attempt, run: f"rdzv-{attempt}-{run}", 3),
+    "reduction-server run": ("RS_RUN_ID", lambda attempt, run: secrets.token_hex(8), 1),
+    "no run id": (None, None, 1),
 }
 
 
@@ -323,13 +324,13 @@ def test_a_rerun_after_a_run_that_timed_out_is_not_failed_by_its_error(named, mo
     connects). With run ids it sums exactly, every time; without, the reducer takes run 2's rank
     1 for run 1's late one, and its collective completes the round run 1's rank 0 left open with
     run 1's contribution (docs/reliability.md, "Limits")."""
-    variable, name = _RERUN_NAMES[named]
+    variable, name, attempts = _RERUN_NAMES[named]
     port = free_port_range(1)
     with reducers(1, token=TOKEN, extra_env={"RS_METRICS_PORT": str(port), "RS_TIMEOUT": "30"}) as group:
         job = new_job()
-        for attempt in range(3 if variable else 1):
+        for attempt in range(attempts):
             _name_the_run(monkeypatch, variable, name and name(attempt, 1))
-            with connect(group, 0, 2, job, timeout=1) as alone:  # rank 1 never comes
+            with connect(group, 0, 2, job, timeout=0.1) as alone:  # rank 1 never comes
                 with pytest.raises(rs.CollectiveError):
                     alone.all_reduce(np.full(3, 100.0, np.float32))
             until(lambda: _connected(port) == 0, "the reducer to see run 1 gone")
@@ -343,7 +344,7 @@ def test_a_rerun_after_a_run_that_timed_out_is_not_failed_by_its_error(named, mo
                 assert started.wait(10)
                 time.sleep(0.3)
                 # without a run id, its collective waits for rank 1, gone by then: not for long
-                return connect(group, 0, 2, job, timeout=20 if variable else 1)
+                return connect(group, 0, 2, job, timeout=20 if variable else 0.1)
 
             def body(comm, rank, started=started):
                 handle = comm.all_reduce_async(np.full(3, rank + 1.0, np.float32))
