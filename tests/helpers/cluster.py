@@ -16,7 +16,7 @@ import urllib.request
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import psutil
 
@@ -341,3 +341,19 @@ def run_example(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def torchrun(script: Union[str, Path], *args: str, options: Sequence[str] = ()) -> List[str]:
+    """The command line of a standalone torchrun of 2 local ranks of `script` (a file of
+    tests/scripts, or a path) with `args`; `options` go to torchrun itself."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *options,
+        str(SCRIPTS / script),
+        *args,
+    ]

@@ -10,14 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import psutil
 import pytest
 
-from .cluster import SCRIPTS, TOKEN, child_env, once, reducers
+from .cluster import TOKEN, child_env, once, reducers
 
 TOLERANCE = 1e-5
 JOB_TIMEOUT = 180  # seconds; a job takes 10-30 s on 2 free cores
@@ -119,19 +118,6 @@ def stop_tree(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(10)
-
-
-def torchrun(script: str, *args: str) -> List[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPTS / script),
-        *args,
-    ]
 
 
 def on_reducers(

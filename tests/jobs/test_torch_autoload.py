@@ -26,7 +26,7 @@ dist = pytest.importorskip("torch.distributed", reason="this torch build has no 
 if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
-from helpers.cluster import TOKEN, child_env, reducers  # noqa: E402
+from helpers.cluster import TOKEN, child_env, reducers, torchrun  # noqa: E402
 from reduction_server.config import settings  # noqa: E402
 
 HOOK = "reduction_server_torch_autoload"
@@ -188,17 +188,7 @@ def test_an_unmodified_torchrun_script_runs_on_the_backend(tmp_path):
         )
         env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(script),
-                "--backend",
-                "reduction_server",
-            ],
+            torchrun(script, "--backend", "reduction_server"),
             env=env,
             cwd=tmp_path,
             capture_output=True,

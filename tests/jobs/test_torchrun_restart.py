@@ -4,34 +4,20 @@ workers add to their generation), the same reducers serve it, it resumes from th
 the final model equals an undisturbed run's bit for bit."""
 
 import subprocess
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the backend needs it")
 
-from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers  # noqa: E402
+from helpers.cluster import TOKEN, child_env, reducers, torchrun  # noqa: E402
 
 STEPS = 12
 
 
-def torchrun(group, directory, kill_step: int) -> subprocess.CompletedProcess:
+def restartable_run(group, directory, kill_step: int) -> subprocess.CompletedProcess:
     env = child_env({"RS_REDUCERS": group.spec, "RS_JOB_TOKEN": TOKEN, "RS_TIMEOUT": "30"})
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            str(SCRIPTS / "torchrun_restart.py"),
-            str(directory),
-            str(STEPS),
-            str(kill_step),
-        ],
+        torchrun("torchrun_restart.py", str(directory), str(STEPS), str(kill_step), options=("--max-restarts", "1")),
         env=env,
         capture_output=True,
         text=True,
@@ -45,9 +31,9 @@ def test_a_worker_killed_mid_run_is_restarted_and_training_ends_as_undisturbed(t
     undisturbed.mkdir()
     disturbed.mkdir()
     with reducers(2, workers=2) as group:
-        calm = torchrun(group, undisturbed, -1)
+        calm = restartable_run(group, undisturbed, -1)
         assert calm.returncode == 0, calm.stdout[-3000:] + calm.stderr[-3000:]
-        hit = torchrun(group, disturbed, 5)
+        hit = restartable_run(group, disturbed, 5)
         assert hit.returncode == 0, hit.stdout[-3000:] + hit.stderr[-3000:]
         assert group.alive(), "a reducer died"
     assert "rank 0 attempt 0 resumed from 0" in calm.stdout and "attempt 1" not in calm.stdout

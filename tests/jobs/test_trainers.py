@@ -27,8 +27,8 @@ from typing import List
 
 import pytest
 
-from helpers.cluster import SCRIPTS
-from helpers.trainers import check, job_env, needs, on_reducers, reference, run_job, torchrun
+from helpers.cluster import SCRIPTS, torchrun
+from helpers.trainers import check, job_env, needs, on_reducers, reference, run_job
 
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(240)]
 

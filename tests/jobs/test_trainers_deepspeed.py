@@ -19,9 +19,9 @@ from typing import Dict, List
 
 import pytest
 
-from helpers.cluster import SCRIPTS
+from helpers.cluster import SCRIPTS, torchrun
 from helpers.ports import free_ports
-from helpers.trainers import check, needs, on_reducers, reference, torchrun
+from helpers.trainers import check, needs, on_reducers, reference
 
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(240)]
 
