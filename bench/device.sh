@@ -3,9 +3,11 @@
 # (a reducer host's scaling), run in one go on a lent device machine, which reaches no network.
 #
 #   bench/device.sh pack   here: wheels for the device's Python into .device/ (git ignores it)
-#   bench/device.sh run    there, from the repository root, with .device carried: installs the
-#                          wheels, runs the CUDA tests and the scaling suites, and leaves each
-#                          log and table under $OUT (bench/out/device here when OUT is unset)
+#   bench/device.sh run [STEP...]
+#                          there, from the repository root, with .device carried: installs the
+#                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
+#                          named: cuda-tests, bench-reducer, bench-kernels, bench-loopback), and
+#                          leaves each log and table under $OUT (bench/out/device here when OUT is unset)
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
 # this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
@@ -37,9 +39,11 @@ pack() {
   du -sh "$KIT" && ls "$KIT/wheels"
 }
 
+STEPS=()
 step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.log, and say how it ended
   local name=$1 seconds=$2
   shift 2
+  if [ ${#STEPS[@]} -gt 0 ] && [[ " ${STEPS[*]} " != *" $name "* ]]; then return; fi
   echo "== $name (at most ${seconds} s)"
   timeout -k 10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -73,12 +77,13 @@ run() {
   # away from the source tree, which holds an uncompiled reduction_server.
   step bench-reducer 150 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
     --out "$OUT"
+  step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
     --rounds 3 --out "$OUT"
 }
 
 case "${1:-}" in
   pack) pack ;;
-  run) run ;;
+  run) STEPS=("${@:2}") && run ;;
   *) echo "usage: bench/device.sh pack|run" >&2; exit 2 ;;
 esac

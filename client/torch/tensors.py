@@ -43,6 +43,21 @@ def torch_reduce_op(op: Any) -> ReduceOp:
     return op
 
 
+def _premul_factor(op: Any) -> Union[float, torch.Tensor]:
+    """PREMUL_SUM's factor: its `factor` attribute (torch 2.13+), else its pickled state, (op, factor)."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        try:
+            factor = op.__getstate__()[1]
+        except (AttributeError, TypeError, IndexError, RuntimeError):
+            factor = None
+    if factor is None:
+        raise ValueError(
+            f"ReduceOp.PREMUL_SUM: torch {torch.__version__} shows the reduction_server backend no factor for it"
+        )
+    return factor
+
+
 def reduction(op: Any) -> Tuple[ReduceOp, Optional[Union[float, torch.Tensor]]]:
     """The protocol op for a torch ReduceOp and its premultiplier: PREMUL_SUM(f) is a SUM of
     f x each input (f a number or a one-element tensor); None for the other ops."""
@@ -50,7 +65,7 @@ def reduction(op: Any) -> Tuple[ReduceOp, Optional[Union[float, torch.Tensor]]]:
         getattr(op, "op", None), dist.ReduceOp.RedOpType
     ):
         if op.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
-            return ReduceOp.SUM, op.factor
+            return ReduceOp.SUM, _premul_factor(op)
         op = op.op  # a ReduceOp instance (AllreduceOptions.reduceOp)
     name = op.name if isinstance(op, dist.ReduceOp.RedOpType) else str(op).strip().upper()
     name = {"PROD": "PRODUCT", "MEAN": "AVG"}.get(name, name)

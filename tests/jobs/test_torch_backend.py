@@ -214,6 +214,26 @@ def test_reduce_op_mapping_by_name():
         rst.torch_reduce_op(premul)
 
 
+class _OlderPremulSum:
+    """A PREMUL_SUM ReduceOp as torch before 2.13 makes it: no `factor`, the factor in its pickled state."""
+
+    def __init__(self, state):
+        self.op, self._state = dist.ReduceOp.RedOpType.PREMUL_SUM, state
+
+    def __getstate__(self):
+        return self._state
+
+
+def test_premul_sum_factor_of_an_older_torch():
+    from reduction_server.wire.protocol import ReduceOp
+
+    factor = torch.tensor([0.25])
+    assert rst_tensors.reduction(_OlderPremulSum((dist.ReduceOp.RedOpType.PREMUL_SUM, 0.5))) == (ReduceOp.SUM, 0.5)
+    assert rst_tensors.reduction(_OlderPremulSum((dist.ReduceOp.RedOpType.PREMUL_SUM, factor)))[1] is factor
+    with pytest.raises(ValueError, match=r"PREMUL_SUM: torch .* no factor"):
+        rst_tensors.reduction(_OlderPremulSum(()))
+
+
 def test_device_checks():
     with pytest.raises(TypeError, match="cpu and cuda"):
         rst_tensors.Staged(torch.ones(2, device="meta"), "x")

@@ -104,8 +104,8 @@ def collectives(rank, world):
 
 def int8_inputs(rank):
     """This rank's inputs of the int8 collectives (the test makes the same): 300 and 768 floats."""
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(300, generator=g) * 10.0 ** (rank % 3), torch.randn(768, generator=g)
+    g = torch.Generator().manual_seed(rank)  # on the CPU, also where the caller's default device is cuda
+    return torch.randn(300, generator=g, device="cpu") * 10.0 ** (rank % 3), torch.randn(768, generator=g, device="cpu")
 
 
 def int8_compressed(rank, out):
