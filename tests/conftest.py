@@ -25,11 +25,22 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != RO
 os.environ.setdefault("RS_SHARDS", "1")
 
 import reduction_server.client as rs  # noqa: E402  (after the tree left sys.path)
+from helpers import base_rootfs  # noqa: E402
 from helpers.cluster import Reducers, reducers  # noqa: E402
 from helpers.jobs import connect, new_job  # noqa: E402
 from reduction_server import _native  # noqa: E402
 
 collect_ignore_glob = ["fixtures/*"]  # third-party test files, run by the test modules that vendor them
+
+
+def pytest_collection_finish(session) -> None:
+    """The Docker tests' base file system is made while the other tests run (helpers/base_rootfs.py)."""
+    if not session.config.option.collectonly and any(item.path.name == "test_docker.py" for item in session.items):
+        base_rootfs.start()
+
+
+def pytest_sessionfinish(session) -> None:
+    base_rootfs.discard()
 
 
 def pytest_addoption(parser) -> None:

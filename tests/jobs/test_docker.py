@@ -6,8 +6,9 @@ and workerpool1, checking every result against NumPy.
 Needs a Docker engine: the one `docker info` reaches, or, as root with dockerd installed, a
 private dockerd this module starts (own data root, exec root, pidfile, socket, no bridge, no
 iptables) and stops. The base image is made without pulling anything: debootstrap (Debian
-bookworm, minbase, with python3 and python3-venv) imported with `docker import`, passed as
-BASE_IMAGE; RS_DOCKER_BASE_IMAGE names an image to use instead (e.g. python:3.12-slim-bookworm,
+bookworm, minbase, with python3 and python3-venv; started when the session begins,
+helpers/base_rootfs.py) imported with `docker import`, passed as BASE_IMAGE;
+RS_DOCKER_BASE_IMAGE names an image to use instead (e.g. python:3.12-slim-bookworm,
 if it is already on the engine). Without an engine, debootstrap, or network access to the
 Debian mirror and PyPI (the image installs numpy and pyzmq from PyPI), the tests skip and say
 which. Deselect with `-m "not docker"`. Everything made here (containers, images, the private
@@ -31,12 +32,12 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
+from helpers import base_rootfs
 from helpers.cluster import collect, unreachable
 from helpers.ports import free_ports
 from helpers.source_tree import ROOT
 
 WORKER = ROOT / "tests" / "scripts" / "deploy_worker.py"
-MIRROR = os.environ.get("RS_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 TAG = f"rs-test-{uuid.uuid4().hex[:10]}"
 TOKEN = "docker-test-token"
 
@@ -159,54 +160,26 @@ def engine() -> Iterator[Engine]:
                 os.killpg(daemon.pid, signal.SIGKILL)
                 daemon.wait()
         log.close()
-        _remove(private)
+        base_rootfs.remove(private)
 
 
-def _remove(directory: Path) -> None:
-    """rm -rf `directory`, unmounting first whatever is mounted below it (dockerd's overlays, the
-    proc and sys that an interrupted debootstrap leaves in its target), so that removing never
-    reaches into a mounted file system."""
-    prefix = str(directory.resolve()) + "/"
-    with open("/proc/mounts") as mounts:
-        ours = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
-    for mount in sorted(ours, key=len, reverse=True):
-        subprocess.run(["umount", "-l", mount], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with open("/proc/mounts") as mounts:
-        left = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
-    assert not left, f"could not unmount {left}; remove {directory} by hand"
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def _base_image(engine: Engine, work: Path) -> str:
+def _base_image(engine: Engine) -> str:
     """A Debian bookworm image with python3 and python3-venv, made without pulling."""
     given = os.environ.get("RS_DOCKER_BASE_IMAGE")
     if given:
         if engine.docker("image", "inspect", given, check=False).returncode != 0:
             pytest.skip(f"RS_DOCKER_BASE_IMAGE={given} is not on the engine")
         return given
-    if shutil.which("debootstrap") is None:
-        pytest.skip(
-            "debootstrap is not installed, so no base image can be made without pulling one "
-            "(apt-get install debootstrap, or set RS_DOCKER_BASE_IMAGE to a local python:*-slim image)"
-        )
-    if os.geteuid() != 0:
-        pytest.skip("debootstrap needs root to make the base image (or set RS_DOCKER_BASE_IMAGE)")
-    why = unreachable(MIRROR + "/dists/bookworm/Release")
-    if why:
-        pytest.skip(f"the Debian mirror is unreachable, so no base image can be made: {why}")
-    rootfs = work / "rootfs"
-    _run(
-        ["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", str(rootfs), MIRROR],
-        dict(os.environ),
-        timeout=600,
-    )
-    # What debootstrap leaves behind and no image needs.
-    for leftover in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man"):
-        for path in (rootfs / leftover).glob("*"):
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-            elif path.is_dir() and path.name != "partial":
-                shutil.rmtree(path)
+    bootstrap = base_rootfs.take()  # started by conftest.py when the session began, as a rule
+    try:
+        rootfs = bootstrap.wait()
+        return _imported(engine, rootfs)
+    finally:
+        bootstrap.discard()
+
+
+def _imported(engine: Engine, rootfs: Path) -> str:
+    """`rootfs` as the engine's image TAG-base:bookworm."""
     base = f"{TAG}-base:bookworm"
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     imported = subprocess.run(
@@ -222,7 +195,6 @@ def _base_image(engine: Engine, work: Path) -> str:
     tar.wait()
     assert imported.returncode == 0 and tar.returncode == 0, imported.stdout
     engine.images.append(base)
-    _remove(rootfs)
     return base
 
 
@@ -265,7 +237,7 @@ def image(engine: Engine) -> Iterator[Dict]:
     before = engine.image_ids(dangling=True) if engine.private is None else set()
     try:
         started = time.monotonic()
-        base = _base_image(engine, work)
+        base = _base_image(engine)
         info["base_seconds"] = time.monotonic() - started
         context = _context(work)
         build_args = ["--build-arg", f"BASE_IMAGE={base}"]
@@ -309,7 +281,7 @@ def image(engine: Engine) -> Iterator[Dict]:
             stages = engine.image_ids(dangling=True) - before
             for ref in [info["tag"], *reversed(engine.images), *stages]:
                 engine.docker("rmi", "-f", ref, check=False)
-        _remove(work)
+        base_rootfs.remove(work)
 
 
 def _cluster_spec(reducers: List[str], workers: List[str], task_type: str, index: int) -> str:
