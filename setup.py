@@ -86,6 +86,8 @@ setup(
             "lightning>=2.4",
             "accelerate>=1.0",
             "transformers>=4.46",
+            "deepspeed>=0.19",  # a source distribution without compiled ops: built in seconds
+            "ray[train]>=2.60",
             "ruff==0.17.6",  # tests/unit/test_style.py; pinned: a newer ruff may format otherwise
         ],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],

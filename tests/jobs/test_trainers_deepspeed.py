@@ -7,8 +7,8 @@ parameters of each stage compared with the same training on Gloo (1e-5), and wit
 
 One launch trains both stages (tests/scripts/trainer_deepspeed.py), and the one Gloo reference,
 under torchrun, serves both launchers: a job costs DeepSpeed's import and start-up, so there are
-three. Deselect with -m "not trainers". DeepSpeed is not in the test extra (a source distribution,
-built at install); without it they skip, saying how to install it beside the torch installed.
+three. Deselect with -m "not trainers". The test extra installs DeepSpeed; where it is missing
+they skip, saying how to install it beside the torch installed.
 """
 
 from __future__ import annotations

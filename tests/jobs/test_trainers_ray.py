@@ -6,8 +6,8 @@ parameters compared with the same TorchTrainer on Gloo (1e-5), and with each oth
 
 Ray's start takes most of the time, so one local Ray cluster (one driver, tests/scripts/
 trainer_ray.py) runs both trainers, Gloo's and the backend's, side by side. Deselect with
--m "not trainers". Ray Train is not in the test extra (ray and pyarrow are some 400 MB installed);
-without it the test skips, saying how to install it.
+-m "not trainers". The test extra installs Ray Train; where it is missing the test skips, saying
+how to install it.
 """
 
 from __future__ import annotations
