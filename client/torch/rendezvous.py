@@ -1,6 +1,8 @@
 """Rendezvous without MASTER_ADDR: the env:// handler that gives this backend a process-local store.
 
-With MASTER_ADDR/MASTER_PORT set, ``init_process_group`` works as for any backend (torchrun).
+With MASTER_ADDR/MASTER_PORT set, ``init_process_group`` works as for any backend (torchrun); where
+RANK/WORLD_SIZE are unset, the launcher's own variables (mpirun's, srun's: the package's discovery)
+give torch's handler the rank and world size.
 Without them, the ``env://`` rendezvous takes rank and world size from the arguments,
 RANK/WORLD_SIZE or the package's discovery (RS_RANK, CLUSTER_SPEC, TF_CONFIG, ...) and gives the
 group a process-local store: this backend needs no store, and a backend that does (gloo) fails
@@ -11,6 +13,7 @@ import os
 import sys
 from datetime import timedelta
 from typing import Any, Dict, List
+from urllib.parse import parse_qs, urlencode, urlparse
 
 import torch.distributed as dist
 
@@ -78,16 +81,15 @@ _stores: List[_LocalStore] = []
 
 
 def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
-    from urllib.parse import parse_qs, urlparse
 
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        yield from _env_handler(url, timeout=timeout, **kwargs)
-        return
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
     try:
         place = discover_worker()
     except ConfigError:
         place = None
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        yield from _env_handler(_placed(url, query, place), timeout=timeout, **kwargs)
+        return
     if place is None and not os.environ.get("RS_REDUCERS"):
         yield from _env_handler(url, timeout=timeout, **kwargs)  # not a reduction_server job: torch's error
         return
@@ -102,6 +104,21 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     _stores.append(store)  # the Python object must outlive torch's C++ references to it
     yield store, rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _placed(url: str, query: Dict[str, str], place: Any) -> str:
+    """`url` with the rank and world size that torch's env:// handler would not find (it reads only
+    RANK and WORLD_SIZE) but the launcher gave (mpirun, srun, PMI: discovery's place), in its query."""
+    if place is None:
+        return url
+    extra = {
+        key: str(value)
+        for key, variable, value in (("rank", "RANK", place.rank), ("world_size", "WORLD_SIZE", place.world_size))
+        if key not in query and not os.environ.get(variable)
+    }
+    if not extra:
+        return url
+    return url + ("&" if "?" in url else "?") + urlencode(extra)
 
 
 def register() -> None:

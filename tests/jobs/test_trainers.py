@@ -10,7 +10,8 @@ own part of the data (asserted), so ranks whose gradients were not all-reduced w
   starts rank 1 itself, as `_SubprocessScriptLauncher` does on CPU with devices=2) and under
   torchrun; ModelParallelStrategy (FSDP2 fully_shard) on CPU, with both launchers too. (FSDPStrategy,
   FSDP1, refuses a CPU accelerator in Lightning itself.)
-- Hugging Face Accelerate on CPU: the group initialised first, then Accelerator(cpu=True);
+- Hugging Face Accelerate on CPU: the group initialised first, then Accelerator(cpu=True), under
+  torchrun and under Accelerate's own multi-CPU launcher (`accelerate launch --mpirun_hostfile`);
   Accelerate's own InitProcessGroupKwargs(backend=) is refused on CPU (asserted, as documented).
 - Hugging Face Transformers' Trainer: the group initialised first, ddp_backend unset; its
   ddp_backend list refuses the name (asserted, as documented).
@@ -21,6 +22,8 @@ them all with -m "not trainers"; a framework that is not installed skips, naming
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import List
@@ -28,9 +31,11 @@ from typing import List
 import pytest
 
 from helpers.cluster import SCRIPTS, torchrun
+from helpers.ports import free_ports
 from helpers.trainers import check, job_env, needs, on_reducers, reference, run_job
 
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(240)]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # the `accelerate` command
 
 
 # --- PyTorch Lightning ----------------------------------------------------------------------------
@@ -84,6 +89,37 @@ def test_accelerate_cpu_recipe_group_first(tmp_path, tmp_path_factory):
         == {"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 2, "wrapped": "DistributedDataParallel"}
         for r in results + gloo
     )
+
+
+def test_accelerate_launch_multi_cpu_through_mpirun(tmp_path, tmp_path_factory):
+    """Accelerate's own multi-CPU launcher, `accelerate launch --mpirun_hostfile`: mpirun starts the
+    ranks and sets no RANK, only its own OMPI_COMM_WORLD_*; the script imports the package, whose
+    env:// handler reads them, before init_process_group (docs/frameworks.md)."""
+    needs("accelerate")
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (apt-get install openmpi-bin): Accelerate's multi-CPU launcher needs it")
+    gloo = reference("accelerate", lambda out: torchrun("trainer_accelerate.py", "gloo", str(out)), tmp_path_factory)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    out = tmp_path / "out"
+    command = [
+        *ACCELERATE,
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--mpirun_hostfile",
+        str(hostfile),
+        "--main_process_port",
+        str(free_ports(1)[0]),
+        str(SCRIPTS / "trainer_accelerate.py"),
+        "reduction_server",
+        str(out),
+    ]
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
+    results = on_reducers(command, out, root)
+    check(results, gloo)
+    assert all(r["backend"] == "reduction_server" and r["accelerate"]["num_processes"] == 2 for r in results)
 
 
 def test_accelerate_refuses_a_custom_backend_on_cpu(tmp_path):

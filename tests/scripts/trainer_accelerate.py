@@ -44,6 +44,8 @@ def main() -> None:
             return
     else:
         if mode != "gloo":
+            if "OMPI_COMM_WORLD_RANK" in os.environ:  # under mpirun, which sets no RANK for torch's env://
+                import reduction_server.client.torch  # noqa: F401  (its env:// reads mpirun's rank)
             dist.init_process_group(mode)  # first: Accelerator then keeps this group
         accelerator = Accelerator(cpu=True)
     set_seed(1234)
