@@ -50,7 +50,7 @@ def _command(peer: str, world: int, reducers: int, sizes: str, iters: int) -> Li
     return [sys.executable, "-m", "reduction_server", "run", "-np", str(world), "--reducers", str(reducers), "--", *job]
 
 
-def _measure(peer: str, world: int, reducers: int, sizes_mib: Sequence[float], iters: int) -> List[Dict]:
+def measure(peer: str, world: int, reducers: int, sizes_mib: Sequence[float], iters: int) -> List[Dict]:
     """One run of the job: bytes and seconds per all-reduce of each size."""
     sizes = ",".join(f"{s:g}" for s in sizes_mib)
     extra = TRANSPORTS.get(peer, (peer, {}))[1]
@@ -93,7 +93,7 @@ def run(
             turns: Dict[Tuple[str, int], List[List[Dict]]] = {job: [] for job in jobs}
             for _ in range(rounds):
                 for peer, r in jobs:
-                    turns[peer, r].append(_measure(peer, world, r, sizes_mib, iters))
+                    turns[peer, r].append(measure(peer, world, r, sizes_mib, iters))
                     progress.update()
             rows += _rows(world, sizes_mib, turns)
     return rows

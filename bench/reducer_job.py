@@ -2,7 +2,8 @@
 [COMPRESSION]`. All-reduces a float32 buffer ITERS times between barriers (with `compression=`
 COMPRESSION, default "none"). Rank 0 says READY on stdout once every
 rank is warmed up and waits for a line on stdin before the timed loop (the suite reads the
-reducer's CPU clocks in between), then says DONE with the loop's seconds and waits again."""
+reducer's CPU clocks in between), then says DONE with the loop's seconds and its own CPU seconds
+over it (all its threads), and waits again."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ import time
 import numpy as np
 
 import reduction_server.client as rs
+from reduction_server.tools.reducer_load import process_cpu_seconds
 
 
 def main() -> None:
@@ -24,12 +26,13 @@ def main() -> None:
             print("READY", flush=True)
             sys.stdin.readline()
         comm.barrier()
-        start = time.perf_counter()
+        cpu, start = process_cpu_seconds(), time.perf_counter()
         for _ in range(iters):
             comm.all_reduce(x, out=x, compression=compression)
         comm.barrier()
         if comm.rank == 0:
-            print("DONE " + json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+            timed = {"seconds": time.perf_counter() - start, "cpu_s": process_cpu_seconds() - cpu}
+            print("DONE " + json.dumps(timed), flush=True)
             sys.stdin.readline()
         comm.barrier()
 

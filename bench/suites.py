@@ -12,7 +12,7 @@ from reduction_server.config.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover", "sizing")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "chunks", "failover", "sizing")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {
@@ -24,6 +24,7 @@ SWEEPS = {
     "rounds": "--rounds",
     "variants": "--variant",
     "shards": "--shards",
+    "chunks_kib": "--chunk-kib",
 }
 _ACCEPTS = {
     "kernels": {"sizes_mib"},
@@ -32,6 +33,7 @@ _ACCEPTS = {
     "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
     "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "reducer": {"worlds", "sizes_mib", "shards"},
+    "chunks": {"worlds", "reducers", "sizes_mib", "chunks_kib", "rounds"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "sizing": {"rounds"},
 }
@@ -195,6 +197,32 @@ def main(
                 reference=1.0,
                 title="one reducer over tcp: CPU per GiB of incoming gradient",
                 path=out / "reducer.png",
+            ),
+        ]
+    elif suite == "chunks":
+        from . import chunk_cost
+
+        rows = chunk_cost.run(
+            **_configure(
+                suite,
+                {"worlds": (2,), "reducers": (1,), "sizes_mib": (1,), "chunks_kib": (64, 256), "iters": 3}
+                if quick
+                else {},
+                sweep,
+            )
+        )
+        print(report.table(rows, chunk_cost.COLUMNS))
+        print("\n".join(chunk_cost.summary(rows)))
+        files = [
+            report.save(rows, suite, out, command),
+            report.plot(
+                rows,
+                x="chunk_KiB",
+                y="worker_cpu_s_per_GiB",
+                series=("R",),
+                panels="W",
+                title="a worker's CPU per GiB all-reduced against its chunk size",
+                path=out / "chunks.png",
             ),
         ]
     elif suite == "failover":

@@ -483,13 +483,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "suite",
-        choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "failover", "sizing"],
+        choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "chunks", "failover", "sizing"],
         help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
         "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
         "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
         "collectives: reduce_scatter and all_gather vs Gloo on loopback and that network "
         "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
-        "measured in the same run, its busiest thread's share, and both against shards; failover: the step in which a "
+        "measured in the same run, its busiest thread's share, and both against shards; chunks: a worker's and the "
+        "reducers' CPU per chunk and per GiB over chunk sizes, beside a Gloo rank's CPU; failover: the step in which a "
         "reducer is killed and the steps after it vs undisturbed runs on that network (needs root); sizing: "
         "the step-time model's predicted all-reduce vs the measured one, ours and Gloo's, over a grid of "
         "that network (needs root and torch; docs/sizing.md)",
@@ -500,8 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="loopback, netem, ddp, collectives, failover and sizing: run the peers in turns this many times (on the "
-        "same network) and report medians (default 1; a shared machine's noise needs 3 or more)",
+        help="loopback, netem, ddp, collectives, chunks, failover and sizing: run the peers in turns this many "
+        "times (on the same network) and report medians (default 1; a shared machine's noise needs 3 or more)",
     )
     sweep = "replaces the suite's (or --quick's) configuration"
     bench.add_argument(
@@ -510,15 +511,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         dest="worlds",
         metavar="W,...",
-        help=f"worker counts W to sweep (loopback, netem, ddp, collectives, failover); {sweep}",
+        help=f"worker counts W to sweep (loopback, netem, ddp, collectives, chunks, failover); {sweep}",
     )
     bench.add_argument(
         "--reducers",
         type=_positive_list(int),
         default=None,
         metavar="R,...",
-        help=f"reducer counts R to sweep (loopback, netem, ddp, collectives, failover; default R = W on the emulated "
-        f"network, 3 for failover); {sweep}",
+        help=f"reducer counts R to sweep (loopback, netem, ddp, collectives, chunks, failover; default R = W on the "
+        f"emulated network, 3 for failover); {sweep}",
     )
     bench.add_argument(
         "--rate-mbit",
@@ -535,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="sizes_mib",
         metavar="MIB,...",
         help="all-reduce sizes (kernels: accumulator sizes; collectives: full tensors) to sweep, MiB "
-        f"(kernels, loopback, netem, collectives, reducer, failover); {sweep}",
+        f"(kernels, loopback, netem, collectives, reducer, chunks, failover); {sweep}",
     )
     bench.add_argument(
         "--shards",
@@ -543,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N,...",
         help=f"reducer: shard counts (serve --shards) to sweep; {sweep}",
+    )
+    bench.add_argument(
+        "--chunk-kib",
+        type=_positive_list(float),
+        default=None,
+        dest="chunks_kib",
+        metavar="KIB,...",
+        help=f"chunks: chunk sizes (RS_CHUNK_BYTES) to sweep, KiB; {sweep}",
     )
     bench.add_argument(
         "--delay-ms",

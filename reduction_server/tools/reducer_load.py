@@ -1,8 +1,8 @@
-"""One reducer under a synthetic load, and what it spends: `reduction-server serve --shards N` on
-loopback, W local worker processes all-reducing float32 over tcp (RS_SHM=0: the chunks come
-through sockets, as between hosts), and the CPU time each thread of the reducer's processes
-spent over the timed all-reduces (Linux's /proc). `reduction-server size --measure` and
-`reduction-server bench reducer` are built on it.
+"""Reducers under a synthetic load, and what they spend: R x `reduction-server serve --shards N`
+on loopback, W local worker processes all-reducing float32 over tcp (RS_SHM=0: the chunks come
+through sockets, as between hosts), the CPU time each thread of the reducers' processes spent over
+the timed all-reduces (Linux's /proc), and the lead worker's own. `reduction-server size
+--measure`, `reduction-server bench reducer` and `bench chunks` are built on it.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..children import AWAY_FROM_SOURCE, die_with_parent_hook
 
@@ -29,7 +30,8 @@ Thread = Tuple[int, int]  # (pid, tid)
 
 @dataclass
 class Load:
-    """A load's timed all-reduces: their wall time and each reducer thread's CPU time over them."""
+    """A load's timed all-reduces: their wall time, each reducer thread's CPU time over them, and
+    the lead worker's (rank 0, all its threads)."""
 
     world: int
     mib: float
@@ -37,6 +39,7 @@ class Load:
     seconds: float
     threads: Dict[Thread, float]  # CPU seconds
     names: Dict[Thread, str]  # as the kernel has them (libzmq's I/O threads: ZMQbg/IO/N)
+    worker_cpu_seconds: float = 0.0
 
     @property
     def incoming_gib(self) -> float:
@@ -100,6 +103,12 @@ def thread_clocks(pids: List[int]) -> Tuple[Dict[Thread, float], Dict[Thread, st
     return clocks, names
 
 
+def process_cpu_seconds() -> float:
+    """This process's CPU time so far, user and system, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _cpu_seconds(task: str) -> float:
     """A thread's time on a CPU: schedstat's nanoseconds where the kernel keeps them, else stat's
     user + system ticks, whose 10 ms steps make a short load read as no work at all."""
@@ -112,51 +121,58 @@ def _cpu_seconds(task: str) -> float:
         return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 300, compression: str = "none") -> Load:
-    """Start a reducer of `shards` shards and W workers, time `iters` all-reduces of `mib` MiB
-    float32 after a warm-up, and stop them all (they die with this process). `compression`: the
-    workers' `compression=` (the gradient a GiB counts stays float32's). RuntimeError if any of
-    them fails or the whole takes longer than `timeout` seconds."""
-    if world < 1 or mib <= 0 or iters < 1 or shards < 1:
+def _serve(index: int, world: int, shards: int, env: Dict[str, str], hook) -> subprocess.Popen:
+    """Reducer `index` on a free loopback port, which it says on its first line."""
+    command = [sys.executable, "-m", "reduction_server", "serve", "--host", "127.0.0.1", "--port", "0"]
+    command += ["--index", str(index), "--workers", str(world), "--shards", str(shards)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env, cwd=AWAY_FROM_SOURCE, preexec_fn=hook)
+
+
+def _stop(reducer: subprocess.Popen) -> None:
+    reducer.terminate()  # a sharded reducer's supervisor stops its shards
+    try:
+        reducer.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        reducer.kill()
+        reducer.wait()
+
+
+def run(
+    world: int,
+    mib: float,
+    iters: int,
+    shards: int = 1,
+    timeout: float = 300,
+    compression: str = "none",
+    reducers: int = 1,
+    env: Optional[Dict[str, str]] = None,
+) -> Load:
+    """Start `reducers` reducers of `shards` shards each and W workers, time `iters` all-reduces of
+    `mib` MiB float32 after a warm-up, and stop them all (they die with this process).
+    `compression`: the workers' `compression=` (the gradient a GiB counts stays float32's); `env`:
+    settings for every process (RS_CHUNK_BYTES, ...). RuntimeError if any of them fails or the
+    whole takes longer than `timeout` seconds."""
+    if world < 1 or mib <= 0 or iters < 1 or shards < 1 or reducers < 1:
         raise ValueError(
-            f"a load needs workers >= 1, a positive size, iters >= 1 and shards >= 1 "
-            f"(got {world}, {mib}, {iters}, {shards})"
+            f"a load needs workers >= 1, a positive size, iters >= 1, shards >= 1 and reducers >= 1 "
+            f"(got {world}, {mib}, {iters}, {shards}, {reducers})"
         )
-    env = {**os.environ, "RS_SHM": "0", "RS_JOB_TOKEN": _TOKEN}
+    env = {**os.environ, **(env or {}), "RS_SHM": "0", "RS_JOB_TOKEN": _TOKEN}
     hook = die_with_parent_hook()
     # From the root directory: `-m` puts the working directory first on sys.path (a checkout's tree).
-    reducer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "reduction_server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--index",
-            "0",
-            "--workers",
-            str(world),
-            "--shards",
-            str(shards),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=AWAY_FROM_SOURCE,
-        preexec_fn=hook,
-    )
+    pool = [_serve(index, world, shards, env, hook) for index in range(reducers)]
     workers: List[subprocess.Popen] = []
     # A process that stops answering is killed after `timeout`: the reads below then end.
-    watchdog = threading.Timer(timeout, lambda: [p.kill() for p in [reducer, *workers] if p.poll() is None])
+    watchdog = threading.Timer(timeout, lambda: [p.kill() for p in [*pool, *workers] if p.poll() is None])
     watchdog.start()
     try:
-        match = _LISTENING.search(reducer.stdout.readline())
-        if not match:
-            raise RuntimeError("the reducer did not start")
-        address = f"{match.group(1)}:{match.group(2)}"
+        addresses = []
+        for reducer in pool:
+            match = _LISTENING.search(reducer.stdout.readline())
+            if not match:
+                raise RuntimeError("a reducer did not start")
+            addresses.append(f"{match.group(1)}:{match.group(2)}")
+        address = ",".join(addresses)
         for rank in range(world):
             workers.append(
                 subprocess.Popen(
@@ -172,7 +188,7 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
         lead = workers[0]
         if lead.stdout.readline().strip() != "READY":
             raise RuntimeError("the workers did not get ready")
-        family = _family(reducer.pid)
+        family = [pid for reducer in pool for pid in _family(reducer.pid)]
         before, _ = thread_clocks(family)
         lead.stdin.write("go\n")
         lead.stdin.flush()
@@ -191,14 +207,11 @@ def run(world: int, mib: float, iters: int, shards: int = 1, timeout: float = 30
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        reducer.terminate()  # a sharded reducer's supervisor stops its shards
-        try:
-            reducer.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            reducer.kill()
-            reducer.wait()
+        for reducer in pool:
+            _stop(reducer)
     spent = {t: after[t] - before.get(t, 0.0) for t in after}
-    load = Load(world, mib, iters, json.loads(done[5:])["seconds"], spent, names)
+    timed = json.loads(done[5:])
+    load = Load(world, mib, iters, timed["seconds"], spent, names, timed["cpu_s"])
     if load.cpu_seconds <= 0:  # only with stat's ticks
         raise RuntimeError(f"W={world}, {mib:g} MiB x {iters}: too little work to measure; raise the size or iters")
     return load

@@ -387,17 +387,58 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     )
 
 
+def test_chunks_suite(tmp_path):
+    """Two workers through one reducer over tcp with chunks of 64 and 256 KiB, beside a Gloo ring:
+    the worker's and the reducer's CPU per all-reduce, per GiB and per chunk, and the line fitted
+    through them."""
+    from reduction_server.bench import chunk_cost
+
+    table, rows = run_suite("chunks", tmp_path)
+    assert [(r["W"], r["R"], r["mib"], r["chunk_KiB"], r["chunks"]) for r in rows] == [
+        (2, 1, 1, 64, 16),
+        (2, 1, 1, 256, 4),
+    ]
+    for row in rows:
+        assert set(chunk_cost.COLUMNS) <= set(row)
+        assert all(row[k] > 0 for k in ("worker_cpu_s", "reducer_cpu_s", "gloo_cpu_s_per_GiB", "ms")), row
+        assert row["worker_cpu_s_per_GiB"] == pytest.approx(row["worker_cpu_s"] * 1024)  # 1 MiB per all-reduce
+        assert row["vs_gloo_cpu"] == pytest.approx(row["worker_cpu_s_per_GiB"] / row["gloo_cpu_s_per_GiB"])
+        assert row["worker_us_per_chunk"] == pytest.approx(row["worker_cpu_s"] / row["chunks"] * 1e6)
+        assert row["reducer_us_per_contribution"] == pytest.approx(row["reducer_cpu_s"] / (row["chunks"] * 2) * 1e6)
+    assert table.splitlines()[0].split() == chunk_cost.COLUMNS
+    (line,) = [text for text in table.splitlines() if text.startswith("W=2 R=1 1 MiB: worker ")]
+    assert "us per chunk" in line and "us per contribution" in line, line
+
+
+def test_chunk_cost_line_is_fitted_per_job_shape():
+    """summary() takes the per-chunk cost as the slope over chunk counts and the rest per GiB."""
+    from reduction_server.bench import chunk_cost
+
+    rows = [
+        {"W": 2, "R": 1, "mib": 1024, "chunks": n, "worker_cpu_s": 0.5 + n * 1e-4, "reducer_cpu_s": 1 + 2 * n * 2e-5}
+        for n in (100, 400)
+    ]
+    for row in rows:
+        row["gloo_cpu_s_per_GiB"] = 0.9
+    (line,) = chunk_cost.summary(rows)
+    assert line == (
+        "W=2 R=1 1024 MiB: worker 100.0 us per chunk + 0.50 CPU-s per GiB (a Gloo rank: 0.90); "
+        "reducers 20.0 us per contribution + 0.50 CPU-s per GiB in"
+    )
+    assert chunk_cost.summary(rows[:1]) == []  # one chunk count: no line
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (
             ["kernels", "--rounds", "3"],
-            "--rounds is for the loopback, netem, ddp, collectives, failover and sizing suites, not kernels",
+            "--rounds is for the loopback, netem, ddp, collectives, chunks, failover and sizing suites, not kernels",
         ),
         (["netem", "--rounds", "0"], "rounds must be at least 1, got 0"),
         (
             ["kernels", "--workers", "2"],
-            "--workers is for the loopback, netem, ddp, collectives, reducer and failover suites, not kernels",
+            "--workers is for the loopback, netem, ddp, collectives, reducer, chunks and failover suites, not kernels",
         ),
         (
             ["loopback", "--rate-mbit", "100"],
@@ -406,7 +447,7 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
         (["loopback", "--delay-ms", "1"], "--delay-ms is for the netem and ddp suites, not loopback"),
         (
             ["ddp", "--mib", "4"],
-            "--mib is for the kernels, loopback, netem, collectives, reducer and failover suites, not ddp",
+            "--mib is for the kernels, loopback, netem, collectives, reducer, chunks and failover suites, not ddp",
         ),
         (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
         (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
