@@ -6,7 +6,8 @@
 #   bench/device.sh run [STEP...]
 #                          there, from the repository root, with .device carried: installs the
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
-#                          named: cuda-tests, bench-reducer, bench-kernels, bench-loopback), and
+#                          named: cuda-tests, bench-reducer, bench-chunks, bench-kernels,
+#                          bench-loopback), and
 #                          leaves each log and table under $OUT (bench/out/device here when OUT is unset)
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
@@ -77,6 +78,7 @@ run() {
   # away from the source tree, which holds an uncompiled reduction_server.
   step bench-reducer 150 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
     --out "$OUT"
+  step bench-chunks 300 env -C "$OUT" python3 -m reduction_server bench chunks --rounds 3 --out "$OUT"
   step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
     --rounds 3 --out "$OUT"
