@@ -21,7 +21,9 @@
 - per_core_Gbit_s: what one core sums at this CPU cost; host_Gbit_s: what a host of `shards`
   cores sums, per_core x min(shards, scales_to) (these machines have 2 cores, shared with the
   workers: the per-thread split is what shows scaling here);
-- Gbit_s_in: incoming gradient per second measured (a lower bound: the workers share the cores).
+- Gbit_s_in: incoming gradient per second measured (a lower bound: the workers share the cores);
+- compression: the workers' `compression=` (`--compression none,int8`); a GiB stays float32's, and
+  vs_float32 is a compressed load's CPU per GiB over the float32 load's of the same W and shards.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Dict, List, Sequence
 
 from tqdm import tqdm
 
+from reduction_server.client import compression
 from reduction_server.client.chunking import plan_chunks
 from reduction_server.config import settings
 from reduction_server.tools import reducer_load
@@ -40,6 +43,7 @@ COLUMNS = [
     "W",
     "mib",
     "shards",
+    "compression",
     "chunk_KiB",
     "iters",
     "Gbit_s_in",
@@ -57,6 +61,7 @@ COLUMNS = [
     "scales_to",
     "per_core_Gbit_s",
     "host_Gbit_s",
+    "vs_float32",
 ]
 
 
@@ -73,9 +78,13 @@ def run(
     shards: Sequence[int] = (1, 2, 4),
     iters: int = 20,
     limit_gib: float = 2.0,
+    compressions: Sequence[str] = ("none",),
 ) -> List[Dict]:
-    """One row per size x W x shards; the copy limits measured for each size's chunks (and each
-    W's and shard count's, both ways), before its loads, in the same run."""
+    """One row per size x W x shards x compression (the compressions of one W and shard count
+    run one after the other); the copy limits measured for each size's chunks (and each W's and
+    shard count's, both ways), before its loads, in the same run."""
+    for name in compressions:
+        compression.parse(name)  # a ValueError naming the unknown one, before anything starts
     rows: List[Dict] = []
     window = settings.tuning("RS_WINDOW")
     for mib in sizes_mib:
@@ -83,13 +92,17 @@ def run(
         sockets = copy_limit.sockets(limit_gib, chunk)
         add = copy_limit.add(limit_gib)
         limit = sockets["recv"] + sockets["send"] + add
-        loads = [(w, n) for w in worlds for n in shards]
+        shapes = [(w, n) for w in worlds for n in shards]
         duplex = {
             (world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
-            for world, count in loads
+            for world, count in shapes
         }
-        for world, count in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
-            load = reducer_load.run(world, mib, iters, count)
+        loads = [(w, n, c) for w, n in shapes for c in compressions]
+        float32: Dict[tuple, float] = {}
+        for world, count, kind in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
+            load = reducer_load.run(world, mib, iters, count, compression=kind)
+            if kind == "none":
+                float32[world, count] = load.cpu_s_per_gib
             name, share = load.busiest()
             per_core = reducer_load.GBIT_PER_GIB / load.cpu_s_per_gib
             rows.append(
@@ -97,6 +110,7 @@ def run(
                     "W": world,
                     "mib": mib,
                     "shards": count,
+                    "compression": kind,
                     "chunk_KiB": chunk / 1024,
                     "iters": iters,
                     "Gbit_s_in": load.gbit_s_in,
@@ -114,6 +128,7 @@ def run(
                     "scales_to": 1 / share,
                     "per_core_Gbit_s": per_core,
                     "host_Gbit_s": per_core * min(count, 1 / share),
+                    "vs_float32": load.cpu_s_per_gib / float32[world, count] if (world, count) in float32 else None,
                 }
             )
     return rows

@@ -25,6 +25,7 @@ SWEEPS = {
     "variants": "--variant",
     "shards": "--shards",
     "chunks_kib": "--chunk-kib",
+    "compressions": "--compression",
 }
 _ACCEPTS = {
     "kernels": {"sizes_mib"},
@@ -32,7 +33,7 @@ _ACCEPTS = {
     "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
     "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
     "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-    "reducer": {"worlds", "sizes_mib", "shards"},
+    "reducer": {"worlds", "sizes_mib", "shards", "compressions"},
     "chunks": {"worlds", "reducers", "sizes_mib", "chunks_kib", "rounds"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "sizing": {"rounds"},
@@ -58,7 +59,8 @@ def _command(suite: str, out: Path, quick: bool, sweep: Dict[str, Any]) -> str:
         if key == "variants":  # each its own --variant NAME=VALUE,...
             words += [word for v in value for word in (SWEEPS[key], ",".join(f"{k}={x}" for k, x in v.items()))]
             continue
-        text = ",".join(f"{v:g}" for v in value) if isinstance(value, (list, tuple)) else f"{value:g}"
+        values = value if isinstance(value, (list, tuple)) else [value]
+        text = ",".join(v if isinstance(v, str) else f"{v:g}" for v in values)
         words += [SWEEPS[key], text]
     return shlex.join(words)
 

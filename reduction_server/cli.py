@@ -546,6 +546,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"reducer: shard counts (serve --shards) to sweep; {sweep}",
     )
     bench.add_argument(
+        "--compression",
+        type=lambda text: tuple(part.strip() for part in text.split(",")),
+        default=None,
+        dest="compressions",
+        metavar="NAME,...",
+        help=f"reducer: the workers' compression= to sweep (none, int8, bf16, fp16), each load's CPU per GiB of "
+        f"float32 also against float32's; {sweep}",
+    )
+    bench.add_argument(
         "--chunk-kib",
         type=_positive_list(float),
         default=None,

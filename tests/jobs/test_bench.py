@@ -387,6 +387,18 @@ def test_the_recorded_command_names_inherited_settings(monkeypatch, tmp_path):
     )
 
 
+def test_reducer_suite_compares_compressed_loads_with_float32(tmp_path):
+    """--compression none,int8: each load's CPU per GiB of float32 also over float32's (same W and
+    shards); int8 blocks move about a quarter of the bytes."""
+    _, rows = run_suite("reducer", tmp_path, "--shards", "1", "--compression", "none,int8")
+    none, int8 = rows
+    assert [(r["shards"], r["compression"]) for r in rows] == [(1, "none"), (1, "int8")]
+    assert none["vs_float32"] == 1 and int8["vs_float32"] == pytest.approx(
+        int8["cpu_s_per_GiB"] / none["cpu_s_per_GiB"]
+    )
+    assert int8["vs_float32"] < 1, rows
+
+
 def test_chunks_suite(tmp_path):
     """Two workers through one reducer over tcp with chunks of 64 and 256 KiB, beside a Gloo ring:
     the worker's and the reducer's CPU per all-reduce, per GiB and per chunk, and the line fitted
