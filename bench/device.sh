@@ -6,7 +6,7 @@
 #   bench/device.sh run [STEP...]
 #                          there, from the repository root, with .device carried: installs the
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
-#                          named: cuda-tests, bench-reducer, bench-chunks, bench-kernels,
+#                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-chunks, bench-kernels,
 #                          bench-loopback), and
 #                          leaves each log and table under $OUT (bench/out/device here when OUT is unset)
 #
@@ -54,7 +54,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.log, a
 
 run() {
   OUT=${OUT:-bench/out/device}
-  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT"
+  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT" "$OUT/int8"
   local site=/tmp/rs-site
   export PYTHONUNBUFFERED=1
   python3 -V && nproc && (nvidia-smi -L || true)
@@ -78,6 +78,9 @@ run() {
   # away from the source tree, which holds an uncompiled reduction_server.
   step bench-reducer 150 env -C "$OUT" python3 -m reduction_server bench reducer --workers 4,8 --shards 1,4,8,16 \
     --out "$OUT"
+  # int8 blocks against float32 in the reducer, as issue 41 counts it (per GiB of float32)
+  step bench-reducer-int8 150 env -C "$OUT/int8" python3 -m reduction_server bench reducer --workers 4 --shards 1,4 \
+    --compression none,int8 --out "$OUT/int8"
   step bench-chunks 300 env -C "$OUT" python3 -m reduction_server bench chunks --rounds 3 --out "$OUT"
   step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
