@@ -90,7 +90,7 @@ setup(
             "ray[train]>=2.60",
             "ruff==0.17.6",  # tests/unit/test_style.py; pinned: a newer ruff may format otherwise
         ],
-        "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
+        "bench": ["pytest-benchmark", "matplotlib", "tqdm", "scikit-learn"],  # scikit-learn: bench numerics' digits
     },
     # torch calls each `torch.backends` entry point at the end of `import torch`: this one registers the
     # "reduction_server" backend lazily, from a top-level module that imports only the standard library

@@ -12,7 +12,7 @@ from reduction_server.config.settings import TUNING
 
 from . import report
 
-SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "chunks", "failover", "sizing")
+SUITES = ("kernels", "loopback", "netem", "ddp", "collectives", "reducer", "chunks", "failover", "sizing", "numerics")
 
 #: what each suite's configuration can be swept over: run()'s keyword -> the command-line option
 SWEEPS = {
@@ -37,6 +37,7 @@ _ACCEPTS = {
     "chunks": {"worlds", "reducers", "sizes_mib", "chunks_kib", "rounds"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "sizing": {"rounds"},
+    "numerics": set(),
 }
 
 
@@ -267,6 +268,26 @@ def main(
                 series="peer",
                 title="step-time model: predicted vs measured all-reduce",
                 path=out / "sizing.png",
+            ),
+        ]
+    elif suite == "numerics":
+        from . import numerics
+
+        quick_config = {"tasks": ("charlm",), "variants": ("float32", "int8-ef"), "world": 2, "reducers": 1}
+        rows = numerics.run(**_configure(suite, {**quick_config, "steps": 6, "every": 3} if quick else {}, sweep))
+        print(report.table(rows, numerics.COLUMNS))
+        print("\n".join(numerics.summary(rows)))
+        files = [
+            report.save(rows, suite, out, command),
+            report.plot(
+                numerics.points(rows),
+                x="step",
+                y="val_loss",
+                series=("variant",),
+                panels="task",
+                title="held-out loss by gradient format",
+                path=out / "numerics.png",
+                logx=False,
             ),
         ]
     for path in files:

@@ -483,7 +483,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "suite",
-        choices=["kernels", "loopback", "netem", "ddp", "collectives", "reducer", "chunks", "failover", "sizing"],
+        choices=[
+            "kernels",
+            "loopback",
+            "netem",
+            "ddp",
+            "collectives",
+            "reducer",
+            "chunks",
+            "failover",
+            "sizing",
+            "numerics",
+        ],
         help="kernels: native kernels vs NumPy; loopback: all-reduce vs Gloo (and MPI) on this "
         "machine; netem: vs Gloo's ring on an emulated network of shaped links (needs root); "
         "ddp: DDP training steps/s vs DDP over Gloo on that network (needs root and torch); "
@@ -493,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reducers' CPU per chunk and per GiB over chunk sizes, beside a Gloo rank's CPU; failover: the step in which a "
         "reducer is killed and the steps after it vs undisturbed runs on that network (needs root); sizing: "
         "the step-time model's predicted all-reduce vs the measured one, ours and Gloo's, over a grid of "
-        "that network (needs root and torch; docs/sizing.md)",
+        "that network (needs root and torch; docs/sizing.md); numerics: the held-out loss of the same training "
+        "with float32, bf16 and int8 gradients and PowerSGD over Gloo (needs torch; docs/numerics.md)",
     )
     bench.add_argument("--out", default="bench/out", help="directory for the JSON and PNG files (default bench/out)")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (a smoke run)")

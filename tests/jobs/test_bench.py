@@ -399,6 +399,39 @@ def test_reducer_suite_compares_compressed_loads_with_float32(tmp_path):
     assert int8["vs_float32"] < 1, rows
 
 
+def test_numerics_suite(tmp_path):
+    """Two ranks train the byte-level LM for 6 steps with float32 and with int8 blocks and error
+    feedback: each row's held-out loss against float32's, the curves, and the verdict line."""
+    from reduction_server.bench import numerics
+
+    table, rows = run_suite("numerics", tmp_path)
+    assert [(r["task"], r["variant"], r["W"], r["steps"]) for r in rows] == [
+        ("charlm", "float32", 2, 6),
+        ("charlm", "int8-ef", 2, 6),
+    ]
+    reference, int8 = rows
+    assert [p["step"] for p in int8["curve"]] == [3, 6]
+    assert reference["vs_float32_pct"] == 0 and 0 < int8["val_loss"] < 6  # from ln(256) = 5.5 down
+    assert int8["vs_float32_pct"] == pytest.approx((int8["val_loss"] / reference["val_loss"] - 1) * 100)
+    assert int8["val_loss"] != reference["val_loss"]  # int8's rounding reached the parameters
+    assert table.splitlines()[0].split() == numerics.COLUMNS
+    assert any(line.startswith("charlm: int8 with error feedback ends ") for line in table.splitlines())
+
+
+def test_numerics_verdict_says_where_int8_misses_the_bar():
+    from reduction_server.bench import numerics
+
+    rows = [
+        {"task": "digits", "variant": "int8-ef", "vs_float32_pct": 0.5, "accuracy": 0.9, "vs_float32_points": -0.8},
+        {"task": "charlm", "variant": "int8-ef", "vs_float32_pct": -0.3, "accuracy": None},
+    ]
+    assert numerics.summary(rows) == [
+        "digits: int8 with error feedback ends +0.50 % from float32's held-out loss, accuracy -0.80 points: "
+        "NOT within issue 41's bar",
+        "charlm: int8 with error feedback ends -0.30 % from float32's held-out loss: within issue 41's bar",
+    ]
+
+
 def test_chunks_suite(tmp_path):
     """Two workers through one reducer over tcp with chunks of 64 and 256 KiB, beside a Gloo ring:
     the worker's and the reducer's CPU per all-reduce, per GiB and per chunk, and the line fitted
