@@ -1,8 +1,7 @@
 """One rank of a timed all-reduce job: `python -m reduction_server.bench.allreduce_job BACKEND
 --mib 1,4,64 --iters N [--dtype float16]`. Rank 0 prints one JSON line per size: the mean
 seconds per all-reduce of a float32 (or float16) buffer of that many MiB, after a warm-up,
-between barriers, and its own CPU seconds (all its threads) per all-reduce; before each timed
-loop it prints {"phase": "timed"}, so that a suite can read other processes' CPU around it.
+between barriers, and its own CPU seconds (all its threads) per all-reduce.
 
 BACKEND: rs (this project, from RS_* variables), gloo (torch.distributed, from RANK/WORLD_SIZE/
 MASTER_ADDR/MASTER_PORT), mpi (mpi4py under mpirun).
@@ -67,8 +66,6 @@ def main() -> None:
         iters = args.iters or max(3, min(50, int(256 / mib)))
         all_reduce(x)  # warm-up: connections and buffers
         barrier()
-        if rank == 0:
-            print(json.dumps({"phase": "timed"}), flush=True)
         cpu, start = process_cpu_seconds(), time.perf_counter()
         for _ in range(iters):
             all_reduce(x)

@@ -81,15 +81,11 @@ _stores: List[_LocalStore] = []
 
 
 def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
-
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
-    try:
-        place = discover_worker()
-    except ConfigError:
-        place = None
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        yield from _env_handler(_placed(url, query, place), timeout=timeout, **kwargs)
+        yield from _env_handler(_placed(url, query), timeout=timeout, **kwargs)
         return
+    place = _discovered()
     if place is None and not os.environ.get("RS_REDUCERS"):
         yield from _env_handler(url, timeout=timeout, **kwargs)  # not a reduction_server job: torch's error
         return
@@ -106,19 +102,26 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
-def _placed(url: str, query: Dict[str, str], place: Any) -> str:
+def _discovered() -> Any:
+    """The package's discovery of this worker's place, None where it finds none."""
+    try:
+        return discover_worker()
+    except ConfigError:
+        return None
+
+
+def _placed(url: str, query: Dict[str, str]) -> str:
     """`url` with the rank and world size that torch's env:// handler would not find (it reads only
     RANK and WORLD_SIZE) but the launcher gave (mpirun, srun, PMI: discovery's place), in its query."""
+    missing = [
+        (key, attribute)
+        for key, variable, attribute in (("rank", "RANK", "rank"), ("world_size", "WORLD_SIZE", "world_size"))
+        if key not in query and not os.environ.get(variable)
+    ]
+    place = _discovered() if missing else None
     if place is None:
         return url
-    extra = {
-        key: str(value)
-        for key, variable, value in (("rank", "RANK", place.rank), ("world_size", "WORLD_SIZE", place.world_size))
-        if key not in query and not os.environ.get(variable)
-    }
-    if not extra:
-        return url
-    return url + ("&" if "?" in url else "?") + urlencode(extra)
+    return url + ("&" if "?" in url else "?") + urlencode({key: getattr(place, a) for key, a in missing})
 
 
 def register() -> None:
