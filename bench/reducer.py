@@ -22,8 +22,13 @@
   cores sums, per_core x min(shards, scales_to) (these machines have 2 cores, shared with the
   workers: the per-thread split is what shows scaling here);
 - Gbit_s_in: incoming gradient per second measured (a lower bound: the workers share the cores);
+- worker_cpu_s_per_GiB: the lead worker's CPU time (every thread) over the same all-reduces, per
+  GiB it all-reduces: the other side's price of a setting;
 - compression: the workers' `compression=` (`--compression none,int8`); a GiB stays float32's, and
-  vs_float32 is a compressed load's CPU per GiB over the float32 load's of the same W and shards.
+  vs_float32 is a compressed load's CPU per GiB over the float32 load's of the same W, shards and
+  variant;
+- variant: the settings of the run (`--variant RS_ENCRYPT=1`: every load again with them, in
+  turns with the defaults, so that both meet the same quiet and busy moments).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from reduction_server.config import settings
 from reduction_server.tools import reducer_load
 
 from . import copy_limit
+from .netem import variant_runs
 
 COLUMNS = [
+    "variant",
     "W",
     "mib",
     "shards",
@@ -48,6 +55,7 @@ COLUMNS = [
     "iters",
     "Gbit_s_in",
     "cpu_s_per_GiB",
+    "worker_cpu_s_per_GiB",
     "limit_s_per_GiB",
     "vs_limit",
     "recv",
@@ -79,12 +87,15 @@ def run(
     iters: int = 20,
     limit_gib: float = 2.0,
     compressions: Sequence[str] = ("none",),
+    variants: Sequence[Dict[str, str]] = (),
 ) -> List[Dict]:
-    """One row per size x W x shards x compression (the compressions of one W and shard count
-    run one after the other); the copy limits measured for each size's chunks (and each W's and
-    shard count's, both ways), before its loads, in the same run."""
+    """One row per size x W x shards x compression x the defaults and each of `variants`
+    (netem.parse_variant's settings), the compressions and variants of one W and shard count in
+    turns; the copy limits measured for each size's chunks (and each W's and shard count's, both
+    ways), before its loads, in the same run."""
     for name in compressions:
         compression.parse(name)  # a ValueError naming the unknown one, before anything starts
+    runs = variant_runs(variants)
     rows: List[Dict] = []
     window = settings.tuning("RS_WINDOW")
     for mib in sizes_mib:
@@ -97,16 +108,17 @@ def run(
             (world, count): copy_limit.duplex(limit_gib, chunk, world, window, processes=count) + add
             for world, count in shapes
         }
-        loads = [(w, n, c) for w, n in shapes for c in compressions]
+        loads = [(w, n, c, run) for w, n in shapes for run in runs for c in compressions]
         float32: Dict[tuple, float] = {}
-        for world, count, kind in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
-            load = reducer_load.run(world, mib, iters, count, compression=kind)
+        for world, count, kind, (label, extra) in tqdm(loads, desc=f"reducer {mib:g} MiB", unit="load"):
+            load = reducer_load.run(world, mib, iters, count, compression=kind, env=extra)
             if kind == "none":
-                float32[world, count] = load.cpu_s_per_gib
+                float32[world, count, label] = load.cpu_s_per_gib
             name, share = load.busiest()
             per_core = reducer_load.GBIT_PER_GIB / load.cpu_s_per_gib
             rows.append(
                 {
+                    "variant": label.partition(" ")[2] or "-",
                     "W": world,
                     "mib": mib,
                     "shards": count,
@@ -115,6 +127,7 @@ def run(
                     "iters": iters,
                     "Gbit_s_in": load.gbit_s_in,
                     "cpu_s_per_GiB": load.cpu_s_per_gib,
+                    "worker_cpu_s_per_GiB": load.worker_cpu_s_per_gib,
                     "limit_s_per_GiB": limit,
                     "vs_limit": load.cpu_s_per_gib / limit,
                     "recv": sockets["recv"],
@@ -128,7 +141,9 @@ def run(
                     "scales_to": 1 / share,
                     "per_core_Gbit_s": per_core,
                     "host_Gbit_s": per_core * min(count, 1 / share),
-                    "vs_float32": load.cpu_s_per_gib / float32[world, count] if (world, count) in float32 else None,
+                    "vs_float32": load.cpu_s_per_gib / float32[world, count, label]
+                    if (world, count, label) in float32
+                    else None,
                 }
             )
     return rows

@@ -33,7 +33,7 @@ _ACCEPTS = {
     "netem": {"worlds", "reducers", "rates_mbit", "sizes_mib", "delay_ms", "rounds", "variants"},
     "ddp": {"worlds", "reducers", "rates_mbit", "delay_ms", "rounds", "variants"},
     "collectives": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-    "reducer": {"worlds", "sizes_mib", "shards", "compressions"},
+    "reducer": {"worlds", "sizes_mib", "shards", "compressions", "variants"},
     "chunks": {"worlds", "reducers", "sizes_mib", "chunks_kib", "rounds"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
     "sizing": {"rounds"},
@@ -194,7 +194,10 @@ def main(
         files = [
             report.save(rows, suite, out, command),
             report.bars(
-                [f"W={r['W']} {r['mib']:g} MiB {r['shards']} shards" for r in rows],
+                [
+                    f"W={r['W']} {r['mib']:g} MiB {r['shards']} shards {r['compression']} {r['variant']}".rstrip(" -")
+                    for r in rows
+                ],
                 [r["vs_limit"] for r in rows],
                 xlabel="reducer CPU per GiB / copy limit (same run)",
                 reference=1.0,

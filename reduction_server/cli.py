@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE[,...]",
-        help=f"netem, ddp: run this project once more with these settings ({', '.join(TUNING)}), in "
+        help=f"netem, ddp, reducer: run this project once more with these settings ({', '.join(TUNING)}), in "
         "the same turns on the same network, as rows of their own; repeat for more variants",
     )
     bench.set_defaults(func=_bench)

@@ -370,7 +370,7 @@ VARIABLES: Tuple[Variable, ...] = (
     # security
     Variable(
         "RS_ENCRYPT",
-        _BOTH,
+        (*_BOTH, BENCH),
         "0",
         "1: every connection encrypted with CurveZMQ, keys derived from `RS_JOB_TOKEN`",
         bool,
@@ -614,9 +614,9 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-#: the settings that tune how a collective moves: what `bench netem` passes to its emulated hosts
-#: and `--variant` may set
-TUNING = tuple(v.name for v in variables_read_by(BENCH) if v.name.startswith("RS_") and v.kind is int)
+#: the settings that tune how a collective moves (and RS_ENCRYPT, what protects it): what `bench
+#: netem` passes to its emulated hosts and `--variant` may set
+TUNING = tuple(v.name for v in variables_read_by(BENCH) if v.name.startswith("RS_") and v.kind in (int, bool))
 
 
 def tuning(name: str, environ: Optional[Mapping[str, str]] = None) -> int:

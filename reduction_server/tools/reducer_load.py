@@ -55,6 +55,12 @@ class Load:
         return self.cpu_seconds / self.incoming_gib
 
     @property
+    def worker_cpu_s_per_gib(self) -> float:
+        """The lead worker's CPU time per GiB it all-reduces (size x iterations): what a worker pays
+        the network besides its own work, send, receive, copy."""
+        return self.worker_cpu_seconds / (self.mib * self.iters / 1024)
+
+    @property
     def gbit_s_in(self) -> float:
         """Incoming gradient per second (a lower bound: the workers share this machine's cores)."""
         return self.incoming_gib * GBIT_PER_GIB / self.seconds

@@ -182,6 +182,10 @@ def test_variants_are_parsed_and_labelled():
         ("reduction-server RS_SNDBUF=16384 RS_WINDOW=2", {"RS_SNDBUF": "16384", "RS_WINDOW": "2"}),
         ("reduction-server RS_WINDOW=8", {"RS_WINDOW": "8"}),
     ]
+    # what protects a collective is a variant too, checked as a switch
+    assert netem.parse_variant("RS_ENCRYPT=1") == {"RS_ENCRYPT": "1"}
+    with pytest.raises(ValueError, match="RS_ENCRYPT"):
+        netem.parse_variant("RS_ENCRYPT=maybe")
 
 
 @needs_root
@@ -246,7 +250,8 @@ def test_reducer_suite(tmp_path):
         assert set(reducer.COLUMNS) <= set(row)
         assert row["limit_s_per_GiB"] == pytest.approx(row["recv"] + row["send"] + row["add"])
         assert row["vs_limit"] == pytest.approx(row["cpu_s_per_GiB"] / row["limit_s_per_GiB"])
-        assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "recv", "send", "add"))
+        assert all(row[k] > 0 for k in ("Gbit_s_in", "cpu_s_per_GiB", "worker_cpu_s_per_GiB", "recv", "send", "add"))
+        assert row["variant"] == "-"  # the defaults: no --variant given
         # both ways at once: one process receives and sends every byte, so it costs more than
         # half of receiving and sending apart, plus the same add
         assert row["duplex_s_per_GiB"] > row["add"] + 0.5 * (row["recv"] + row["send"]), row
@@ -497,7 +502,10 @@ def test_chunk_cost_line_is_fitted_per_job_shape():
         (["netem", "--workers", "1,4"], "a ring needs at least 2 workers, got W=1"),
         (["netem", "--delay-ms", "-1"], "the link delay must be in 0..1000 ms, got -1"),
         (["ddp", "--delay-ms", "nan"], "the link delay must be in 0..1000 ms, got nan"),
-        (["loopback", "--variant", "RS_SNDBUF=4096"], "--variant is for the netem and ddp suites, not loopback"),
+        (
+            ["loopback", "--variant", "RS_SNDBUF=4096"],
+            "--variant is for the netem, ddp and reducer suites, not loopback",
+        ),
         (
             ["netem", "--variant", "RS_JOB_TOKEN=x"],
             "the emulated hosts take no RS_JOB_TOKEN; choose from RS_CHUNK_BYTES, RS_WINDOW, "
