@@ -48,7 +48,13 @@ RECONNECT_S = 0.1
 #: reducer may yet answer there (another job's that took its port stopped, or it was restarted as
 #: it should be), and only once every rank is admitted again can the ranks agree to use it (JOIN)
 REFUSED_RETRY_S = 1.0
-_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | encryption.HANDSHAKE_FAILED
+_MONITORED = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | encryption.HANDSHAKE_FAILED
+)
 
 
 class Connections:
@@ -211,12 +217,12 @@ class Connections:
             return  # a connection made: nothing lost
         down = self.down.get(e)
         if down is None:
-            self.lose(
-                e,
+            # A connection in use refused by its security (a frame altered on the way) says why.
+            why = refused or (
                 "its connection closed (the process exited, stopped answering heartbeats for "
-                f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it); reconnecting",
-                reconnect=True,
+                f"RS_LIVENESS_TIMEOUT={self.liveness:g} s, or the network dropped it)"
             )
+            self.lose(e, f"{why}; reconnecting", reconnect=True)
         elif refused:
             self.refuse(e, f"{self.name(e)} came back but refused this worker: {refused}")
         else:  # not back yet, or gone again in the middle of the new handshake

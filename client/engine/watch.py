@@ -33,6 +33,7 @@ class Watch:
         self.encrypt = encrypt
         self.gated = gated  # connections present a PLAIN credential (gate.py)
         self.progress: List[int] = [CONNECTING] * count
+        self.secured: List[bool] = [False] * count  # the current connection's security handshake succeeded
         self.failures: List[Tuple[int, float]] = [(0, 0.0)] * count  # (in a row, since when)
 
     def drain(self, e: int, monitor: zmq.Socket) -> Tuple[bool, Optional[str]]:
@@ -44,13 +45,16 @@ class Watch:
             kind = message["event"]
             if kind == zmq.EVENT_CONNECTED:
                 self.progress[e] = max(self.progress[e], CONNECTED)
+                self.secured[e] = False
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.secured[e] = True
             elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
                 closed = True
                 if kind == zmq.EVENT_DISCONNECTED and self.progress[e] == CONNECTED:
                     self.progress[e] = CUT
                 if kind == zmq.EVENT_CLOSED and self.progress[e] < CONNECTED:  # the connect itself failed
                     self.progress[e] = REFUSED
-            failure = encryption.handshake_failure(kind, message["value"], self.encrypt, self.gated)
+            failure = encryption.handshake_failure(kind, message["value"], self.encrypt, self.gated, self.secured[e])
             if failure is not None:
                 count, since = self.failures[e]
                 now = time.monotonic()

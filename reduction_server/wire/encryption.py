@@ -34,6 +34,11 @@ HANDSHAKE_FAILED = (
 #: middle of it, or a proxy that accepts before the reducer is up; libzmq retries every 100 ms)
 GIVE_UP_AFTER_S = 2.0
 MAX_HANDSHAKE_FAILURES = 3
+#: a frame that failed CurveZMQ's authentication on a connection whose handshake had succeeded
+ALTERED = (
+    "a frame failed CurveZMQ's authentication: it was altered on the way (something between the worker and the "
+    "reducer changes the bytes it relays), and RS_ENCRYPT refused it and closed the connection"
+)
 
 
 def check(token: str) -> None:
@@ -70,11 +75,15 @@ def secure_worker(socket: zmq.Socket, token: str) -> None:
     socket.curve_publickey, socket.curve_secretkey = _keypair(token, _WORKER_LABEL)
 
 
-def handshake_failure(event: int, value: int, encrypt: bool, gated: bool = False) -> Optional[Tuple[str, bool]]:
+def handshake_failure(
+    event: int, value: int, encrypt: bool, gated: bool = False, secured: Optional[bool] = None
+) -> Optional[Tuple[str, bool]]:
     """What a socket monitor event (parsed: zmq.utils.monitor) says about the security handshake:
     None if it is not a handshake failure, else (reason, certain); `certain` is False for a
     failure that could also be a connection dropped in the middle of the handshake. `gated`: this
-    side's connections present a credential of the job token instead (gate.py)."""
+    side's connections present a credential of the job token instead (gate.py). `secured`: whether
+    the connection's security handshake had succeeded (None: this side cannot tell), since libzmq
+    reports a frame that fails CurveZMQ's authentication later with the same event."""
     if not event & HANDSHAKE_FAILED:
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
@@ -104,7 +113,10 @@ def handshake_failure(event: int, value: int, encrypt: bool, gated: bool = False
             True,
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-        return "the encrypted (CurveZMQ) handshake failed: the peer's keys come from another RS_JOB_TOKEN", True
+        if secured:
+            return ALTERED, True
+        keys = "the encrypted (CurveZMQ) handshake failed: the peer's keys come from another RS_JOB_TOKEN"
+        return (keys if secured is False else f"{keys}; or, after the handshake, {ALTERED}"), True
     if not encrypt:
         return None  # a plain connection dropped while greeting: libzmq retries, nothing to say
     return (

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, ru
 from helpers.jobs import check_sum_works
 from reduction_server import CollectiveError
 from reduction_server.errors import ConfigError
-from reduction_server.wire import protocol
+from reduction_server.wire import encryption, protocol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,10 +57,12 @@ def refused(addresses: List[str], **options) -> str:
 
 
 class Tap:
-    """A TCP relay in front of a reducer that keeps a copy of every byte sent each way."""
+    """A TCP relay in front of a reducer that keeps a copy of every byte sent each way, and
+    with `flip_at` alters one: byte `flip_at` of each connection's stream from the reducer."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, flip_at: Optional[int] = None) -> None:
         self.target = target.rsplit(":", 1)
+        self.flip_at = flip_at
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.1)  # the accept loop looks at `closed` this often
         self.closed = False
@@ -86,14 +88,20 @@ class Tap:
             upstream = socket.create_connection((self.target[0], int(self.target[1])))
             self.sockets += [client, upstream]
             self._start(self._pipe, client, upstream)
-            self._start(self._pipe, upstream, client)
+            self._start(self._pipe, upstream, client, self.flip_at)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, flip_at: Optional[int] = None) -> None:
+        relayed = 0
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if flip_at is not None and relayed <= flip_at < relayed + len(data):
+                    altered = bytearray(data)
+                    altered[flip_at - relayed] ^= 0x40
+                    data = bytes(altered)
+                relayed += len(data)
                 with self.lock:
                     self.seen += data
                 dst.sendall(data)
@@ -154,6 +162,66 @@ def test_the_bytes_on_the_wire_are_encrypted(encrypt):
     else:
         # PLAIN: a job token's credential in the handshake (gate.py), then nothing but ZMTP frames
         assert b"PLAIN" in seen[:200] and magic in seen and b"GRADIENT" * 8 in seen
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_relay_that_alters_a_result_is_caught_only_by_encryption(encrypt):
+    """An on-path relay flips one byte of a RESULT payload on its way to each rank. Without
+    RS_ENCRYPT the job token proves each peer at the handshake only, so the altered result is
+    returned with no error (docs/reliability.md: use RS_ENCRYPT where the network is not
+    trusted); with it, the frame fails CurveZMQ's authentication and the rank's collective fails
+    naming that, instead of returning it."""
+    payload = np.arange(1 << 17, dtype=np.float64)  # 1 MiB in one chunk: the byte flipped lies in its RESULT
+    with reducers(1, extra_env={**(ENCRYPT if encrypt else {}), **ONE_PROCESS}) as group:
+        tap = Tap(group.addresses[0], flip_at=600_000)  # past the handshake's few hundred bytes
+        try:
+
+            def all_reduce(comm, rank):
+                try:
+                    return comm.all_reduce(payload, "max")
+                except CollectiveError as exc:
+                    return str(exc)
+
+            results = run_ranks(
+                2,
+                lambda r: communicator(
+                    [tap.address], r, 2, encrypt=encrypt, shared_memory=False, failover=False, pipeline_depth=1
+                ),
+                all_reduce,
+                limit=30,
+            )
+        finally:
+            tap.close()
+        assert group.alive()  # the reducer is never taken down by it
+    for rank, result in enumerate(results):
+        if encrypt:
+            assert isinstance(result, str) and f"rank {rank}:" in result, result
+            assert "reducer 0" in result and encryption.ALTERED in result, result
+        else:
+            assert np.count_nonzero(result != payload) == 1, f"rank {rank} got no altered element"
+
+
+def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(caplog):
+    """With failover, the reducer whose frames an on-path relay alters is lost to each rank, its
+    chunks move to the other reducer, every result is right, and each rank logs why it lost it."""
+    payload = np.arange(1 << 18, dtype=np.float64)  # 2 MiB a collective, half of it through the relay
+    with reducers(2, extra_env={**ENCRYPT, **ONE_PROCESS}) as group:
+        tap = Tap(group.addresses[0], flip_at=600_000)  # within the first collective's results
+        try:
+            results = run_ranks(
+                2,
+                lambda r: communicator([tap.address, group.addresses[1]], r, 2, encrypt=True, shared_memory=False),
+                lambda comm, r: [comm.all_reduce(payload, "max") for _ in range(4)],
+                limit=60,
+            )
+        finally:
+            tap.close()
+    for steps in results:
+        for y in steps:
+            np.testing.assert_array_equal(y, payload)
+    lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reducer_lost")]
+    assert {m.split()[1] for m in lost} == {"rank=0", "rank=1"}, lost  # (again if it came back meanwhile)
+    assert all("reducer=0" in m and encryption.ALTERED in m and "failover=True" in m for m in lost), lost
 
 
 def test_a_worker_without_encryption_is_refused_and_the_reducer_keeps_serving_its_job():
