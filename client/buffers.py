@@ -1,5 +1,5 @@
 """Zero-copy byte views of what users pass to a collective: NumPy arrays, objects exporting the
-buffer protocol, and torch CPU tensors (through their NumPy view)."""
+buffer protocol, and torch CPU tensors (through NumPy's array interface over their memory)."""
 
 from __future__ import annotations
 
@@ -30,23 +30,50 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
+_NUMPY_TYPES: dict = {}  # torch dtype -> NumPy's
+
+
+class _TensorMemory:
+    """A CPU tensor's memory as NumPy's array interface, keeping the tensor alive. Not
+    Tensor.numpy(): that marks the tensor's storage unresizable for good, and DDP's batched
+    PowerSGD hook resizes the bucket it all-reduces."""
+
+    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
+        self._tensor = tensor
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(tensor.shape),
+            "strides": tuple(s * dtype.itemsize for s in tensor.stride()),
+            "typestr": dtype.str,
+            "data": (tensor.data_ptr(), False),
+        }
+
+
+def _tensor_ndarray(x: Any, what: str) -> tuple:
+    """(ndarray sharing CPU tensor x's memory, DType)."""
+    import torch
+
+    if x.device.type != "cpu":
+        raise TypeError(
+            f"{what} is a {x.device.type} tensor; the Communicator takes host memory. Use "
+            "reduction_server.client.torch, which stages device tensors through pinned host buffers"
+        )
+    if x.is_conj() or x.is_neg():
+        raise TypeError(f"{what} is a lazily conjugated or negated view; pass x.resolve_conj().resolve_neg()")
+    if x.dtype == torch.bfloat16:  # NumPy has no bfloat16: carry the bits
+        return np.asarray(_TensorMemory(x.detach(), np.dtype(np.uint16))), DType.BFLOAT16
+    dtype = _NUMPY_TYPES.get(x.dtype)
+    if dtype is None:  # a torch dtype NumPy lacks raises TypeError, naming it
+        dtype = _NUMPY_TYPES[x.dtype] = torch.empty(0, dtype=x.dtype, device="cpu").numpy().dtype
+    return np.asarray(_TensorMemory(x.detach(), dtype)), DType.from_numpy(dtype)
+
+
 def _as_ndarray(x: Any, what: str) -> tuple:
     """(ndarray sharing x's memory, DType)."""
     if isinstance(x, np.ndarray):
         return x, DType.from_numpy(x.dtype)
     if _is_torch(x):
-        import torch
-
-        if x.device.type != "cpu":
-            raise TypeError(
-                f"{what} is a {x.device.type} tensor; the Communicator takes host memory. Use "
-                "reduction_server.client.torch, which stages device tensors through pinned host buffers"
-            )
-        x = x.detach()
-        if x.dtype == torch.bfloat16:  # NumPy has no bfloat16: carry the bits
-            return x.view(torch.int16).numpy().view(np.uint16), DType.BFLOAT16
-        arr = x.numpy()
-        return arr, DType.from_numpy(arr.dtype)
+        return _tensor_ndarray(x, what)
     try:
         arr = np.asarray(memoryview(x))
     except TypeError:

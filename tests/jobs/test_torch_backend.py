@@ -249,6 +249,25 @@ def test_device_checks():
         rst_tensors.Staged(fake, "all_reduce tensor")
 
 
+def test_a_cpu_tensor_is_viewed_in_place_and_stays_resizable():
+    """The Communicator's view of a CPU tensor shares its memory and keeps it alive without
+    Tensor.numpy(), which marks the storage unresizable for good (DDP's batched PowerSGD hook
+    resizes the bucket it all-reduces); a lazily conjugated view is refused by name."""
+    import gc
+
+    from reduction_server.client.buffers import wire_view
+
+    tensor = torch.arange(6.0)
+    np.frombuffer(wire_view(tensor, writable=True).data, np.float32)[:] = 7
+    assert tensor.tolist() == [7.0] * 6
+    tensor.resize_(9)
+    alone = wire_view(torch.arange(4.0))
+    gc.collect()
+    assert np.frombuffer(alone.data, np.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match="conjugated"):
+        wire_view(torch.ones(2, dtype=torch.complex64).conj())
+
+
 def test_a_completion_that_raises_what_is_not_an_exception_fails_its_collective_alone():
     """A finish step that raises SystemExit (not an Exception, which a torch Future refuses)
     fails its own Future with a RuntimeError that names it; the completing thread goes on."""
