@@ -17,7 +17,7 @@ from reduction_server.wire.protocol import ReduceOp
 
 from ..communicator import Communicator, Handle
 from .pipeline import Pipeline, Started
-from .tensors import Staged, as_wire, check_device, future_for
+from .tensors import Staged, as_wire, check_device, devices_of
 
 Factor = Optional[Union[float, torch.Tensor]]
 
@@ -41,19 +41,24 @@ class Collectives:
 
     def __init__(self, pipeline: Pipeline, comm: Optional[Communicator] = None) -> None:
         self.pipeline = pipeline
-        self.comm = comm or pipeline.communicator  # another one: a group of the pipeline's (send/recv pairs)
+        self._comm = comm or pipeline.communicator  # another one: a group of the pipeline's (send/recv pairs)
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator of the calling thread's collectives (its lane's, pipeline.py)."""
+        return self.pipeline.communicator_for(self._comm)
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self._comm.rank  # every lane's communicator has the same ranks
 
     @property
     def world(self) -> int:
-        return self.comm.world_size
+        return self._comm.world_size
 
     def submit(self, start: Callable[[], Started], tensors: Sequence[torch.Tensor]) -> torch.futures.Future:
         """Hand start() to the Pipeline; a Future for `tensors` (on their CUDA devices, if any)."""
-        return self.pipeline.run(start, future_for(tensors))
+        return self.pipeline.run(start, self.pipeline.future(devices_of(tensors)))
 
     def _reduce_into(
         self, x: torch.Tensor, out: torch.Tensor, op: ReduceOp, factor: Factor, timeout: Optional[float]
@@ -169,7 +174,7 @@ class Collectives:
             token = np.zeros(1, np.int32)
             return [self.comm.all_reduce_async(token, ReduceOp.SUM, out=token, timeout=timeout)], lambda: None
 
-        return self.pipeline.run(start, torch.futures.Future())
+        return self.pipeline.run(start, self.pipeline.future())
 
     # -- relays: each rank's data to the others, broadcast by the reducers -------------------
     def broadcast(

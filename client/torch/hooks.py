@@ -49,7 +49,7 @@ class ReductionServerHookState:
 
     @classmethod
     def for_process_group(cls, group: Any = None, **options: Any) -> "ReductionServerHookState":
-        """A state over a reduction_server process group's Communicator and completing thread
+        """A state over a reduction_server process group's Communicator and completing threads
         (default: the default group), so that the hook's collectives keep their place among the
         group's; the group closes them. ValueError for a group of another backend."""
         pg = dist.distributed_c10d._get_default_group() if group is None else group
@@ -67,7 +67,7 @@ class ReductionServerHookState:
 
     def close(self) -> None:
         """Close the Communicator if the state created it (what is pending fails), and stop the
-        completing thread after the queued Futures; nothing for a process group's."""
+        completing threads after the queued Futures; nothing for a process group's."""
         if not self._shared:
             self._pipeline.close()
 
@@ -189,7 +189,7 @@ def reduction_server_int8_hook(
         values = host if residual is None or host.dtype == torch.float32 else host.float()
         if residual is not None:
             values.add_(residual)
-        handle = state.communicator.all_reduce_async(
+        handle = state._collectives.comm.all_reduce_async(
             values, ReduceOp.AVG, values, compression=state.compression, residual=residual
         )
 

@@ -16,7 +16,7 @@ from ..group import Group
 from .collectives import Collectives
 from .pipeline import Pipeline
 from .sparse import Sparse
-from .tensors import future_for, reduction
+from .tensors import devices_of, reduction
 from .work import FutureWork
 
 BACKEND_NAME = "reduction_server"
@@ -30,11 +30,11 @@ def _leaves(value: Any) -> List[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in _leaves(v)]
 
 
-def _together(futures: List[torch.futures.Future], value: Any) -> torch.futures.Future:
+def _together(pipeline: Pipeline, futures: List[torch.futures.Future], value: Any) -> torch.futures.Future:
     """One Future for several: `value` (tensors, in lists) once all completed, the first error if
     one failed. On the CUDA devices of value's tensors, as each of the several is: collect_all's
     own Future has no devices, so its waiters' streams would not wait for the copies back."""
-    together = future_for(_leaves(value))
+    together = pipeline.future(devices_of(_leaves(value)))
 
     def complete(_: torch.futures.Future) -> None:
         try:
@@ -190,7 +190,11 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """ProcessGroup.allgather_coalesced: output_lists[r][i] receives rank r's input_list[i]."""
         by_input = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
         return FutureWork(
-            _together([self._collectives.all_gather(by_input, list(input_list), self._limit(opts))], output_lists)
+            _together(
+                self._pipeline,
+                [self._collectives.all_gather(by_input, list(input_list), self._limit(opts))],
+                output_lists,
+            )
         )
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -204,6 +208,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         """all_gather_single of each (output, input) pair, as one Work."""
         return FutureWork(
             _together(
+                self._pipeline,
                 [self._collectives.all_gather_single(o, i, self._limit(opts)) for o, i in zip(outputs, inputs)],
                 list(outputs),
             )
@@ -245,6 +250,7 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         op, factor = reduction(opts.reduceOp if opts is not None else ReduceOp.SUM)
         return FutureWork(
             _together(
+                self._pipeline,
                 [
                     self._collectives.reduce_scatter_single(o, i, op, factor, self._limit(opts))
                     for o, i in zip(outputs, inputs)
@@ -268,7 +274,11 @@ class ReductionServerProcessGroup(dist.ProcessGroup):
         even = not output_split_sizes and not input_split_sizes
         outputs = _split_rows(output, output_split_sizes, self._size, "output")
         inputs = _split_rows(input, input_split_sizes, self._size, "input")
-        return FutureWork(_together([self._collectives.all_to_all(outputs, inputs, even, self._limit(opts))], [output]))
+        return FutureWork(
+            _together(
+                self._pipeline, [self._collectives.all_to_all(outputs, inputs, even, self._limit(opts))], [output]
+            )
+        )
 
     alltoall_base = all_to_all_single
 

@@ -7,7 +7,7 @@ completes (the Future then orders its consumers after that copy). An output that
 first is copied back after the work its caller had queued when the collective started.
 """
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch  # the real torch: imports are absolute
 import torch.distributed as dist
@@ -155,7 +155,6 @@ def as_wire(host: torch.Tensor, op: Optional[ReduceOp]) -> Any:
     )
 
 
-def future_for(tensors: Sequence[torch.Tensor]) -> torch.futures.Future:
-    """A torch Future for a collective of `tensors`, on their CUDA devices when they have some."""
-    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+def devices_of(tensors: Sequence[torch.Tensor]) -> List[torch.device]:
+    """The CUDA devices of `tensors`, those a Future for a collective of them is on."""
+    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)

@@ -291,3 +291,34 @@ def test_a_completion_that_raises_what_is_not_an_exception_fails_its_collective_
         assert after.wait() == 7
     finally:
         pipeline.close()
+
+
+def test_callbacks_run_off_the_caller_in_the_order_added_and_fail_waiting_on_what_is_behind_them():
+    """then() callbacks run on the pipeline's thread after their Future, in the order added; one
+    that waits on a collective queued after it was added fails with a RuntimeError saying so
+    (that thread would complete it: it would wait forever), and the collective still completes."""
+    import threading
+    from types import SimpleNamespace
+
+    from reduction_server.client.torch.pipeline import Pipeline
+
+    pipeline = Pipeline(SimpleNamespace(rank=0), owns=False)
+    try:
+        gate = threading.Event()
+        first = pipeline.run(lambda: ([SimpleNamespace(wait=gate.wait)], lambda: 1), pipeline.future())
+        seen = []
+        added = [first.then(lambda f, k=k: seen.append((k, f.value(), threading.current_thread().name))) for k in "ab"]
+        waits = first.then(lambda f: later.wait())
+        later = pipeline.run(lambda: ([], lambda: 3), pipeline.future())
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not (waits.done() and later.done()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waits.done() and later.done(), "the completing thread stopped"
+        assert all(f.done() for f in added)
+        assert seen == [("a", 1, "rs-torch-rank0"), ("b", 1, "rs-torch-rank0")]
+        with pytest.raises(RuntimeError, match="queued behind it"):
+            waits.wait()
+        assert later.wait() == 3
+    finally:
+        pipeline.close()
