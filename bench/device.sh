@@ -6,9 +6,9 @@
 #   bench/device.sh run [STEP...]
 #                          there, from the repository root, with .device carried: installs the
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
-#                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-chunks, bench-kernels,
-#                          bench-loopback), and
-#                          leaves each log and table under $OUT (bench/out/device here when OUT is unset)
+#                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-reducer-encrypt,
+#                          bench-chunks, bench-kernels, bench-loopback), and leaves each log and
+#                          table under $OUT (bench/out/device here when OUT is unset)
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
 # this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
@@ -54,7 +54,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.log, a
 
 run() {
   OUT=${OUT:-bench/out/device}
-  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT" "$OUT/int8"
+  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT" "$OUT/int8" "$OUT/encrypt"
   local site=/tmp/rs-site
   export PYTHONUNBUFFERED=1
   python3 -V && nproc && (nvidia-smi -L || true)
@@ -81,6 +81,9 @@ run() {
   # int8 blocks against float32 in the reducer, as issue 41 counts it (per GiB of float32)
   step bench-reducer-int8 150 env -C "$OUT/int8" python3 -m reduction_server bench reducer --workers 4 --shards 1,4 \
     --compression none,int8 --out "$OUT/int8"
+  # RS_ENCRYPT's price on both sides, in turns with the defaults (issue 37)
+  step bench-reducer-encrypt 150 env -C "$OUT/encrypt" python3 -m reduction_server bench reducer --workers 4 \
+    --shards 1 --variant RS_ENCRYPT=1 --out "$OUT/encrypt"
   step bench-chunks 300 env -C "$OUT" python3 -m reduction_server bench chunks --rounds 3 --out "$OUT"
   step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
