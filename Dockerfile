@@ -71,10 +71,11 @@ WORKDIR /tmp
 # served where RS_METRICS_PORT (or --metrics-port) says (9100 in examples/k8s); documented only.
 EXPOSE 2222 9100
 
-# Healthy while the reducer accepts TCP connections on its port: the port from the same
-# discovery `serve` used, or RS_HEALTHCHECK_PORT when the port was given on the command line.
+# Healthy while the reducer accepts TCP connections on its port: the port `serve` found (its
+# discovered place, or its own entry in RS_REDUCERS), or RS_HEALTHCHECK_PORT when the port was
+# given on the command line.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python3", "-c", "import os, socket; from reduction_server.config.discovery import discover_reducer as d; p = os.environ.get('RS_HEALTHCHECK_PORT') or d().port; h = os.environ.get('RS_BIND_HOST', '127.0.0.1'); h = '127.0.0.1' if h in ('0.0.0.0', '*') else ('::1' if h == '::' else h); socket.create_connection((h, int(p)), 3).close()"]
+    CMD ["python3", "-c", "import os, socket; from reduction_server.reducer.options import listening_address as a; h, p = a(); p = os.environ.get('RS_HEALTHCHECK_PORT') or p; h = '127.0.0.1' if h in ('0.0.0.0', '*') else ('::1' if h == '::' else h); socket.create_connection((h, int(p)), 3).close()"]
 
 # SIGTERM (docker stop, Kubernetes, Vertex AI) stops the reducer cleanly: `serve` handles it.
 ENTRYPOINT ["reduction-server", "serve"]

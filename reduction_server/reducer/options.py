@@ -126,6 +126,13 @@ class ReducerConfig:
         )
 
 
+def listening_address() -> Tuple[str, int]:
+    """The host and port a `serve` given no options listens on, found as it finds them (the
+    discovered place, or its own entry in RS_REDUCERS): what the image's healthcheck probes."""
+    host, port, _, _ = _place(None, None, None, None)
+    return host, port
+
+
 def _place(
     host: Optional[str], port: Optional[int], index: Optional[int], workers: Optional[int]
 ) -> Tuple[str, int, int, Optional[int]]:

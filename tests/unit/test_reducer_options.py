@@ -103,6 +103,20 @@ def test_with_host_port_and_index_given_the_place_is_not_discovered(monkeypatch:
     assert (config.index, config.workers) == (0, None)
 
 
+def test_the_healthcheck_probes_where_serve_listens(monkeypatch: pytest.MonkeyPatch):
+    """The image's healthcheck (Dockerfile) asks listening_address(): the discovered place, or,
+    with no index anywhere, this reducer's own entry in RS_REDUCERS."""
+    from reduction_server.reducer.options import listening_address
+
+    for name, value in vertex("workerpool2", 1, RS_BIND_HOST="10.1.2.3").items():
+        monkeypatch.setenv(name, value)
+    assert listening_address() == ("10.1.2.3", 2222)
+    for name in ("CLUSTER_SPEC", "RS_BIND_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RS_REDUCERS", "198.18.0.1:7001,127.0.0.1:7002")  # only the second is this host's
+    assert listening_address() == ("0.0.0.0", 7002)
+
+
 def test_a_sharded_reducer_supervises_and_its_shards_serve():
     supervisor = ReducerConfig.resolve(shards=2)
     assert supervisor.supervises and supervisor.shard_number == 0
