@@ -102,10 +102,10 @@ def wire_format(compression: Any, tensor: Any) -> str:
 
 def cast_only(compression: Any, what: str) -> None:
     """Raise unless `compression` is a cast (none, fp16): int8 blocks go only where the all-reduce
-    sends them (torch's allreduce, grouped_allreduce and DistributedOptimizer)."""
+    sends them (allreduce, grouped_allreduce and DistributedOptimizer, torch's and TensorFlow's)."""
     if getattr(compression, "wire", ""):
         raise ValueError(
-            f"{what} cannot send Compression.int8 (torch's allreduce, grouped_allreduce and DistributedOptimizer "
+            f"{what} cannot send Compression.int8 (allreduce, grouped_allreduce and DistributedOptimizer "
             "can); use Compression.none or Compression.fp16"
         )
 

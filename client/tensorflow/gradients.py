@@ -20,8 +20,9 @@ def scaled(tensor: Optional[tf.Tensor], factor: float) -> Optional[tf.Tensor]:
     return tensor if tensor is None or factor == 1.0 else tensor * tf.cast(factor, tensor.dtype)
 
 
-#: how a step's gradients are reduced: the list (None entries included) to the list reduced
-Reduction = Callable[[List[Any]], List[Any]]
+#: how a step's gradients are reduced: (the list, None entries included; the variables or other
+#: sources they are the gradients of, in the same order) to the list reduced
+Reduction = Callable[[List[Any], List[Any]], List[Any]]
 
 
 class _GradientReduction:
@@ -41,7 +42,7 @@ class _GradientReduction:
                 f"gradient_predivide_factor splits an average; it needs op average, not {self.op.name.lower()}"
             )
 
-    def __call__(self, grads: Sequence[Any]) -> List[Optional[tf.Tensor]]:
+    def __call__(self, grads: Sequence[Any], sources: Sequence[Any] = ()) -> List[Optional[tf.Tensor]]:
         if self.predivide == 1.0:
             return grouped_allreduce(grads, self.op, self.compression, name="gradient")
         pre = [
@@ -65,8 +66,8 @@ class DistributedGradientTape:
 
     `op`: "average" or "sum" (or min, max, product); `compression`: see Compressor;
     `gradient_predivide_factor`: see Horovod (op average only). `reduce`, if given, reduces the
-    gradients instead (a list, None entries included, to the list reduced; the Horovod layer
-    passes its own, with process sets and sparse gradients), and the three are not used.
+    gradients instead (a Reduction; the Horovod layer passes its own, with process sets, sparse
+    gradients and error feedback), and the three are not used.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class DistributedGradientTape:
             target, sources, output_gradients=output_gradients, unconnected_gradients=unconnected_gradients
         )
         flat = tf.nest.flatten(grads)  # None and IndexedSlices are leaves
-        return tf.nest.pack_sequence_as(grads, self._reduce(flat))
+        return tf.nest.pack_sequence_as(grads, self._reduce(flat, tf.nest.flatten(sources)))
 
     def __enter__(self) -> "DistributedGradientTape":
         self._tape.__enter__()
@@ -117,7 +118,8 @@ class _AllReducingOptimizer:
     _rs_reduce = None  # a _GradientReduction, set by DistributedOptimizer
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
-        return super().apply(self._rs_reduce(list(grads)), trainable_variables)
+        variables = self._trainable_variables if trainable_variables is None and self.built else trainable_variables
+        return super().apply(self._rs_reduce(list(grads), list(variables or ())), trainable_variables)
 
 
 _distributed_classes: Dict[type, type] = {}

@@ -3,7 +3,7 @@ and the reducer's decode-sum-encode in rank order, in the same float32 operation
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List
 
 import numpy as np
 
@@ -56,3 +56,21 @@ def reduced(encoded: List[np.ndarray], count: int, block: int, average: bool = F
     for data in encoded[1:]:
         acc = acc + decode(data, count, block)
     return acc / F32(len(encoded)) if average else acc
+
+
+def allreduced(xs: List[np.ndarray], block: int, average: bool = False) -> np.ndarray:
+    """What every rank gets of an int8 all-reduce of the ranks' `xs`: each encoded, decoded and
+    summed (averaged), the sum encoded once and decoded."""
+    total = reduced([encode(x, block) for x in xs], xs[0].size, block, average)
+    return decode(encode(total, block), total.size, block)
+
+
+def matches(got: Any, want: np.ndarray, world: int, block: int) -> bool:
+    """Bit for bit at W=2 (a sum of two has one order); else within one quantum of want's block
+    (the reducers sum three in any order, and a last bit may round to the next step)."""
+    got = np.array(got, F32)
+    if world == 2:
+        return np.array_equal(got, want)
+    padded = np.concatenate([np.abs(want), np.zeros(-want.size % block, F32)])  # whole blocks
+    quantum = np.repeat(padded.reshape(-1, block).max(axis=1) / 127, block)[: want.size]
+    return bool(np.all(np.abs(got - want) <= quantum * 1.001))

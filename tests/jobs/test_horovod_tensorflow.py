@@ -2,9 +2,9 @@
 through real reducers and real rank processes: a custom loop with hvd.DistributedGradientTape and
 model.fit with hvd.DistributedOptimizer and hvd.callbacks, each against a single process on the
 concatenated batch, the collectives (reducescatter, alltoall, grouped allgather, join, barrier,
-process sets, IndexedSlices, integer scaling) against NumPy references, the gradients Horovod's
-test_tensorflow.py asserts, and the errors. One job per world size runs every check
-(horovod_tf_worker.py, horovod_tf_checks.py)."""
+process sets, IndexedSlices, integer scaling, Compression.int8) against NumPy references, the
+gradients Horovod's test_tensorflow.py asserts, int8 training with error feedback, and the
+errors. One job per world size runs every check (horovod_tf_worker.py, horovod_tf_checks.py)."""
 
 import json
 import os
@@ -18,10 +18,14 @@ tf = pytest.importorskip(
     "tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu) - the adapter needs it"
 )
 
-from helpers.cluster import ROOT, once, reducers, run_workers  # noqa: E402
+from helpers import int8_blocks as ref  # noqa: E402
+from helpers.cluster import ROOT, SCRIPTS, once, reducers, run_workers  # noqa: E402
 from helpers.reference import assert_close  # noqa: E402
+from reduction_server.config import settings  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(SCRIPTS))
+import horovod_tf_checks  # noqa: E402
 import keras_fit  # noqa: E402
 import tf_custom_loop  # noqa: E402
 
@@ -39,6 +43,7 @@ SPEC = {
     },
 }
 _results = {}
+_references = {}
 
 
 def run_job(world):
@@ -54,12 +59,22 @@ def job(request):
     return request.param, run_job(request.param)
 
 
+def single_process_loop(world):
+    """The custom loop's model, rank 0's, trained by one process on the whole batches (once per world size)."""
+
+    def train():
+        loop = SPEC["loop"]
+        model = tf_custom_loop.make_model(seed=0)
+        tf_custom_loop.train(model, loop["steps"], world * PER, rank=0, world=1, lr=loop["lr"], distributed=False)
+        return model
+
+    return once(_references, world, train)
+
+
 def test_custom_loop_matches_a_single_process(job):
     world, results = job
-    loop = SPEC["loop"]
-    reference = tf_custom_loop.make_model(seed=0)
-    start = tf_custom_loop.weights(reference)
-    tf_custom_loop.train(reference, loop["steps"], world * PER, rank=0, world=1, lr=loop["lr"], distributed=False)
+    reference = single_process_loop(world)
+    start = tf_custom_loop.weights(tf_custom_loop.make_model(seed=0))
     for r in results:
         assert_close(r["loop"]["initial"], start, f"rank {r['rank']} after broadcast_variables")
         assert r["loop"]["final"] == results[0]["loop"]["final"], "ranks differ"
@@ -378,3 +393,51 @@ def test_failed_collectives_raise_horovod_internal_error(job):
             in e["in_graph"]
         ), e["in_graph"]
         assert e["after"] == [float(world)]  # a mismatch fails that tensor, not the job
+
+
+def test_int8_collectives_are_the_decode_sum_encode_and_refuse_what_they_cannot_do(job):
+    """Compression.int8, eager and in tf.function: each rank's blocks decoded, summed (averaged)
+    and encoded once, as the NumPy reference does; an int64 tensor goes as it is; ranks that
+    disagree, op Min and reducescatter fail, each saying why."""
+    world, results = job
+    block = settings.read("RS_INT8_BLOCK")
+    inputs = [horovod_tf_checks.int8_inputs(k) for k in range(world)]
+    summed = ref.allreduced([one for one, _ in inputs], block)
+    grouped = ref.allreduced([two for _, two in inputs], block, average=True)
+    for r in results:
+        c = r["int8"]
+        assert ref.matches(c["sum"], summed, world, block) and ref.matches(c["in_graph"], summed, world, block)
+        assert ref.matches(c["grouped"], grouped, world, block)  # 256 | 512: fused or not, the same blocks
+        assert c["int64"] == ["int64", [sum(i + k for k in range(world)) for i in range(3)]]
+        disagree = c["disagree"][0]
+        assert disagree.startswith("PreconditionError") and "ranks disagree on its compression" in disagree
+        assert "int8" in disagree and "none" in disagree, disagree
+        assert c["min"][0] == "ValueError: compressed all_reduce sums or averages; op min cannot be compressed"
+        assert "reducescatter cannot send Compression.int8" in c["reducescatter"][0]
+
+
+def test_int8_training_keeps_a_residual_per_variable_unless_told_not_to(job):
+    """DistributedGradientTape under Compression.int8 (the custom loop, in tf.function): a
+    nonzero residual of each variable's size, and weights close to a float32 single process's.
+    DistributedOptimizer: values under half a quantum of their block are never sent without
+    error feedback; with it, the residual carried over the steps sends them, and the updates
+    plus the residual are the gradients' sum."""
+    world, results = job
+    reference = single_process_loop(world)
+    sizes = [int(np.prod(v.shape)) for v in reference.trainable_variables]
+    grad, steps = np.array([1.0, 0.002, 0.002, 0.002]), 10
+    for r in results:
+        loop, optimizer = r["loop_int8"], r["int8"]["optimizer"]
+        assert r["loop"]["residuals"] == [None] * len(sizes)  # float32: none kept
+        assert [size for size, _ in loop["residuals"]] == sizes
+        assert all(largest > 0 for _, largest in loop["residuals"]), loop["residuals"]
+        assert loop["final"] == results[0]["loop_int8"]["final"], "ranks differ"
+        weight, residual = optimizer["feedback_False"]
+        assert weight == pytest.approx([-steps * 1.0, 0.0, 0.0, 0.0], abs=1e-5) and residual is None
+        weight, residual = optimizer["feedback_True"]
+        sent = -np.array(weight)
+        assert np.all(sent[1:] > 0.01), sent  # 0.02 over the steps, a quantum (1/127) at a time
+        assert np.abs(sent - steps * grad).max() <= 1 / 127, sent
+        np.testing.assert_allclose(sent + residual, steps * grad, atol=1e-5)
+    error = float(np.abs(np.array(results[0]["loop_int8"]["final"]) - tf_custom_loop.weights(reference)).max())
+    assert 0 < error < 1e-3, error

@@ -6,7 +6,6 @@ broadcast, and the example under the launcher."""
 import json
 import sys
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) - the adapter needs it")
@@ -158,28 +157,13 @@ def test_int8_collectives_are_the_decode_sum_encode_and_refuse_what_they_cannot_
     world, _, results = job
     block = settings.read("RS_INT8_BLOCK")
     inputs = [[t.numpy() for t in horovod_torch_worker.int8_inputs(k)] for k in range(world)]
-
-    def expected(xs, average):
-        total = ref.reduced([ref.encode(x, block) for x in xs], xs[0].size, block, average)
-        return ref.decode(ref.encode(total, block), total.size, block)
-
-    def same(got, want):
-        """Bit for bit at W=2 (a sum of two has one order); else within one quantum of want's block
-        (the reducers sum three in any order, and a last bit may round to the next step)."""
-        got = np.array(got, np.float32)
-        if world == 2:
-            return np.array_equal(got, want)
-        quantum = np.repeat(np.abs(want).reshape(-1, block).max(axis=1) / 127, block)[: want.size]
-        return bool(np.all(np.abs(got - want) <= quantum * 1.001))
-
-    summed, grouped = expected([one for one, _ in inputs], False), expected([two for _, two in inputs], True)
-    pad = -summed.size % block  # the quantum's blocks: padded with zeros to whole ones
-    summed_blocks = np.concatenate([summed, np.zeros(pad, np.float32)])
+    summed = ref.allreduced([one for one, _ in inputs], block)
+    grouped = ref.allreduced([two for _, two in inputs], block, average=True)
     for r in results:
         dtype, got_sum, got_grouped, counts = r["collectives"]["int8"]
         assert dtype == "torch.float32"
-        assert same(got_sum + [0.0] * pad, summed_blocks)
-        assert same(got_grouped, grouped)  # 256 | 512: fused or not, the same blocks
+        assert ref.matches(got_sum, summed, world, block)
+        assert ref.matches(got_grouped, grouped, world, block)  # 256 | 512: fused or not, the same blocks
         assert counts == [sum(i + k for k in range(world)) for i in range(3)]  # an int64 tensor goes as it is
         disagree = r["collectives"]["int8_disagree"]
         assert disagree.startswith("HorovodInternalError") and "ranks disagree on its compression" in disagree

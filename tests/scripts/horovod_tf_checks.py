@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import reduction_server.client.horovod.keras as hvd
+from reduction_server.client.horovod.tensorflow.gradients import residuals as int8_residuals
 
 
 def _error(call):
@@ -254,4 +255,66 @@ def errors(rank, world):
     except tf.errors.OpError as exc:
         out["in_graph"] = f"{type(exc).__name__}: {exc.message}"
     out["after"] = hvd.allreduce(tf.ones([1]), op=hvd.Sum, name="after_mismatch").numpy().tolist()
+    return out
+
+
+def int8_inputs(rank):
+    """This rank's inputs of the int8 collectives (the test makes the same): 300 and 768 floats."""
+    rng = np.random.default_rng(rank)
+    return (
+        (rng.standard_normal(300) * 10.0 ** (rank % 3)).astype(np.float32),
+        rng.standard_normal(768).astype(np.float32),
+    )
+
+
+def residuals(variables):
+    """Each variable's error feedback residual as [size, largest magnitude] (None: none kept)."""
+    found = [int8_residuals.of(v) for v in variables]
+    return [None if r is None else [int(r.size), float(np.abs(r).max())] for r in found]
+
+
+def _int8_optimizers(steps=10):
+    """DistributedOptimizer under Compression.int8, with error feedback on and off: `steps`
+    apply() of a gradient [1, 0.002, 0.002, 0.002], whose small values round to zero in its
+    block; the final weight and its residual (None: none kept)."""
+    out = {}
+    for feedback in (True, False):
+        weight = keras.Variable(tf.zeros([4]))
+        sgd = hvd.DistributedOptimizer(
+            keras.optimizers.SGD(1.0), compression=hvd.Compression.int8, error_feedback=feedback
+        )
+        for _ in range(steps):
+            sgd.apply([tf.constant([1.0, 0.002, 0.002, 0.002])], [weight])
+        residual = int8_residuals.of(weight)
+        out[f"feedback_{feedback}"] = [weight.numpy().tolist(), None if residual is None else residual.tolist()]
+    return out
+
+
+def int8():
+    """Compression.int8: allreduce (eager and in tf.function), grouped_allreduce, an int64 tensor
+    (sent as it is), ranks that disagree on the compression, op Min and reducescatter (refused),
+    and DistributedOptimizer's error feedback, on and off (the custom loop trains under int8 in
+    horovod_tf_worker.py)."""
+    rank = hvd.rank()
+    one, two = (tf.constant(a) for a in int8_inputs(rank))
+    int8 = hvd.Compression.int8
+    out = {
+        "sum": hvd.allreduce(one, name="int8", compression=int8, op=hvd.Sum).numpy().tolist(),
+        "grouped": tf.concat(hvd.grouped_allreduce([two[:256], two[256:]], name="int8.grouped", compression=int8), 0)
+        .numpy()
+        .tolist(),
+        "int64": hvd.allreduce(tf.range(3, dtype=tf.int64) + rank, name="int8.int64", compression=int8, op=hvd.Sum),
+        "in_graph": tf.function(
+            lambda t: hvd.allreduce(t, name="int8.graph", compression=int8, op=hvd.Sum), jit_compile=False
+        )(one)
+        .numpy()
+        .tolist(),
+    }
+    out["int64"] = [out["int64"].dtype.name, out["int64"].numpy().tolist()]
+    out["disagree"] = _error(
+        lambda: hvd.allreduce(one, name="int8.disagree", compression=[int8, hvd.Compression.none][rank % 2])
+    )
+    out["min"] = _error(lambda: hvd.allreduce(one, name="int8.min", compression=int8, op=hvd.Min))
+    out["reducescatter"] = _error(lambda: hvd.reducescatter(one, compression=int8))
+    out["optimizer"] = _int8_optimizers()
     return out

@@ -1,7 +1,7 @@
 """One rank of a Horovod-style TensorFlow/Keras job (reduction_server.client.horovod.keras):
 a custom loop with hvd.DistributedGradientTape, model.fit with hvd.DistributedOptimizer and
 hvd.callbacks, the collectives, and horovod_tf_checks.py's (new ops, process sets, join,
-barrier, gradients, IndexedSlices, errors). Prints one JSON line."""
+barrier, gradients, IndexedSlices, errors, Compression.int8). Prints one JSON line."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from report import report  # noqa: E402
 import reduction_server.client.horovod.keras as hvd  # noqa: E402
 
 
-def custom_loop(rank, world, steps, per, lr, predivide):
+def custom_loop(rank, world, steps, per, lr, predivide, compression=hvd.Compression.none):
     model = tf_custom_loop.make_model(seed=rank)  # different on every rank
     hvd.broadcast_variables(model.variables, root_rank=0)
     initial = tf_custom_loop.weights(model)
@@ -32,7 +32,7 @@ def custom_loop(rank, world, steps, per, lr, predivide):
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=predivide)
+        tape = hvd.DistributedGradientTape(tape, compression=compression, gradient_predivide_factor=predivide)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(grads, model.trainable_variables)
         return loss
@@ -40,7 +40,11 @@ def custom_loop(rank, world, steps, per, lr, predivide):
     for s in range(steps):
         x, y = tf_custom_loop.global_batch(s, world * per)
         step(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-    return {"initial": initial.tolist(), "final": tf_custom_loop.weights(model).tolist()}
+    return {
+        "initial": initial.tolist(),
+        "final": tf_custom_loop.weights(model).tolist(),
+        "residuals": checks.residuals(model.trainable_variables),
+    }
 
 
 def fit(rank, world, steps, per, lr, epochs, warmup=None, schedule=None):
@@ -142,7 +146,9 @@ def main():
         "process_sets": checks.process_sets(rank, world, even, odd),
         "join": checks.join_and_barrier(rank, world),
         "errors": checks.errors(rank, world),
+        "int8": checks.int8(),
         "loop": custom_loop(rank, world, **spec["loop"]),
+        "loop_int8": custom_loop(rank, world, **spec["loop"], compression=hvd.Compression.int8),
         "fit": fit(rank, world, **spec["fit"]),
         "warmup": fit(rank, world, **spec["warmup"])["history"],
         "schedule": fit(rank, world, **spec["schedule"])["history"],

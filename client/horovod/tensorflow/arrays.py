@@ -78,15 +78,28 @@ def _submit(
     op: ReduceOp = ReduceOp.SUM,
     root: int = 0,
     splits: Sequence[int] = (),
+    compression: str = "",
+    residual: Optional[np.ndarray] = None,
 ) -> _Pending:
     """Submit one named collective of `array`; the dtype's name travels in the request, so ranks
-    that disagree on it fail even where the bytes would not show it."""
+    that disagree on it fail even where the bytes would not show it. `compression` and
+    `residual` as for basics.submit."""
     send = np.require(array, requirements="C")
     if kind in _MOVES:  # one trailing dimension of itemsize bytes: rows stay rows
         send = send.reshape(*send.shape, 1).view(np.uint8) if send.ndim else send.reshape(1, 1).view(np.uint8)
     out = np.empty_like(send) if kind in _WRITES else None
     future = submit(
-        kind, name, send, out, op=op, root=root, process_set=process_set, splits=splits, type_name=array.dtype.name
+        kind,
+        name,
+        send,
+        out,
+        op=op,
+        root=root,
+        process_set=process_set,
+        splits=splits,
+        type_name=array.dtype.name,
+        compression=compression,
+        residual=residual,
     )
     return _Pending(kind, future, out, array.dtype, array.shape)
 
@@ -124,15 +137,24 @@ def reduce(
     prescale: float,
     postscale: float,
     process_set: Optional[ProcessSet],
+    wires: Sequence[str] = (),
+    residuals: Sequence[Optional[np.ndarray]] = (),
 ) -> List[np.ndarray]:
     """All-reduce (or, for kind REDUCESCATTER, the whole reduction of) `arrays`, scaled before
     and after. Integers are averaged as Horovod averages them: summed, then scaled by
-    postscale / size in float64 (the reducers' integer average would truncate before the postscale)."""
+    postscale / size in float64 (the reducers' integer average would truncate before the postscale).
+    wires[i] is array i's format on the wire ("int8", or "" for its own); residuals[i], if not
+    None, its error feedback: added to it after the prescale, and given what compressing that lost."""
     size = coordinator(process_set).size
     pending, posts = [], []
-    for name, array in zip(names, arrays):
+    for i, (name, array) in enumerate(zip(names, arrays)):
+        wire = wires[i] if wires else ""
+        residual = residuals[i] if residuals else None
         wire_op, post = shares.reduction(op, np.issubdtype(array.dtype, np.integer), postscale, size)
-        pending.append(_submit(kind, name, scale(array, prescale), process_set, wire_op))
+        send = scale(array, prescale)
+        if residual is not None:
+            send = send + residual.reshape(send.shape)
+        pending.append(_submit(kind, name, send, process_set, wire_op, compression=wire, residual=residual))
         posts.append(post)
     return [scale(out, post) for out, post in zip(_wait(pending), posts)]
 

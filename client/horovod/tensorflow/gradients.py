@@ -2,26 +2,68 @@
 Keras 3 optimizer (client/tensorflow/gradients.py), their gradients reduced as Horovod reduces
 them: among a process set's ranks (left as they are on a rank outside the set, or in a set of
 one), IndexedSlices gathered unless sparse_as_dense, gradient_predivide_factor split into a
-prescale and a postscale, every gradient submitted together (one op per step)."""
+prescale and a postscale, every gradient submitted together (one op per step). Under
+Compression.int8 each float32 gradient carries its variable's error feedback residual (EF-SGD,
+client/error_feedback.py): what compressing its last gradient lost, added to the next."""
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any, List, Optional
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.wire.protocol import ReduceOp
 
 from ... import tensorflow as rstf
 from ...tensorflow.gradients import Reduction
-from ..compression import Compression
+from ..compression import Compression, wire_format
 from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
 from .reductions import reduce_any
 
 _made = itertools.count()
+
+
+class _Residuals:
+    """Error feedback's residual of each variable (a float32 array on the host) for as long as the
+    variable lives: a tape made anew every step, and each retrace of a tf.function, find the
+    residual of the step before. The ops that use one hold the array itself."""
+
+    def __init__(self) -> None:
+        self._by_id: Dict[int, np.ndarray] = {}
+
+    def get(self, variable: Any, size: int) -> np.ndarray:
+        """`variable`'s residual of `size` elements (zeros at first, or when its size changed)."""
+        key = id(variable)
+        residual = self._by_id.get(key)
+        if residual is None:
+            weakref.finalize(variable, self._by_id.pop, key, None)
+        if residual is None or residual.size != size:
+            residual = self._by_id[key] = np.zeros(size, np.float32)
+        return residual
+
+    def of(self, variable: Any) -> Optional[np.ndarray]:
+        """`variable`'s residual, None before its first compressed gradient."""
+        return self._by_id.get(id(variable))
+
+
+residuals = _Residuals()
+
+
+def _residuals(compression: Any, grads: Sequence[Any], sources: Sequence[Any]) -> List[Optional[np.ndarray]]:
+    """Each gradient's error feedback residual: its variable's, for a dense float32 gradient of
+    known size sent as int8 blocks; None for the others."""
+    found: List[Optional[np.ndarray]] = []
+    for grad, source in itertools.zip_longest(grads, sources[: len(grads)]):
+        dense = grad is not None and not isinstance(grad, tf.IndexedSlices) and source is not None
+        size = tf.convert_to_tensor(grad).shape.num_elements() if dense else None
+        float32 = dense and grad.dtype == tf.float32 and wire_format(compression, grad)
+        found.append(residuals.get(source, size) if float32 and size is not None else None)
+    return found
 
 
 def _reduction(
@@ -33,10 +75,12 @@ def _reduction(
     num_groups: int,
     groups: Any,
     process_set: Optional[ProcessSet],
+    error_feedback: bool,
 ) -> Reduction:
     """How Horovod reduces a step's gradients (its _make_allreduce_grads_fn), checked as Horovod
     checks its arguments. `groups` only sets how Horovod's ops are fused; here the negotiation
-    fuses every gradient of the step that fits the threshold."""
+    fuses every gradient of the step that fits the threshold. `error_feedback`: under
+    Compression.int8, each float32 gradient carries its variable's residual."""
     rop = resolve_op(op)
     if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVG:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -58,13 +102,20 @@ def _reduction(
         (1.0 / gradient_predivide_factor, gradient_predivide_factor) if rop is ReduceOp.AVG else (1.0, 1.0)
     )
 
-    def reduce(grads: List[Any]) -> List[Any]:
+    def reduce(grads: List[Any], sources: List[Any]) -> List[Any]:
         if not (process_set.included() and process_set.size() > 1):
             return list(grads)
         if sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         return reduce_any(
-            grads, [f"{name}.{i}" for i in range(len(grads))], rop, compression, prescale, postscale, process_set
+            grads,
+            [f"{name}.{i}" for i in range(len(grads))],
+            rop,
+            compression,
+            prescale,
+            postscale,
+            process_set,
+            _residuals(compression, grads, sources) if error_feedback else (),
         )
 
     return reduce
@@ -81,9 +132,12 @@ def DistributedGradientTape(
     num_groups: int = 0,
     groups: Any = None,
     process_set: ProcessSet = global_process_set,
+    error_feedback: bool = True,
 ) -> rstf.DistributedGradientTape:
     """Horovod's hvd.DistributedGradientTape: `gradtape`, whose gradient() returns the gradients
-    reduced (averaged) over the ranks of `process_set`."""
+    reduced (averaged) over the ranks of `process_set`. Under `compression=Compression.int8`,
+    `error_feedback` adds to each float32 gradient of a variable what compressing its last one
+    lost (EF-SGD; a float32 residual per variable on the host)."""
     return rstf.DistributedGradientTape(
         gradtape,
         reduce=_reduction(
@@ -95,6 +149,7 @@ def DistributedGradientTape(
             num_groups,
             groups,
             process_set,
+            error_feedback,
         ),
     )
 
@@ -113,8 +168,8 @@ def _summing(reduction: Reduction, passes: int) -> Reduction:
     applies the mean of the `passes` micro-steps' gradients, so each contributes `passes` times
     its own for the update to be their sum."""
 
-    def reduce(grads: List[Any]) -> List[Any]:
-        return [_times(g, float(passes)) for g in reduction(grads)]
+    def reduce(grads: List[Any], sources: List[Any]) -> List[Any]:
+        return [_times(g, float(passes)) for g in reduction(grads, sources)]
 
     return reduce
 
@@ -133,9 +188,11 @@ def DistributedOptimizer(
     num_groups: int = 0,
     groups: Any = None,
     process_set: ProcessSet = global_process_set,
+    error_feedback: bool = True,
 ) -> Any:
     """Horovod's hvd.DistributedOptimizer: a Keras 3 optimizer whose apply()/apply_gradients()
     (and so model.fit) reduce the gradients over the ranks of `process_set` first.
+    `error_feedback`: as for DistributedGradientTape, under Compression.int8.
 
     backward_passes_per_step > 1 uses Keras's own gradient accumulation (gradient_accumulation_steps):
     the weights are updated once every that many steps, as in Horovod, with the (reduced)
@@ -153,6 +210,7 @@ def DistributedOptimizer(
         num_groups,
         groups,
         process_set,
+        error_feedback,
     )
     if backward_passes_per_step > 1:
         config = optimizer.get_config()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.wire.protocol import ReduceOp
@@ -92,11 +93,14 @@ def reduce_tensors(
     prescale: float,
     postscale: float,
     process_set: ProcessSet,
+    wires: Sequence[str] = (),
+    residuals: Sequence[Optional[np.ndarray]] = (),
 ) -> List[tf.Tensor]:
-    """Dense tensors all-reduced over the set's ranks, submitted together; differentiable."""
+    """Dense tensors all-reduced over the set's ranks, submitted together; differentiable (the
+    gradient goes uncompressed). `wires` and `residuals`: as for arrays.reduce."""
     return _differentiable(
         "allreduce",
-        lambda *a: arrays.reduce(ALLREDUCE, a, names, op, prescale, postscale, process_set),
+        lambda *a: arrays.reduce(ALLREDUCE, a, names, op, prescale, postscale, process_set, wires, residuals),
         tensors,
         _same_shape,
         lambda xs, dys: reduce_tensors(dys, name_list(ALLREDUCE, None, len(dys)), op, prescale, postscale, process_set),

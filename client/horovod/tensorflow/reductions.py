@@ -1,17 +1,19 @@
 """Horovod's reductions of TensorFlow tensors: allreduce and reducescatter (alone and grouped),
-compressed on the wire if asked. An allreduce of tf.IndexedSlices (an embedding's sparse
-gradient) gathers their values and indices from every rank instead, as Horovod does: duplicate
-indices add up when the result is applied or made dense."""
+compressed on the wire if asked (a cast; for an allreduce's float tensors also int8 blocks). An
+allreduce of tf.IndexedSlices (an embedding's sparse gradient) gathers their values and indices
+from every rank instead, as Horovod does: duplicate indices add up when the result is applied or
+made dense."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf  # the real tensorflow: absolute import
 
 from reduction_server.wire.protocol import ReduceOp
 
-from ..compression import Compression, cast_only
+from ..compression import Compression, cast_only, wire_format
 from ..coordinator import ALLREDUCE, REDUCESCATTER
 from ..ops import Average, resolve_op
 from ..process_sets import ProcessSet, global_process_set
@@ -26,10 +28,12 @@ def reduce_any(
     prescale: float,
     postscale: float,
     process_set: ProcessSet,
+    residuals: Sequence[Optional[np.ndarray]] = (),
 ) -> List[Any]:
-    """Dense tensors all-reduced together (compressed); IndexedSlices gathered together (op
-    Average divides their values by the set's size); None stays None."""
-    cast_only(compression, "TensorFlow's allreduce")
+    """Dense tensors all-reduced together (compressed: cast, or, under Compression.int8, float
+    ones sent as int8 blocks); IndexedSlices gathered together (op Average divides their values
+    by the set's size); None stays None. residuals[i], if given and not None: tensor i's error
+    feedback (arrays.reduce), for a float32 tensor under Compression.int8."""
     results = list(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if t is not None and i not in sparse]
@@ -51,7 +55,14 @@ def reduce_any(
     if dense:
         compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
         reduced = reduce_tensors(
-            [c for c, _ in compressed], [names[i] for i in dense], op, prescale, postscale, process_set
+            [c for c, _ in compressed],
+            [names[i] for i in dense],
+            op,
+            prescale,
+            postscale,
+            process_set,
+            [wire_format(compression, c) for c, _ in compressed],
+            [residuals[i] for i in dense] if residuals else (),
         )
         for i, out, (_, ctx) in zip(dense, reduced, compressed):
             results[i] = compression.decompress(out, ctx)
@@ -73,7 +84,8 @@ def allreduce(
 ) -> Any:
     """Horovod's hvd.allreduce: `tensor` reduced over the ranks of the set (Average by default),
     scaled before and after (integers in float64); a tf.IndexedSlices is gathered instead.
-    Differentiable."""
+    Compression.int8 sends a float tensor as int8 blocks (op Sum or Average; other tensors go as
+    they are). Differentiable."""
     process_set = process_set_of(process_set)  # checked before a name is taken: every rank takes the same
     return reduce_any(
         [tensor],
