@@ -25,8 +25,14 @@ from tqdm import tqdm
 
 from reduction_server.children import AWAY_FROM_SOURCE
 
-from .numerics_job import BACKENDS
-
+#: variant -> the process group's backend (the job, numerics_job.py, imports torch; this module does not)
+BACKENDS = {
+    "float32": "reduction_server",
+    "bf16": "reduction_server",
+    "int8-ef": "reduction_server",
+    "int8": "reduction_server",
+    "powersgd-gloo": "gloo",
+}
 COLUMNS = ["task", "variant", "W", "steps", "val_loss", "vs_float32_pct", "accuracy", "vs_float32_points"]
 TASKS = ("charlm", "digits")
 VARIANTS = tuple(BACKENDS)

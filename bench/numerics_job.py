@@ -24,14 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-#: variant -> the process group's backend
-BACKENDS = {
-    "float32": "reduction_server",
-    "bf16": "reduction_server",
-    "int8-ef": "reduction_server",
-    "int8": "reduction_server",
-    "powersgd-gloo": "gloo",
-}
+from reduction_server.bench.numerics import BACKENDS
+
 BATCH = {"charlm": 16, "digits": 32}  # per rank
 CONTEXT = 64  # charlm's bytes per sample
 _SOURCE_BYTES = 1 << 21  # charlm reads this much of the standard library

@@ -17,6 +17,7 @@ by type), non-zero on the first violation (its input goes to ARTIFACT_DIR).
 
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -183,7 +184,11 @@ def main() -> None:
             print(f"atheris: {runs[0]} inputs, no violation; answers: {seen}", flush=True)
             os._exit(0)
 
-    atheris.Setup([sys.argv[0], "-rss_limit_mb=1024", f"-artifact_prefix={artifacts.rstrip('/')}/"], one_input)
+    # libFuzzer reads the peak RSS (ru_maxrss), which a process started by vfork and exec inherits
+    # from its parent (pytest, with torch and TensorFlow loaded): the limit is 1 GiB over that.
+    inherited = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    limit = f"-rss_limit_mb={inherited + 1024}"
+    atheris.Setup([sys.argv[0], limit, f"-artifact_prefix={artifacts.rstrip('/')}/"], one_input)
     atheris.Fuzz()
 
 
