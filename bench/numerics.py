@@ -59,7 +59,7 @@ def run(
             for variant in order:
                 results[variant] = _train(task, variant, world, reducers, steps, every)
                 progress.update()
-            rows += [_row(results[v], results["float32"]) for v in order if v in variants or v == "float32"]
+            rows += [_row(results[v], results["float32"]) for v in order]
     return rows
 
 
@@ -86,7 +86,7 @@ def _train(task: str, variant: str, world: int, reducers: int, steps: int, every
 
 def _row(result: Dict, reference: Dict) -> Dict:
     last, ref = result["curve"][-1], reference["curve"][-1]
-    row = {
+    return {
         "task": result["task"],
         "variant": result["variant"],
         "W": result["world"],
@@ -97,7 +97,6 @@ def _row(result: Dict, reference: Dict) -> Dict:
         "vs_float32_points": (last["accuracy"] - ref["accuracy"]) * 100 if "accuracy" in last else None,
         "curve": result["curve"],
     }
-    return row
 
 
 def points(rows: Sequence[Dict]) -> List[Dict]:
