@@ -8,7 +8,9 @@ with SGD on a fixed synthetic batch per rank: with a small batch the step is mos
 gradient all-reduce. Every backend starts from the same weights and data, so the losses agree.
 
 BACKEND: rs (`init_process_group("reduction_server")`, placed by the RS_* variables), gloo
-(placed by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT).
+(placed by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT). `--hook`: the DDP comm hook a user of
+that backend would register for a format: rs this project's (int8 with error feedback, bf16,
+fp16), gloo torch's own (fp16_compress_hook; its bf16 hook refuses any backend but NCCL's).
 """
 
 import argparse
@@ -32,6 +34,24 @@ def mlp(width: int) -> torch.nn.Module:
     )
 
 
+def register_hook(model: DistributedDataParallel, backend: str, hook: str) -> None:
+    """Register the comm hook that sends `hook`'s format over `backend` (none: DDP's own all-reduce)."""
+    if hook == "none":
+        return
+    if backend == "gloo":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+        return
+    from reduction_server.client import torch as rs
+
+    if hook == "int8":
+        model.register_comm_hook(rs.ReductionServerInt8HookState.for_process_group(), rs.reduction_server_int8_hook)
+    else:
+        hook_fn = getattr(rs, f"reduction_server_{hook}_hook")
+        model.register_comm_hook(rs.ReductionServerHookState.for_process_group(), hook_fn)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("backend", choices=["rs", "gloo"])
@@ -40,9 +60,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (DDP rebuilds its buckets)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    parser.add_argument("--hook", choices=["none", "int8", "bf16", "fp16"], default="none", help="gradients' format")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")
+    if args.hook in ("int8", "bf16") and args.backend == "gloo":
+        parser.error(f"--hook {args.hook} is this project's (rs): torch has no {args.hook} hook for Gloo")
     torch.set_num_threads(1)  # many ranks share few cores
     if args.backend == "rs":
         import reduction_server.client.torch  # noqa: F401  (registers the backend)
@@ -53,6 +76,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(mlp(args.width))
+    register_hook(model, args.backend, args.hook)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(1 + rank)

@@ -6,6 +6,12 @@ emulated hosts in the same run.
 Bounds, per worker link of B bytes/s: a reduction server needs S/B per all-reduce of S bytes
 (each worker sends S and receives S, full duplex) when the reducers' links add up to the
 workers' (R = W here, all links equal); a ring needs 2(W-1)/W x S/B.
+
+Compression (`--compression none,int8,bf16`): this project runs once more per format (the buffer
+stays float32, `compression=` says what travels), and Gloo once more for a 16-bit format (a
+bfloat16 or float16 tensor through the ring: what a DDP user's bf16 hook sends). S, the bounds and
+algbw stay the float32 buffer's, so a compressed run can pass its bound; `vs_float32` is this
+project's float32 time (the defaults) over the row's.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 from tqdm import tqdm
 
+from reduction_server.client import compression
 from reduction_server.config.settings import TUNING, tuning
 from reduction_server.errors import ConfigError
 
@@ -26,9 +34,11 @@ from .emulated_network import MAX_HOSTS, EmulatedNetwork, check_delay, cleanup_o
 
 COLUMNS = [
     "peer",
+    "compression",
     "W",
     "R",
     "mbit",
+    "reducer_mbit",
     "delay_ms",
     "mib",
     "ms",
@@ -37,7 +47,10 @@ COLUMNS = [
     "bound_GBps",
     "of_bound",
     "vs_gloo",
+    "vs_float32",
 ]
+#: the formats a Gloo ring also sends, as a tensor of that dtype (allreduce_job's --dtype)
+GLOO_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _PYTHON = sys.executable
 _ALLREDUCE_JOB = "reduction_server.bench.allreduce_job"
 _REDUCER_PORT = 5555
@@ -232,20 +245,70 @@ def run(
     rounds: int = 1,
     delay_ms: float = 0.0,
     variants: Sequence[Dict[str, str]] = (),
+    compressions: Sequence[str] = ("none",),
+    reducer_rates_mbit: Optional[Sequence[float]] = None,
 ) -> List[Dict]:
-    """Rows for Gloo and this project on each W x R x link rate, each size (R = W unless given),
-    and for this project again under each of `variants` (settings, parse_variant); with rounds > 1
-    the peers take turns on the same network and each row gives the median. Every argument is
-    checked before the first network is built."""
+    """Rows for Gloo and this project on each W x R x link rate (x the reducers' link rate,
+    default the workers'), each size (R = W unless given), and for this project again under each
+    of `variants` (settings, parse_variant) and each of `compressions`; with rounds > 1 the peers
+    take turns on the same network and each row gives the median. Every argument is checked
+    before the first network is built."""
     if min(worlds) < 2:
         raise ValueError(f"a ring needs at least 2 workers, got W={min(worlds)}")
     jobs, ours = plan_runs(worlds, rates_mbit, reducers, rounds, delay_ms, variants)
-    args = ["--mib", ",".join(f"{s:g}" for s in sizes_mib), "--iters", str(iters)]
+    formats = compressed_runs(compressions)
+    if reducer_rates_mbit is not None and not all(rate > 0 for rate in reducer_rates_mbit):
+        raise ValueError(f"reducer link rates must be positive, got {list(reducer_rates_mbit)}")
     rows: List[Dict] = []
     with cleanup_on_sigterm():
-        for world, rate, r in tqdm(jobs, desc="netem", unit="job"):
-            rows += _measure(world, rate, r, sizes_mib, args, rounds, delay_ms, ours)
+        for (world, rate, r), reducer_rate in tqdm(
+            [(job, rr) for job in jobs for rr in (reducer_rates_mbit or [job[1]])], desc="netem", unit="job"
+        ):
+            links = Links(world, rate, r, reducer_rate)
+            rows += _measure(links, sizes_mib, iters, rounds, delay_ms, ours, formats)
     return rows
+
+
+def _job_args(sizes_mib: Sequence[float], iters: int, dtype: str = "float32") -> List[str]:
+    """allreduce_job's arguments for buffers of as many elements as float32 buffers of `sizes_mib`."""
+    scale = np.dtype(np.uint16 if dtype == "bfloat16" else dtype).itemsize / 4
+    return ["--mib", ",".join(f"{s * scale:g}" for s in sizes_mib), "--iters", str(iters), "--dtype", dtype]
+
+
+def compressed_runs(compressions: Sequence[str]) -> List[str]:
+    """The formats to run (float32's `none` always first: the others are measured against it),
+    each checked as Communicator.all_reduce would."""
+    names = ["none", *(name for name in compressions if name != "none")]
+    for name in names:
+        compression.parse(name)  # a ValueError naming an unknown format
+    if len(set(names)) != len(names):
+        raise ValueError(f"--compression {','.join(compressions)} names a format twice")
+    return names
+
+
+class Links(NamedTuple):
+    """One emulated network's shape: W worker hosts at `rate` Mbit/s, R reducer hosts at
+    `reducer_rate` (hosts W..W+R-1)."""
+
+    world: int
+    rate: float
+    reducers: int
+    reducer_rate: float
+
+    def network(self, delay_ms: float) -> EmulatedNetwork:
+        return EmulatedNetwork(
+            self.world + self.reducers,
+            self.rate,
+            delay_ms,
+            host_rates_mbit=[self.rate] * self.world + [self.reducer_rate] * self.reducers,
+        )
+
+    def bounds(self) -> Tuple[float, float]:
+        """GB/s of S for this project (S/B while the reducers' links add up to the workers', their
+        total beyond) and for a ring (W/(2(W-1)) x B)."""
+        link = self.rate * 1e6 / 8  # bytes/s per worker host, each way
+        ours = link * min(1.0, self.reducers * self.reducer_rate / (self.world * self.rate))
+        return ours / 1e9, link * self.world / (2 * (self.world - 1)) / 1e9
 
 
 def medians(runs: Sequence[float]) -> Dict:
@@ -255,52 +318,66 @@ def medians(runs: Sequence[float]) -> Dict:
 
 
 def _measure(
-    world: int,
-    rate: float,
-    r: int,
+    links: Links,
     sizes_mib: Sequence[float],
-    args: List[str],
+    iters: int,
     rounds: int,
     delay_ms: float,
     variants: List[Tuple[str, Dict[str, str]]],
+    formats: List[str],
 ) -> List[Dict]:
-    link = rate * 1e6 / 8  # bytes/s per host, each way
-    gloo: List[List[Dict]] = []
-    ours: Dict[str, List[List[Dict]]] = {label: [] for label, _ in variants}
-    with EmulatedNetwork(world + r, rate, delay_ms) as net:
+    world, r = links.world, links.reducers
+    args = _job_args(sizes_mib, iters)
+    gloo_runs = [("gloo", "none", args)] + [
+        ("gloo", name, _job_args(sizes_mib, iters, GLOO_DTYPES[name])) for name in formats if name in GLOO_DTYPES
+    ]
+    our_runs = [
+        (label if name == "none" else f"{label} {name}", name, settings)
+        for label, settings in variants
+        for name in formats
+    ]
+    times: Dict[Tuple[str, str], List[List[Dict]]] = {
+        **{(peer, name): [] for peer, name, _ in gloo_runs},
+        **{(label, name): [] for label, name, _ in our_runs},
+    }
+    with links.network(delay_ms) as net:
         for _ in range(rounds):  # in turns, so that the peers meet the same quiet and busy moments
-            gloo.append(run_gloo(net, world, _ALLREDUCE_JOB, args, '{"bytes"'))
-            for label, settings in variants:
-                ours[label].append(
-                    run_reduction_server(net, world, r, _ALLREDUCE_JOB, args, '{"bytes"', settings=settings)
+            for peer, name, gloo_args in gloo_runs:
+                times[peer, name].append(run_gloo(net, world, _ALLREDUCE_JOB, gloo_args, '{"bytes"'))
+            for label, name, settings in our_runs:
+                job_args = args if name == "none" else [*args, "--compression", name]
+                times[label, name].append(
+                    run_reduction_server(net, world, r, _ALLREDUCE_JOB, job_args, '{"bytes"', settings=settings)
                 )
-    # S/B when the reducers' links add up to the workers'; their total limits it otherwise.
-    ours_bound = link * min(1.0, r / world) / 1e9
-    ring_bound = link * world / (2 * (world - 1)) / 1e9
+    ours_bound, ring_bound = links.bounds()
+    float32 = our_runs[0][:2]  # this project's defaults, float32
     rows = []
     for i, mib in enumerate(sizes_mib):
-        nbytes = gloo[0][i]["bytes"]
-        g = medians([run[i]["seconds"] for run in gloo])
-        points = [("gloo", g, ring_bound, "-")] + [
-            (label, medians([run[i]["seconds"] for run in runs]), ours_bound, r) for label, runs in ours.items()
-        ]
-        for peer, point, bound, reducers in points:
-            algbw = nbytes / point["seconds"] / 1e9
+        nbytes = times["gloo", "none"][0][i]["bytes"]  # the float32 buffer's, whatever travels
+        point = {key: medians([run[i]["seconds"] for run in runs]) for key, runs in times.items()}
+        g, ours = point["gloo", "none"]["seconds"], point[float32]["seconds"]
+        for (peer, name), p in point.items():
+            is_gloo = peer == "gloo"
+            algbw = nbytes / p["seconds"] / 1e9
+            bound = ring_bound if is_gloo else ours_bound
             rows.append(
                 {
                     "peer": peer,
+                    "compression": name,
                     "W": world,
-                    "R": reducers,
-                    "mbit": rate,
+                    "R": "-" if is_gloo else r,
+                    "mbit": links.rate,
+                    "reducer_mbit": "-" if is_gloo else links.reducer_rate,
                     "delay_ms": delay_ms,
                     "mib": mib,
                     "rounds": rounds,
-                    "ms": point["seconds"] * 1e3,
-                    "ms_range": point["range"],
+                    "ms": p["seconds"] * 1e3,
+                    "ms_range": p["range"],
                     "algbw_GBps": algbw,
                     "bound_GBps": bound,
                     "of_bound": algbw / bound,
-                    "vs_gloo": g["seconds"] / point["seconds"],
+                    "vs_gloo": g / p["seconds"],
+                    "vs_float32": "-" if is_gloo else ours / p["seconds"],
                 }
             )
     return rows

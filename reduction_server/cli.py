@@ -563,8 +563,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         dest="compressions",
         metavar="NAME,...",
-        help=f"reducer: the workers' compression= to sweep (none, int8, bf16, fp16), each load's CPU per GiB of "
-        f"float32 also against float32's; {sweep}",
+        help="reducer, netem, ddp: the workers' compression= to sweep (none, int8, bf16, fp16), each against float32 "
+        f"in the same turns (reducer: CPU per GiB; netem, ddp: time; a 16-bit format also through Gloo); {sweep}",
+    )
+    bench.add_argument(
+        "--reducer-rate-mbit",
+        type=_positive_list(float),
+        default=None,
+        dest="reducer_rates_mbit",
+        metavar="MBIT,...",
+        help=f"netem, ddp: the reducer hosts' link rates to sweep, Mbit/s each way (default: the workers'); {sweep}",
     )
     bench.add_argument(
         "--chunk-kib",

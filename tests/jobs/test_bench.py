@@ -140,6 +140,43 @@ def test_netem_suite(tmp_path):
     assert _bench_namespaces() == before  # every namespace it made is gone
 
 
+@needs_root
+def test_netem_suite_compares_formats(tmp_path):
+    """Each format runs in the same turns as float32; a 16-bit format also through the Gloo ring
+    (half the bytes of the same elements); the sizes, bounds and algbw stay the float32 buffer's."""
+    table, rows = run_suite(
+        "netem", tmp_path, "--reducers", "1", "--reducer-rate-mbit", "800", "--compression", "int8,bf16"
+    )
+    assert [(r["peer"], r["compression"]) for r in rows] == [
+        ("gloo", "none"),
+        ("gloo", "bf16"),
+        ("reduction-server", "none"),
+        ("reduction-server int8", "int8"),
+        ("reduction-server bf16", "bf16"),
+    ]
+    ours = {r["compression"]: r for r in rows if r["peer"] != "gloo"}
+    for row in rows:
+        if row["peer"] == "gloo":
+            assert row["reducer_mbit"] == "-" and row["vs_float32"] == "-"
+            continue
+        # one reducer at twice the workers' rate carries both workers' sums: the workers' links bind
+        assert row["reducer_mbit"] == 800 and row["bound_GBps"] == pytest.approx(400e6 / 8 / 1e9)
+        assert row["vs_float32"] == pytest.approx(ours["none"]["ms"] / row["ms"])
+    # fewer bytes than float32 on the same links: past float32's bound (int8 about a quarter, a
+    # 16-bit format half)
+    assert ours["int8"]["of_bound"] > 1 and ours["bf16"]["of_bound"] > 1 and rows[1]["of_bound"] > 1
+    assert table.splitlines()[0].split() == netem.COLUMNS
+
+
+def test_netem_bounds_follow_the_reducers_links():
+    # W=8 at 200 Mbit/s with R=4 at 400: the reducers' links add up to the workers', so S/B
+    assert netem.Links(8, 200, 4, 400).bounds() == pytest.approx((25e6 / 1e9, 25e6 * 8 / 14 / 1e9))
+    assert netem.Links(8, 200, 2, 400).bounds()[0] == pytest.approx(12.5e6 / 1e9)  # half: theirs bind
+    # a 16-bit buffer of as many elements as the float32 one is half its MiB
+    assert netem._job_args([1, 16], 3, "bfloat16") == ["--mib", "0.5,8", "--iters", "3", "--dtype", "bfloat16"]
+    assert netem._job_args([16], 3)[:2] == ["--mib", "16"]
+
+
 class _RecordingNetwork:
     """Stands in for an EmulatedNetwork: records what each host would run, with which environment,
     and runs a stand-in that answers as a reducer or rank 0 would."""
@@ -194,9 +231,16 @@ def test_ddp_suite(tmp_path):
     from reduction_server.bench import ddp
 
     before = _bench_namespaces()
-    table, rows = run_suite("ddp", tmp_path)
-    assert [r["peer"] for r in rows] == ["gloo", "reduction-server"]
-    gloo, ours = rows
+    table, rows = run_suite("ddp", tmp_path, "--compression", "int8")
+    assert [(r["peer"], r["compression"]) for r in rows] == [
+        ("gloo", "none"),
+        ("reduction-server", "none"),
+        ("reduction-server int8", "int8"),
+    ]
+    gloo, ours, int8 = rows
+    # int8 blocks with error feedback: the same training within their rounding
+    assert int8["loss"] < int8["first_loss"] and int8["loss"] == pytest.approx(ours["loss"], rel=1e-2)
+    assert int8["vs_float32"] == pytest.approx(ours["step_ms"] / int8["step_ms"])
     for row in rows:
         assert set(ddp.COLUMNS) <= set(row)
         assert row["W"] == 2 and row["mbit"] == 400 and row["batch"] == 4
@@ -521,6 +565,16 @@ def test_chunk_cost_line_is_fitted_per_job_shape():
         (["netem", "--variant", "RS_WINDOW=2", "--variant", "RS_WINDOW=2"], "--variant RS_WINDOW=2 is given twice"),
         (["netem", "--workers", "8", "--reducers", "8,243"], "W=8 workers and R=243 reducers are 251 hosts"),
         (["ddp", "--delay-ms", "1001"], "the link delay must be in 0..1000 ms, got 1001"),
+        (
+            ["loopback", "--compression", "int8"],
+            "--compression is for the netem, ddp and reducer suites, not loopback",
+        ),
+        (["netem", "--compression", "int9"], "compression 'int9' is not known"),
+        (["ddp", "--compression", "int8,none,int8"], "--compression int8,none,int8 names a format twice"),
+        (
+            ["collectives", "--reducer-rate-mbit", "400"],
+            "--reducer-rate-mbit is for the netem and ddp suites, not collectives",
+        ),
     ],
 )
 def test_options_are_refused_where_they_mean_nothing(capsys, tmp_path, args, message):
