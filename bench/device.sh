@@ -7,13 +7,16 @@
 #                          there, from the repository root, with .device carried: installs the
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
 #                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-reducer-encrypt,
-#                          bench-chunks, bench-kernels, bench-loopback), and leaves each log and
-#                          table under $OUT (bench/out/device here when OUT is unset)
+#                          bench-chunks, bench-kernels, bench-loopback, bench-netem-int8,
+#                          bench-ddp-int8), and leaves each log and table under $OUT
+#                          (bench/out/device here when OUT is unset)
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
 # this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
 # image's is) and fetches pyzmq's and cloudpickle's. `run` builds the project there instead when the wheel does not
-# fit that Python. Each step of `run` is bounded in time and reports its exit status; the run
+# fit that Python. The image has no iproute2 either, which the emulated network needs: `pack`
+# copies this machine's ip and tc with their libraries (built against an older glibc than the
+# device's), each run through the device's own loader with only those libraries added. Each step of `run` is bounded in time and reports its exit status; the run
 # goes on past a failed step, so that one call brings back everything that worked.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +40,23 @@ pack() {
   "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$KIT/wheels" "$PYZMQ" "$CLOUDPICKLE"
+  pack_iproute2
   du -sh "$KIT" && ls "$KIT/wheels"
+}
+
+pack_iproute2() {  # $KIT/iproute2/bin/{ip,tc}: wrappers that run the copies with their libraries
+  local kit=$KIT/iproute2 tool
+  mkdir -p "$kit/bin" "$kit/real" "$kit/lib"
+  for tool in ip tc; do
+    cp "$(command -v "$tool")" "$kit/real/"
+    ldd "$kit/real/$tool" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' \
+      | grep -v -E '/(libc|libm|libpthread|libdl|ld-linux[^/]*)\.so' | xargs -r cp -L -t "$kit/lib"
+    # the loader's --library-path holds for this process only: what `ip netns exec` starts runs
+    # with the device's own libraries
+    printf '#!/bin/sh\nkit=$(dirname "$(dirname "$(readlink -f "$0")")")\nexec /lib64/ld-linux-x86-64.so.2 --library-path "$kit/lib" "$kit/real/%s" "$@"\n' \
+      "$tool" > "$kit/bin/$tool"
+    chmod +x "$kit/bin/$tool"
+  done
 }
 
 STEPS=()
@@ -68,6 +87,9 @@ run() {
       { echo "could not install reduction-server on $(python3 -V 2>&1)"; return 1; }
   fi
   export PYTHONPATH=$site PATH=$site/bin:$PATH
+  if ! command -v ip > /dev/null && [ -x "$KIT/iproute2/bin/ip" ]; then
+    PATH=$(realpath "$KIT/iproute2/bin"):$PATH
+  fi
   env -C "$OUT" python3 -c 'import reduction_server, zmq, torch; print("reduction_server", reduction_server.__version__,
     "from", reduction_server.__file__, "pyzmq", zmq.__version__, "torch", torch.__version__,
     "cuda", torch.cuda.is_available())'
@@ -88,6 +110,11 @@ run() {
   step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
     --rounds 3 --out "$OUT"
+  # issue 41's emulated-network rows: int8 (and bf16) against float32 and Gloo in the same turns
+  step bench-netem-int8 240 env -C "$OUT/int8" python3 -m reduction_server bench netem --workers 8 --reducers 4 \
+    --rate-mbit 200 --reducer-rate-mbit 400 --mib 16 --compression none,int8,bf16 --rounds 5 --out "$OUT/int8"
+  step bench-ddp-int8 240 env -C "$OUT/int8" python3 -m reduction_server bench ddp --workers 4 --compression int8 \
+    --rounds 2 --out "$OUT/int8"
 }
 
 case "${1:-}" in
