@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from .rendezvous_server import MAX_UNPROVED, READ_TIMEOUT_S, Server
 JOIN_TIMEOUT_S = 120.0
 #: characters of an unproved refusal's reason that a worker repeats
 _REASON_CHARS = 300
+#: tries of a request whose connection closes before any answer, the first wait between them
+#: (doubling: 5 tries wait 1.5 s in all)
+_ATTEMPTS, _RETRY_S = 5, 0.1
 
 
 @dataclass(frozen=True)
@@ -152,20 +156,30 @@ def ask(address: str, token: str, path: str, document: dict, timeout: float = JO
     this request. CollectiveError naming the rendezvous and the reason when it refuses or cannot
     be reached."""
     body = json.dumps(document).encode()
-    proof = rendezvous_proof.sign(token, path, body)
-    request = urllib.request.Request(
-        f"http://{address}{path}",
-        data=body,
-        method="POST",
-        headers={rendezvous_proof.HEADER: proof.header(), "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer, status, signed = response.read(), response.status, response.headers.get(rendezvous_proof.HEADER)
-    except urllib.error.HTTPError as exc:
-        answer, status, signed = exc.read(), exc.code, exc.headers.get(rendezvous_proof.HEADER)
-    except OSError as exc:
-        raise CollectiveError(f"the elastic rendezvous at {address} (RS_RENDEZVOUS) cannot be reached: {exc}") from None
+    for attempt in range(_ATTEMPTS):
+        proof = rendezvous_proof.sign(token, path, body)  # a fresh nonce each time: a proof is used once
+        request = urllib.request.Request(
+            f"http://{address}{path}",
+            data=body,
+            method="POST",
+            headers={rendezvous_proof.HEADER: proof.header(), "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                answer, status = response.read(), response.status
+                signed = response.headers.get(rendezvous_proof.HEADER)
+            break
+        except urllib.error.HTTPError as exc:
+            answer, status, signed = exc.read(), exc.code, exc.headers.get(rendezvous_proof.HEADER)
+            break
+        except OSError as exc:
+            # Closed before any answer: the rendezvous not listening yet, or a connection it closed
+            # unread because strangers filled its bound; nothing was done, so ask again.
+            if attempt + 1 == _ATTEMPTS or not isinstance(getattr(exc, "reason", exc), ConnectionError):
+                raise CollectiveError(
+                    f"the elastic rendezvous at {address} (RS_RENDEZVOUS) cannot be reached: {exc}"
+                ) from None
+            time.sleep(_RETRY_S * 2**attempt)
     if signed is None and status != 200:  # a refusal before the proof: it proves nothing, and says why
         raise CollectiveError(f"the elastic rendezvous at {address} refused {path}: {_reason(answer)}")
     if not rendezvous_proof.answer_proves(token, proof.nonce, status, answer, signed):

@@ -2,13 +2,14 @@
 
 Anyone who reaches the launcher's host can connect. Until a connection's request has proved the
 token (rendezvous_proof.py), the server holds at most MAX_UNPROVED such connections (one thread
-each; a connection past the cap is closed at once), each for at most READ_TIMEOUT_S for its whole
-request (a peer that sends nothing, or a byte at a time, is closed then), a request head of at most
-MAX_HEAD_BYTES, and a body of at most MAX_BODY_BYTES, its Content-Length checked before any of it
-is read. The proof is checked before the body is parsed. Every refusal is a 4xx answer naming
-what was wrong, with nothing computed from the token, and its log line goes through a throttle
-(log.Throttle), as does any error of a connection: a stranger causes neither a traceback nor an
-unbounded log.
+each; a new connection past the cap closes the oldest: a worker proves the token in its first
+packet, so strangers who keep the cap full cannot lock workers out), each for at most
+READ_TIMEOUT_S for its whole request (a peer that sends nothing, or a byte at a time, is closed
+then), a request head of at most MAX_HEAD_BYTES, and a body of at most MAX_BODY_BYTES, its
+Content-Length checked before any of it is read. The proof is checked before the body is parsed.
+Every refusal is a 4xx answer naming what was wrong, with nothing computed from the token, and its
+log line goes through a throttle (log.Throttle), as does any error of a connection: a stranger
+causes neither a traceback nor an unbounded log.
 """
 
 from __future__ import annotations
@@ -174,6 +175,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+def _shut(request: socket.socket) -> None:
+    """End a connection not proved in time: its handler's read returns, and the handler closes it."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _json(document: Dict[str, Any]) -> bytes:
     return json.dumps(document).encode()
 
@@ -208,13 +217,17 @@ class Server(ThreadingHTTPServer):
             self.throttle.event(logging.WARNING, name, cause, kind=cause, **short)
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Take every connection; past the cap, close the oldest one not proved yet (the first
+        to have been accepted, as each has the same read timeout)."""
         with self.lock:
-            full = len(self.unproved) >= self.max_unproved
-            if not full:
-                self.unproved[request] = time.monotonic() + self.read_timeout_s
-        if full:  # closed at once: socketserver shuts a request down that this refuses
+            oldest = next(iter(self.unproved)) if len(self.unproved) >= self.max_unproved else None
+            if oldest is not None:
+                del self.unproved[oldest]
+                _shut(oldest)  # its handler's read ends; the handler closes it
+            self.unproved[request] = time.monotonic() + self.read_timeout_s
+        if oldest is not None:
             self.note("rendezvous_refused", "connections", peer=client_address[0], cap=self.max_unproved)
-        return not full
+        return True
 
     def proved(self, request: Any) -> None:
         """The connection's request proved the token: it no longer counts against the bounds."""
@@ -234,10 +247,7 @@ class Server(ThreadingHTTPServer):
             late = [request for request, deadline in self.unproved.items() if deadline <= now]
             for request in late:
                 del self.unproved[request]
-                try:
-                    request.shutdown(socket.SHUT_RDWR)  # its handler's read ends; the handler closes it
-                except OSError:
-                    pass
+                _shut(request)
             self.throttle.flush()
         if late:
             self.note("rendezvous_refused", "read_timeout", connections=len(late), read_timeout_s=self.read_timeout_s)

@@ -174,17 +174,51 @@ def test_idle_connections_hold_a_bounded_number_of_threads(tmp_path):
                         count += sock.recv(1) == b""
                 return count
 
-            # every connection is either held (a thread) or closed at once
-            until(lambda: closed() + server.status("Threads") - threads >= len(idle), "every connection handled", 10)
-            assert server.status("Threads") - threads <= CAP
-            assert server.descriptors() - descriptors <= CAP
-            assert closed() >= len(idle) - CAP
-            # a worker with the token is not among the idle ones' threads: its request is proved at once
+            # the newest CAP are held (a thread each), each newer one having closed the oldest
+            until(lambda: closed() == len(idle) - CAP, "all but the newest connections closed", 10)
+            until(lambda: server.status("Threads") - threads == CAP, "a thread per connection held", 10)
+            assert server.descriptors() - descriptors == CAP
+            assert all(sock.recv(1) == b"" for sock in idle[:-CAP])  # the oldest are the ones closed
         finally:
             for sock in idle:
                 sock.close()
         refused = [line for line in server.log().splitlines() if "rendezvous_refused" in line]
         assert 1 <= len(refused) <= 2, refused  # throttled: one line per cause and interval
+
+
+def test_strangers_who_keep_the_cap_full_cannot_lock_a_worker_out(tmp_path):
+    """Strangers reopen idle connections as fast as they can, so that the cap of connections not
+    proved yet is always full; a worker's join still gets its seat (its connection closes the
+    oldest stranger's, and its first packet proves the token)."""
+    with served(tmp_path, max_unproved=CAP, read_timeout_s=30) as server:
+        stop = threading.Event()
+        opened = [0]
+
+        def stranger() -> None:
+            held: List[socket.socket] = []
+            deadline = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    held.append(socket.create_connection(server.host_port(), timeout=1))
+                    opened[0] += 1
+                while len(held) > 2 * CAP:
+                    held.pop(0).close()
+            for sock in held:
+                sock.close()
+
+        strangers = [threading.Thread(target=stranger, daemon=True) for _ in range(2)]
+        for thread in strangers:
+            thread.start()
+        try:
+            until(lambda: opened[0] > 4 * CAP, "the strangers to fill the cap", 10)
+            assert rendezvous.seat(server.address, TOKEN, 0) == Seat(0, 1, 1)
+            assert opened[0] > 8 * CAP  # they kept at it while the worker joined
+        finally:
+            stop.set()
+            for thread in strangers:
+                thread.join(30)
+        refused = [line for line in server.log().splitlines() if "rendezvous_refused" in line]
+        assert 1 <= len(refused) <= 3, refused  # throttled: one line per cause and interval
 
 
 def test_idle_and_slow_connections_are_closed_after_the_read_timeout(tmp_path):
