@@ -8,6 +8,9 @@ bytes into a sum, answer only with frames that parse, and keep its memory bounde
 - admitted: two admitted ranks of a job send hypothesis-generated contributions (duplicates,
   mismatches, wrong payload sizes, other ranks' claims, keys far apart) interleaved with valid
   collectives whose results are checked; then a real job is served;
+- zmtp: hypothesis-generated ZMTP streams over raw TCP (greetings, versions, mechanisms, PLAIN
+  credentials, READY properties, identities, frame flags and lengths, streams cut anywhere) at a
+  reducer while a real job runs on it: the reducer's memory, descriptors and log stay bounded;
 - atheris: coverage-guided, in process (tests/scripts/fuzz_reducer_atheris.py), with the
   reducer's memory accounting checked after every input.
 
@@ -16,8 +19,11 @@ Each runs RS_FUZZ_SECONDS (default 3) of fuzzing; set it higher for a longer cam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -32,11 +38,11 @@ from hypothesis import strategies as st
 from helpers.cluster import SCRIPTS, TOKEN, child_env, reducers
 from helpers.handshake import auth_payload, hello_payload
 from helpers.jobs import check_sum_works, communicator, job_loop, ok, parallel, wait_until_idle
-from helpers.peers import Peer, RawZmtp, data
-from helpers.probes import rss
+from helpers.peers import Peer, RawZmtp, data, port_of
+from helpers.probes import open_fds, rss, settled_fds
 from reduction_server.config.discovery import job_id_from
 from reduction_server.errors import ProtocolError
-from reduction_server.wire import protocol
+from reduction_server.wire import gate, protocol
 from reduction_server.wire.protocol import DType, MsgType, ReduceOp
 
 FUZZ_SECONDS = float(os.environ.get("RS_FUZZ_SECONDS", "3"))
@@ -231,6 +237,135 @@ def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
         assert group.alive()
         logs = group.stop()
     assert "internal error" not in logs[0]
+
+
+def zmtp_frame(flags: int, body: bytes, long: bool) -> bytes:
+    """One ZMTP frame: its flags (the long-size bit set for `long`), size and body."""
+    if long:
+        return bytes([flags | 0x02]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags & ~0x02 & 0xFF, len(body)]) + body
+
+
+def zmtp_property(name: bytes, value: bytes) -> bytes:
+    return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+
+
+ids = st.one_of(st.binary(min_size=1, max_size=8), st.integers(0, (1 << 32) - 1).map(lambda n: b"\0" + n.to_bytes(4, "big")))
+properties = st.lists(
+    st.one_of(
+        st.sampled_from([b"DEALER", b"ROUTER", b"PUB", b"PAIR", b"\xff"]).map(
+            lambda t: zmtp_property(b"Socket-Type", t)
+        ),
+        ids.map(lambda i: zmtp_property(b"Identity", i)),
+        st.tuples(st.binary(min_size=1, max_size=20), st.binary(max_size=64)).map(lambda t: zmtp_property(*t)),
+        st.binary(max_size=40),  # a property that does not parse
+    ),
+    max_size=4,
+).map(b"".join)
+
+
+@st.composite
+def zmtp_streams(draw) -> bytes:
+    """What a stranger's connection sends: a greeting (right or not in each field), the handshake
+    commands of its mechanism (a PLAIN credential right, wrong or garbled), then frames and
+    commands with any flags and sizes; cut anywhere."""
+    mechanism = draw(st.sampled_from([b"PLAIN", b"NULL", b"CURVE", b"GSSAPI", b"JUNK"]))
+    signature = draw(st.one_of(st.just(b"\xff" + b"\0" * 8 + b"\x7f"), st.binary(min_size=10, max_size=10)))
+    version = draw(st.one_of(st.just(b"\x03\x00"), st.just(b"\x03\x01"), st.binary(min_size=2, max_size=2)))
+    stream = signature + version + mechanism.ljust(20, b"\0") + bytes([draw(st.integers(0, 1))]) + b"\0" * 31
+    if mechanism == b"PLAIN":
+        username, password = gate.credential(TOKEN)
+        username, password = draw(
+            st.one_of(
+                st.just((username, password)),  # right: what follows reaches the ROUTER
+                st.tuples(st.binary(max_size=60), st.binary(max_size=70)),
+            )
+        )
+        stream += zmtp_frame(
+            0x04,
+            b"\x05HELLO" + bytes([len(username)]) + username + bytes([len(password)]) + password,
+            draw(st.booleans()),
+        )
+        ready = b"\x08INITIATE"
+    else:
+        ready = b"\x05READY"
+    # A peer with the credential has the token: its Identity is its own business (gate.py)
+    props = draw(properties.filter(lambda p: b"Identity" not in p)) if mechanism == b"PLAIN" else draw(properties)
+    stream += zmtp_frame(0x04, ready + props, draw(st.booleans()))
+    for flags, body, long in draw(
+        st.lists(
+            st.tuples(st.one_of(u8, st.sampled_from([0, 1, 4])), st.binary(max_size=600), st.booleans()), max_size=5
+        )
+    ):
+        stream += zmtp_frame(flags, body, long or len(body) > 255)
+    if draw(st.booleans()):  # a frame announcing more than RS_MAX_CHUNK_BYTES (or far more)
+        stream += bytes([draw(st.sampled_from([0x02, 0x03, 0x06]))]) + struct.pack(
+            ">Q", draw(st.integers(MAX_CHUNK + 1, 1 << 62))
+        )
+    return stream[: draw(st.integers(0, len(stream)))] if draw(st.booleans()) else stream
+
+
+def send_zmtp(address: str, stream: bytes) -> None:
+    """One connection: the stream, what the reducer answers read for a moment, then closed."""
+    with socket.create_connection(("127.0.0.1", port_of(address)), timeout=5) as sock:
+        sock.settimeout(0.05)
+        with contextlib.suppress(OSError):
+            sock.sendall(stream)
+            while sock.recv(65536):
+                pass
+
+
+def test_zmtp_streams_from_strangers_leave_a_live_reducer_bounded_while_a_job_runs():
+    env = {"RS_MAX_CHUNK_BYTES": str(MAX_CHUNK), "RS_TIMEOUT": "10"}
+    with reducers(1, workers=2, extra_env=env) as group:
+        comms = [communicator(group, r, 2) for r in range(2)]
+        started, keep_going = threading.Event(), threading.Event()
+        keep_going.set()
+        pid, sent = group.procs[0].pid, [0]
+
+        @BATCH
+        @given(st.lists(zmtp_streams(), min_size=1, max_size=8))
+        def batch(streams):
+            for stream in streams:
+                send_zmtp(group.addresses[0], stream)
+                sent[0] += 1
+
+        def fuzz():
+            """Fuzz for FUZZ_SECONDS once the job runs; the reducer's RSS and descriptors before."""
+            try:
+                assert started.wait(30), "the job did not start"
+                before = rss(pid), open_fds(pid)
+                stop = time.monotonic() + FUZZ_SECONDS
+                while time.monotonic() < stop:
+                    batch()
+                return before
+            finally:
+                keep_going.clear()  # the job stops after its next collective
+
+        (n0, failures0), (n1, failures1), (base, fds) = ok(
+            parallel(
+                *[lambda c=c: job_loop(c, started, keep_going, min_iterations=20, max_iterations=10**7) for c in comms],
+                fuzz,
+                timeout=90 + 2 * FUZZ_SECONDS,
+            )
+        )
+        assert n0 == n1 >= 20 and failures0 == [] and failures1 == []
+        print(f"{sent[0]} fuzzed ZMTP connections beside {n0} checked all-reduces")
+        assert sent[0] > 50
+        wait_until_idle(group)
+        assert settled_fds(pid, fds) == fds  # every stranger's connection closed
+        grown = rss(pid) - base
+        assert grown < RSS_GROWTH, f"the reducer grew by {grown >> 20} MiB"
+        check_sum_works(comms)
+        for comm in comms:
+            comm.close()
+        assert group.alive()
+        logs = group.stop()
+    assert "internal error" not in logs[0]
+    # what strangers cause is throttled: a line per cause and interval, not one per connection
+    lines = logs[0].splitlines()
+    print(f"the reducer's log: {len(lines)} lines")
+    assert len(lines) <= 20 + 2 * FUZZ_SECONDS, "\n".join(lines[-40:])
 
 
 VALID_SEQS = 1 << 40  # the checked collectives' keys start here; fuzzed ones stay below
