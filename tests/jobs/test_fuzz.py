@@ -250,7 +250,9 @@ def zmtp_property(name: bytes, value: bytes) -> bytes:
     return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
 
 
-ids = st.one_of(st.binary(min_size=1, max_size=8), st.integers(0, (1 << 32) - 1).map(lambda n: b"\0" + n.to_bytes(4, "big")))
+ids = st.one_of(
+    st.binary(min_size=1, max_size=8), st.integers(0, (1 << 32) - 1).map(lambda n: b"\0" + n.to_bytes(4, "big"))
+)
 properties = st.lists(
     st.one_of(
         st.sampled_from([b"DEALER", b"ROUTER", b"PUB", b"PAIR", b"\xff"]).map(
