@@ -27,6 +27,10 @@ and int8 blocks with error feedback, on this backend or another (hooks.py)::
     state = ReductionServerInt8HookState.for_process_group()      # or .from_env() over gloo/nccl
     ddp.register_comm_hook(state, reduction_server_int8_hook)
 
+and FSDP2's reduce-scatter likewise (fsdp.py, imported on first use: torch's FSDP takes 0.7 s)::
+
+    compress_reduce_scatter(model)                                  # after fully_shard
+
 Rendezvous: with MASTER_ADDR/MASTER_PORT set, ``init_process_group`` works as for any backend
 (torchrun). Without them, the ``env://`` rendezvous takes rank and world size from the
 arguments, RANK/WORLD_SIZE or the package's discovery (RS_RANK, CLUSTER_SPEC, TF_CONFIG, ...)
@@ -37,6 +41,8 @@ CUDA tensors are staged through pinned host buffers (tensors.py).
 
 The adapter's modules: docs/design.md, "Where each concept lives".
 """
+
+from typing import Any
 
 from .hooks import (
     ReductionServerHookState,
@@ -53,9 +59,12 @@ from .tensors import Staged, torch_reduce_op
 __all__ = [
     "BACKEND_NAME",
     "ReductionServerHookState",
+    "ReductionServerInt8AllReduce",
     "ReductionServerInt8HookState",
+    "ReductionServerInt8ReduceScatter",
     "ReductionServerProcessGroup",
     "Staged",
+    "compress_reduce_scatter",
     "create_backend",
     "reduction_server_bf16_hook",
     "reduction_server_fp16_hook",
@@ -63,5 +72,17 @@ __all__ = [
     "reduction_server_int8_hook",
     "torch_reduce_op",
 ]
+
+#: names of fsdp.py, which imports torch.distributed.fsdp: loaded when first asked for
+_FSDP = ("ReductionServerInt8AllReduce", "ReductionServerInt8ReduceScatter", "compress_reduce_scatter")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FSDP:
+        from . import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 register()

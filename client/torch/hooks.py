@@ -181,24 +181,37 @@ def reduction_server_int8_hook(
     rank's residual added to its next contribution (error feedback, EF-SGD)."""
     buffer = bucket.buffer()
     residual = state._residual_for(bucket) if state.error_feedback else None
+    return compressed_all_reduce(state, buffer, ReduceOp.AVG, state.compression, residual, "DDP bucket")
+
+
+def compressed_all_reduce(
+    state: ReductionServerHookState,
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    compression: CompressionLike,
+    residual: Optional[torch.Tensor],
+    what: str,
+) -> torch.futures.Future[torch.Tensor]:
+    """`tensor` all-reduced in place (SUM or AVG) in its place among the state's collectives, sent
+    compressed, with `residual` (float32, laid out as `tensor`, or None) added first and then set
+    to what compressing this rank's values lost (error feedback); the Future's value is `tensor`."""
 
     def start() -> Started:
-        staged = Staged(buffer, "DDP bucket")
+        staged = Staged(tensor, what)
         host = staged.host
-        # corrected in float32: in place when the bucket is float32 (its result overwrites it)
+        # corrected in float32: in place when the tensor is float32 (its result overwrites it)
         values = host if residual is None or host.dtype == torch.float32 else host.float()
         if residual is not None:
             values.add_(residual)
-        handle = state._collectives.comm.all_reduce_async(
-            values, ReduceOp.AVG, values, compression=state.compression, residual=residual
-        )
+        comm = state._collectives.comm
+        handle = comm.all_reduce_async(values, op, values, compression=compression, residual=residual)
 
         def finish() -> torch.Tensor:
             if values is not host:
                 host.copy_(values)
             staged.finish()
-            return buffer
+            return tensor
 
         return [handle], finish
 
-    return state._collectives.submit(start, [buffer])
+    return state._collectives.submit(start, [tensor])

@@ -3,7 +3,11 @@ trained on this rank's slice of a fixed batch, every layer sharded, then the ful
 (gathered) and a single process's weights trained on the whole batch, printed as one JSON line.
 
 argv: backend ("reduction_server" or "gloo"), mesh ("fsdp": 1-D over all ranks; "hsdp": 2-D,
-replicate x shard, 2 x W/2), precision ("fp32", or "bf16": bf16 parameters, fp32 reduce).
+replicate x shard, 2 x W/2; "hsdp-hook": FSDP over the shard dimension only, the replicas
+averaged by this project's all-reduce hook), precision ("fp32"; "bf16": bf16 parameters, fp32
+reduce; "int8": this project's int8 reduce-scatter, and int8 replicas' hook for hsdp-hook, with
+error feedback). With int8 it also reports how much the residuals hold and what a MAX
+reduce-scatter is told.
 """
 
 import os
@@ -59,10 +63,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if mesh_kind == "hsdp":
+    if mesh_kind.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,))
+    shard_mesh = mesh["shard"] if mesh_kind == "hsdp-hook" else mesh
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"
@@ -71,14 +76,20 @@ def main() -> None:
     model = make_model()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    extra = {}
+    if precision == "int8":
+        extra = compress(model, mesh if mesh_kind == "hsdp-hook" else None)
     data = batches(world)
     train(
         model,
         [(x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]) for x, y in data],
     )
     sharded = flat(p.full_tensor() for p in model.parameters())
+    if precision == "int8":
+        residuals = [c.residual() for c in extra.pop("comms") if c.residual() is not None]  # the root holds none
+        extra.update(residual=sum(float(r.abs().sum()) for r in residuals), compressed=len(residuals))
     reference = make_model()
     train(reference, data)
     dist.destroy_process_group()
@@ -88,8 +99,39 @@ def main() -> None:
             "weights": sharded,
             "reference": flat(reference.parameters()),
             "initial": flat(make_model().parameters()),
+            **extra,
         }
     )
+
+
+def compress(model: nn.Module, mesh) -> dict:
+    """This project's int8 reduce-scatter in every FSDP module, and with a 2-D `mesh` its int8
+    hook over the replicate dimension; the communications (their residuals are read after
+    training), and the refusal of a MAX reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from reduction_server.client.torch import (
+        ReductionServerInt8AllReduce,
+        ReductionServerInt8ReduceScatter,
+        compress_reduce_scatter,
+    )
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    comms = compress_reduce_scatter(model)
+    assert len(comms) == len(modules) == 4  # three layers and the root
+    if mesh is not None:
+        replicas = mesh["replicate"].get_group()
+        for module in modules:
+            hook = ReductionServerInt8AllReduce(replicas)
+            module.set_all_reduce_hook(hook)
+            comms.append(hook)
+    try:
+        probe = torch.zeros(4 * dist.get_world_size())
+        ReductionServerInt8ReduceScatter()(torch.zeros(4), probe, dist.group.WORLD, dist.ReduceOp.MAX)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"comms": comms, "refused": refused}
 
 
 if __name__ == "__main__":
