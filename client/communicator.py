@@ -86,6 +86,9 @@ class Communicator:
             complete (RS_FAILOVER, on by default); False: they fail naming it.
         spares: how many of the reducers, the last ones listed, are spares (RS_SPARE_REDUCERS):
             unused until a reducer is lost, then they take its chunks (with failover).
+        run_id: this start of the job, the same on every rank and new at each start (None: the
+            launcher's, discovery.run_id): a reducer takes a rank that says another run for a new
+            run once the last one's ranks are gone, never for a late rank of the last.
 
     Raises:
         ConfigError: a setting is malformed or out of range (the message names it).
@@ -116,6 +119,7 @@ class Communicator:
         send_buffer: Union[int, str, None] = None,
         failover: Optional[bool] = None,
         spares: Optional[int] = None,
+        run_id: Optional[str] = None,
     ) -> None:
         options = EngineOptions.resolve(
             reducers,
@@ -135,10 +139,11 @@ class Communicator:
             send_buffer=send_buffer,
             failover=failover,
             spares=spares,
+            run=run_id,
         )
         # Every setting resolved and checked at once (engine/options.py); a Group copies these parts.
         self.rank, self.world_size, self.reducers = options.rank, options.world_size, options.reducers
-        self.job_id, self.generation = options.job_id, options.generation
+        self.job_id, self.generation, self.run_id = options.job_id, options.generation, options.run_id
         self.chunk_bytes, self.pipeline_depth = options.chunk_bytes, options.pipeline_depth
         self._seq = itertools.count()
         self._submit_lock = threading.Lock()  # seq order == submission order

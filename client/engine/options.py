@@ -118,6 +118,7 @@ class EngineOptions:
         send_buffer: Union[int, str, None] = None,
         failover: Optional[bool] = None,
         spares: Optional[int] = None,
+        run: Optional[str] = None,
     ) -> "EngineOptions":
         """The options of a Communicator given these arguments (the same as its own): each left
         None (or, for chunk_bytes, the timeouts and io_threads, 0) comes from its RS_* variable or
@@ -158,7 +159,7 @@ class EngineOptions:
             job_token=job_token,
             job_id=job_id_from(job_token) if job_id is None else job_id,
             generation=generation,
-            run_id=run_id(),
+            run_id=run_id() if run is None else run,
             chunk_bytes=chunk_bytes,
             window=window,
             pipeline_depth=pipeline_depth,

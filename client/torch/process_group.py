@@ -1,5 +1,6 @@
 """The torch.distributed process group over the reducers, and the backend creator torch calls."""
 
+import secrets
 import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -8,7 +9,7 @@ import torch  # the real torch: imports are absolute
 import torch.distributed as dist
 
 from reduction_server.config import settings
-from reduction_server.config.discovery import discover_worker
+from reduction_server.config.discovery import discover_worker, run_id
 from reduction_server.wire.protocol import ReduceOp
 
 from ..communicator import Communicator
@@ -348,21 +349,51 @@ def _forget(pg: ReductionServerProcessGroup) -> None:
                 del _groups[key]
 
 
-def _communicator_for(rank: int, world_size: int) -> Communicator:
+def _communicator_for(rank: int, world_size: int, store: Any) -> Communicator:
     """A Communicator at torch's rank and world size, reducers and job identity from discovery.
     Whatever launcher started the process, torch's rank and world size stand: its placement on
     the host is not needed here, and may be unknown (Lightning's launcher sets LOCAL_RANK alone)."""
     place = discover_worker(rank=rank, world_size=world_size)
     return Communicator(
-        place.reducers, rank, world_size, job_token=place.job_token, job_id=place.job_id, generation=place.generation
+        place.reducers,
+        rank,
+        world_size,
+        job_token=place.job_token,
+        job_id=place.job_id,
+        generation=place.generation,
+        run_id=agreed_run_id(store, rank, place.generation),
     )
+
+
+#: the key of the rendezvous store under which rank 0 names this start of the group, per
+#: generation: torchrun's agent keeps its store, keys included, when it restarts the group
+RUN_KEY = "reduction_server/run/{generation}"
+
+
+def agreed_run_id(store: Any, rank: int, generation: int) -> Optional[str]:
+    """This start of the job's name, agreed through torch's rendezvous store: the launcher's run
+    id (discovery.run_id) and a nonce rank 0 draws and every rank reads. A group its platform
+    starts again with the same environment (a pod restart keeps TORCHELASTIC_RUN_ID and
+    CLOUD_ML_JOB_ID) is then a new run to the reducers, never the last one's late ranks. None
+    (the launcher's alone) where the store is this process's own (no MASTER_ADDR: rendezvous.py)."""
+    underlying = store
+    while isinstance(underlying, dist.PrefixStore):
+        underlying = underlying.underlying_store
+    if underlying is None or getattr(underlying, "PROCESS_LOCAL", False):
+        return None
+    key = RUN_KEY.format(generation=generation)
+    if rank == 0:
+        store.set(key, secrets.token_hex(8))
+    nonce = store.get(key).decode()  # waits for rank 0's, within the store's timeout
+    return f"{run_id()}/{nonce}" if run_id() else nonce
 
 
 def create_backend(options: Any, backend_options: Any = None) -> ReductionServerProcessGroup:
     """The creator registered with torch for "reduction_server" (its extended API: options is a
     _DistributedBackendOptions). The default group makes the job's Communicator; a group of
     fewer ranks is a Group of it, named by torch's group name; a group of all ranks shares the
-    default group's. The store is unused: the reducers are the meeting point."""
+    default group's. The store only names this start of the job (agreed_run_id): the reducers are
+    the meeting point."""
     ranks, rank, size = list(options.global_ranks_in_group), options.group_rank, options.group_size
     with _groups_lock:
         world = next(iter(_groups.values()), None)
@@ -370,7 +401,9 @@ def create_backend(options: Any, backend_options: Any = None) -> ReductionServer
             if ranks and len(ranks) != size:
                 raise RuntimeError("the reduction_server backend's first group must be the default group")
             pg = ReductionServerProcessGroup(
-                _communicator_for(rank, size), owns_communicator=True, timeout=options.timeout
+                _communicator_for(rank, size, getattr(options, "store", None)),
+                owns_communicator=True,
+                timeout=options.timeout,
             )
             _groups[id(pg)] = pg
             return pg

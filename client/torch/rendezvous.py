@@ -27,6 +27,9 @@ class _LocalStore(dist.Store):
     """The store of a job that has no rendezvous server: process-local keys. This backend never
     reads it; a backend that must meet its peers through it gets a clear error, not a hang."""
 
+    #: no peer reads it (process_group.agreed_run_id asks)
+    PROCESS_LOCAL = True
+
     def __init__(self) -> None:
         super().__init__()
         self._data: Dict[str, bytes] = {}
