@@ -78,6 +78,8 @@ class Communicator:
         connect_timeout: seconds to wait for every reducer to admit this rank (RS_CONNECT_TIMEOUT).
         io_threads: libzmq I/O threads (RS_IO_THREADS).
         encrypt: CurveZMQ on every connection, keys from the token (RS_ENCRYPT).
+        integrity: a Poly1305 tag on every message, keys from the token (RS_INTEGRITY); no
+            secrecy, at a fraction of encryption's cost (with encrypt, it adds nothing).
         shared_memory: offer shared-memory slots to reducers on this host (RS_SHM).
         send_buffer: the kernel send buffer of each connection: "auto" (each connection's from
             its round trip and delivery rate: reduction_server/wire/send_buffers.py), 0 for the kernel's
@@ -115,6 +117,7 @@ class Communicator:
         connect_timeout: Optional[float] = None,
         io_threads: Optional[int] = None,
         encrypt: Optional[bool] = None,
+        integrity: Optional[bool] = None,
         shared_memory: Optional[bool] = None,
         send_buffer: Union[int, str, None] = None,
         failover: Optional[bool] = None,
@@ -135,6 +138,7 @@ class Communicator:
             connect_timeout=connect_timeout,
             io_threads=io_threads,
             encrypt=encrypt,
+            integrity=integrity,
             shared_memory=shared_memory,
             send_buffer=send_buffer,
             failover=failover,

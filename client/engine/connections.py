@@ -10,6 +10,10 @@ Liveness: libzmq's ZMTP heartbeats (every RS_HEARTBEAT_INTERVAL, in its I/O thre
 Python thread cannot starve them) close a connection silent for RS_LIVENESS_TIMEOUT, and a
 process that exits closes its own; a socket monitor reports either at once. The engine also
 sends each endpoint a PING every interval: it tells the reducer that this worker can be probed.
+
+With RS_INTEGRITY every message each way past HELLO and CHALLENGE carries a tag frame
+(reduction_server/wire/integrity.py): `tags_out` makes them, `tags_in` checks them; a connection
+whose message fails its check is lost, naming why.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import zmq
 from reduction_server import __version__
 from reduction_server.config.settings import SNDBUF_AUTO
 from reduction_server.log import Throttle, event, get_logger
-from reduction_server.wire import auth, encryption, gate, protocol
+from reduction_server.wire import auth, encryption, gate, integrity, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
 
@@ -90,6 +94,9 @@ class Connections:
         # Per endpoint: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
+        # RS_INTEGRITY: each connection's channels, from its CHALLENGE on (None: no tags, or not yet)
+        self.tags_out: List[Optional[integrity.Channel]] = [None] * len(ends)
+        self.tags_in: List[Optional[integrity.Channel]] = [None] * len(ends)
         self.watch = Watch(len(ends), options.encrypt, gated=gate.applies(options.job_token, options.encrypt))
         # What answers at a lost reducer's address, tried every REFUSED_RETRY_S, may be a stranger
         # whose every refusal reads otherwise: its reducer_refused lines are bounded per endpoint.
@@ -155,6 +162,7 @@ class Connections:
     def hello(self, e: int, rejoin: bool = False) -> None:
         """Start endpoint e's handshake: who this worker is, and a nonce to prove the token over."""
         self.nonces[e] = auth.new_nonce()
+        self.tags_out[e] = self.tags_in[e] = None  # a new connection: its CHALLENGE brings its keys
         if self.progress[e] not in (REFUSED, CUT):  # either stays until a connection gets further
             self.progress[e] = CONNECTING
         # "heartbeats": this engine PINGs its endpoints once it runs, so a reducer may probe it from
@@ -170,15 +178,43 @@ class Connections:
             facts["run_id"] = self.options.run_id
         if rejoin:  # a reducer serving another job by now must not be taken back by this one
             facts["rejoin"] = True
+        if self.options.integrity:  # the reducer refuses a worker whose setting is not its own
+            facts["integrity"] = True
         self.slots.drop(e)  # a new connection gets a new segment: nothing old can reach it
         self.send_text(e, MsgType.HELLO, json.dumps(facts).encode())
+
+    def tagged(self, e: int, frames: List[bytes]) -> List[bytes]:
+        """A message's frames for endpoint e, with their tag frame when its connection has tags."""
+        channel = self.tags_out[e]
+        return frames if channel is None else [*frames, channel.seal(frames)]
+
+    def start_tags(self, e: int, reducer_nonce: bytes) -> None:
+        """Endpoint e proved the token: from the AUTH on, every message each way is tagged, with
+        keys from both nonces of this connection's handshake (RS_INTEGRITY)."""
+        if self.options.integrity:
+            self.tags_out[e], self.tags_in[e] = integrity.channels(
+                self.options.job_token, self.nonces[e], reducer_nonce
+            )
+
+    def untag(self, e: int, h: protocol.Header, frames: list) -> Optional[str]:
+        """With tags on endpoint e's connection: why the message of header h and these frames (the
+        header's first, the tag frame last, taken off the list) fails its check, or None. A REJECT
+        is never tagged."""
+        channel = self.tags_in[e]
+        if channel is None or h.type is MsgType.REJECT:
+            return None
+        tag = bytes(frames.pop()) if len(frames) > 1 else b""
+        why = channel.open(frames, tag)
+        return None if why is None else f"{h.type.name} from {self.name(e)}: {why}"
 
     def send_text(self, e: int, mtype: MsgType, payload: bytes, group: int = 0) -> None:
         """Queue a small message (HELLO, AUTH, GROUP, PROGRESS) to endpoint e without blocking; if
         its connection already failed, it is dropped (the monitor reports the failure, and a new
         connection's handshake says it all again)."""
         try:
-            self.sockets[e].send_multipart([self.me.header(mtype, payload, group), payload], zmq.NOBLOCK)
+            self.sockets[e].send_multipart(
+                self.tagged(e, [self.me.header(mtype, payload, group), payload]), zmq.NOBLOCK
+            )
         except zmq.Again:
             # The connection already failed (its security handshake was refused, or it dropped):
             # the monitor reports that, and a new connection is opened, or the endpoint given up.
@@ -288,7 +324,7 @@ class Connections:
         self.admitted(e, welcome)
         self.event("reducer_readmitted", e)
         try:
-            self.sockets[e].send(self.me.header(MsgType.PING), zmq.NOBLOCK)
+            self.sockets[e].send_multipart(self.tagged(e, [self.me.header(MsgType.PING)]), zmq.NOBLOCK)
         except zmq.Again:
             pass
         progress = self.failover.readmitted(e, self._progress())
@@ -310,7 +346,7 @@ class Connections:
             if e in self.down:
                 continue
             try:
-                sock.send(ping, zmq.NOBLOCK)
+                sock.send_multipart(self.tagged(e, [ping]), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # its queue is full of chunks, or its connection is gone (its monitor says so)
 
@@ -328,7 +364,7 @@ class Connections:
         for e, sock in enumerate(self.sockets):
             if bye and e not in self.down:
                 try:
-                    sock.send(self.me.header(MsgType.BYE), zmq.NOBLOCK)
+                    sock.send_multipart(self.tagged(e, [self.me.header(MsgType.BYE)]), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # nobody to say goodbye to
             # A failed handshake, or an endpoint that is gone, has nothing worth lingering for.

@@ -91,6 +91,7 @@ class Handshake:
                 why = "its RS_JOB_TOKEN is not this worker's (another job's reducer, or a mistyped token)"
             return f"{conn.name(e)} did not prove the job token (RS_JOB_TOKEN): {why}; nothing was sent to it"
         conn.progress[e] = CHALLENGED
+        conn.start_tags(e, nonce)
         facts: Dict[str, Any] = {}
         offer = self.slots.offer(e)
         if offer is not None:
@@ -169,6 +170,9 @@ class Handshake:
             raise CollectiveError(
                 f"rank {self.me.rank}: {name} answered the handshake with a malformed frame: {exc}"
             ) from None
+        altered = self.connections.untag(e, h, frames)
+        if altered:
+            raise CollectiveError(f"rank {self.me.rank}: {altered}")
         text = frames[1] if len(frames) > 1 else b""
         if h.type is MsgType.CHALLENGE:
             refused = self.answer_challenge(e, h, text)

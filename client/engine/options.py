@@ -17,6 +17,7 @@ from reduction_server.config.discovery import job_id_from, parse_address, run_id
 from reduction_server.config.settings import MAX_PIPELINE_DEPTH, MAX_WINDOW, socket_send_buffer, tuning
 from reduction_server.errors import ConfigError
 from reduction_server.wire import encryption
+from reduction_server.wire import integrity as integrity_tags
 from reduction_server.wire.shared_memory import enabled as shared_memory_enabled
 
 
@@ -85,6 +86,7 @@ class EngineOptions:
     connect_timeout: float
     io_threads: int
     encrypt: bool
+    integrity: bool  # RS_INTEGRITY: a tag on every message (integrity.py); never with encrypt
     shared_memory: bool
     send_buffer: int  # SO_SNDBUF: settings.SNDBUF_AUTO, 0 (the kernel's autotuning) or bytes
     failover: bool
@@ -114,6 +116,7 @@ class EngineOptions:
         connect_timeout: Optional[float] = None,
         io_threads: Optional[int] = None,
         encrypt: Optional[bool] = None,
+        integrity: Optional[bool] = None,
         shared_memory: Optional[bool] = None,
         send_buffer: Union[int, str, None] = None,
         failover: Optional[bool] = None,
@@ -147,11 +150,15 @@ class EngineOptions:
         connect_timeout = connect_timeout or settings.read("RS_CONNECT_TIMEOUT")
         io_threads = io_threads or settings.read("RS_IO_THREADS")
         encrypt = settings.read("RS_ENCRYPT") if encrypt is None else encrypt
+        integrity = settings.read("RS_INTEGRITY") if integrity is None else integrity
         # Reducers on this host take chunks through shared memory (RS_SHM, on by default).
         shared_memory = shared_memory_enabled() if shared_memory is None else shared_memory
         send_buffer = socket_send_buffer(send_buffer)
         if encrypt:
             encryption.check(job_token)
+        integrity = integrity_tags.applies(integrity, encrypt)
+        if integrity:
+            integrity_tags.check(job_token)
         return cls(
             reducers=reducers,
             rank=rank,
@@ -167,6 +174,7 @@ class EngineOptions:
             connect_timeout=connect_timeout,
             io_threads=io_threads,
             encrypt=encrypt,
+            integrity=integrity,
             shared_memory=shared_memory,
             send_buffer=send_buffer,
             failover=failover,

@@ -6,17 +6,19 @@ so every key a rank waits for is one that all the group's ranks reach: the windo
 deadlock, and sending, summing and receiving overlap across endpoints and across consecutive
 collectives. Groups have windows of their own, so that ranks may use groups in different orders
 (a send/recv ring: each rank's receive waits for a send in another group). Each chunk is sent
-without a copy from the user's buffer, or through a shared-memory slot (slots.py).
+without a copy from the user's buffer, or through a shared-memory slot (slots.py). With
+RS_INTEGRITY each message's tag frame (wire/integrity.py) follows it, made before it is queued.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Deque, List
+from typing import Deque, List, Optional
 
 import zmq
 
 from reduction_server.wire import protocol
+from reduction_server.wire.integrity import Channel
 from reduction_server.wire.protocol import MSG_DATA, MSG_DATA_SHM, MSG_MOVED, OP_BROADCAST
 
 from .collective import SENT, Collective
@@ -30,6 +32,21 @@ from .slots import Slots
 # Chunks go through pyzmq's backend send: its Python wrapper adds only draft-API options (~0.5 us a frame).
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _backend_send = zmq.backend.Socket.send
+
+
+def _send(sock: zmq.Socket, tags: Optional[Channel], header: bytes, payload=None, copy: bool = False) -> None:
+    """One message (a header, a payload unless None) without blocking, its tag frame after it
+    when the connection has tags (`tags`); zmq.Again if the connection is gone."""
+    if payload is None:
+        parts = (header,)
+        _backend_send(sock, header, _NOBLOCK if tags is None else _NOBLOCK | _SNDMORE)
+    else:
+        parts = (header, payload)
+        _backend_send(sock, header, _NOBLOCK | _SNDMORE)
+        # a message's parts go out together
+        _backend_send(sock, payload, _NOBLOCK if tags is None else _NOBLOCK | _SNDMORE, copy)
+    if tags is not None:
+        _backend_send(sock, tags.seal(parts), _NOBLOCK)
 
 
 class Pump:
@@ -106,9 +123,14 @@ class Pump:
         """A kept result to endpoint e as a FINAL; False if its connection is gone."""
         sock = self.connections.sockets[e]
         try:
-            _backend_send(sock, item.final_header(self.me), _NOBLOCK | _SNDMORE)
             # Copied: the kept buffer may hold another result before libzmq sends this one.
-            _backend_send(sock, memoryview(item.data)[: item.nbytes], _NOBLOCK, True)
+            _send(
+                sock,
+                self.connections.tags_out[e],
+                item.final_header(self.me),
+                memoryview(item.data)[: item.nbytes],
+                True,
+            )
         except zmq.Again:
             return False
         return True
@@ -164,11 +186,7 @@ class Pump:
             self.slots.view(e, slot, nbytes)[:] = payload
         sock = self.connections.sockets[e]
         try:  # windows of chunks stay far below libzmq's queue: only a lost connection says Again
-            if payload is None or slot is not None:
-                _backend_send(sock, header, _NOBLOCK)
-            else:
-                _backend_send(sock, header, _NOBLOCK | _SNDMORE)
-                _backend_send(sock, payload, _NOBLOCK, False)  # a message's parts go out together
+            _send(sock, self.connections.tags_out[e], header, None if slot is not None else payload)
         except zmq.Again:
             return False
         if slot is not None:

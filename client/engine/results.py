@@ -9,12 +9,16 @@ or else is released at once; an ERROR fails its chunk, and so its collective, wi
 the reducer's words; a handshake message from an endpoint that was lost readmits it (or refuses
 it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
+
+With RS_INTEGRITY a message is received whole (as the frames libzmq received) and its tag checked
+before anything of it is used: a RESULT's payload is copied into the output only once it holds.
+A message that fails its check loses its endpoint (failover moves its chunks), naming why.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import zmq
@@ -51,6 +55,15 @@ def _skip(sock: zmq.Socket, more: int) -> None:
         more = sock.getsockopt(_RCVMORE)
 
 
+def _rest(sock: zmq.Socket, more: int) -> List[zmq.Frame]:
+    """The rest of a message's frames, as libzmq received them (no copies)."""
+    frames = []
+    while more:
+        frames.append(sock.recv(copy=False))
+        more = sock.getsockopt(_RCVMORE)
+    return frames
+
+
 class Results:
     """Reads what each endpoint sends and settles the chunks it answers."""
 
@@ -82,33 +95,36 @@ class Results:
             if conn.sockets[e] is not sock:
                 return  # it was lost and replaced while this message was handled
             mtype = h.type
-            if mtype is MSG_RESULT:
+            if mtype is MSG_RESULT and conn.tags_in[e] is None:  # nearly every message: straight into the output
                 self.slots.release(e, h)
                 self._result(e, sock, h, more)
+                continue
+            frames = [raw, *_rest(sock, more)]
+            altered = conn.untag(e, h, frames)
+            if altered:
+                # Nothing of it is used (not even its header's slot); the connection is not trusted any more.
+                if e not in conn.down:
+                    conn.lose(e, f"{altered}; reconnecting", reconnect=True)
+                return
+            payload = frames[1].bytes if len(frames) > 1 and mtype is not MSG_RESULT else b""
+            if mtype is MSG_RESULT:
+                self.slots.release(e, h)
+                self._result(e, sock, h, 0, frames[1] if len(frames) > 1 else None)
             elif mtype is MSG_RESULT_SHM:
-                _skip(sock, more)
                 self._shared_result(e, h, self.slots.release(e, h))
             elif mtype is MSG_RESULT_SHARED:
-                _skip(sock, more)
                 self._result_slot(e, h, self.slots.release(e, h))
             elif mtype is MSG_ERROR:
-                text = sock.recv().decode(errors="replace") if more else "(no message)"
-                _skip(sock, sock.getsockopt(_RCVMORE))
                 self.slots.release(e, h)
-                self._error(e, h, text)
+                self._error(e, h, payload.decode(errors="replace") if len(frames) > 1 else "(no message)")
             elif mtype is MSG_PING:
-                _skip(sock, more)
+                pass
             elif mtype is MsgType.JOIN:
-                text = sock.recv() if more else b""
-                _skip(sock, sock.getsockopt(_RCVMORE))
-                self._join(e, text)
+                self._join(e, payload)
             elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and e in conn.down:
-                text = sock.recv() if more else b""
-                _skip(sock, sock.getsockopt(_RCVMORE))
-                self._rejoin(e, h, text)
+                self._rejoin(e, h, payload)
             else:
                 conn.event("unexpected_message", e, type=mtype.name)
-                _skip(sock, more)
 
     def _join(self, e: int, payload: bytes) -> None:
         """A lost endpoint that came back names the seqs from which every rank uses it again."""
@@ -140,14 +156,19 @@ class Results:
         else:
             conn.refuse(e, f"{conn.name(e)} came back but refused this worker: {text.decode(errors='replace')}")
 
-    def _result(self, e: int, sock: zmq.Socket, h: protocol.Header, more: int) -> None:
+    def _result(
+        self, e: int, sock: zmq.Socket, h: protocol.Header, more: int, received_frame: Optional[zmq.Frame] = None
+    ) -> None:
+        """A RESULT: its payload still in the socket (`more`), or received already (a message
+        whose tag was checked: `received_frame`, None if it had no payload)."""
         coll = self.ledger.pending_chunk(h, e)
         if coll is None:
             return _skip(sock, more)
         offset, count, _ = coll.chunks[h.chunk]
         where = coll.send_span(offset, count)  # a broadcast: the same as recv_span
+        has_payload = more or received_frame is not None
         if (
-            not more
+            not has_payload
             and h.nbytes == 0
             and coll.op is OP_BROADCAST
             and coll.send is not None
@@ -157,18 +178,20 @@ class Results:
             if coll.send is not coll.recv:
                 coll.recv[where] = coll.send[where]
             return self.ledger.chunk_done(coll, h.chunk, e, None)
-        if not more or self._misshapen(h, coll):
+        if not has_payload or self._misshapen(h, coll):
             _skip(sock, more)
             return self.ledger.chunk_done(coll, h.chunk, e, self._shape_error(e, h, coll))
         view = coll.recv[coll.recv_span(offset, count)]
         held = None
-        if self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
+        if received_frame is not None or self.failover.enabled and len(view) >= BATCHED_RECV_BYTES:
             # The result that failover keeps is the message itself: one copy, into the output.
-            frame = sock.recv(copy=False)
+            frame = sock.recv(copy=False) if received_frame is None else received_frame
             received = len(frame)
             if received == len(view):
                 held = frame.buffer
                 np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(held, np.uint8))  # without the GIL
+                if not self.failover.enabled or received < BATCHED_RECV_BYTES:
+                    held = None  # kept as a view of the output (kept.py), or not at all
         else:
             received = sock.recv_into(view)
         error = None

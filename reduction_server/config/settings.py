@@ -377,6 +377,16 @@ VARIABLES: Tuple[Variable, ...] = (
         False,
     ),
     Variable(
+        "RS_INTEGRITY",
+        (*_BOTH, BENCH),
+        "0",
+        "1: every message between workers and reducers carries a Poly1305 tag (keys derived from `RS_JOB_TOKEN` "
+        "and each connection's handshake), so a message altered, dropped or replayed on the way is refused by name; "
+        "no secrecy, at about a fifth of `RS_ENCRYPT`'s CPU (which authenticates already: with it, this adds nothing)",
+        bool,
+        False,
+    ),
+    Variable(
         "RS_ALLOW_NO_TOKEN",
         (REDUCERS,),
         "0",

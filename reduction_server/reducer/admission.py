@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import zmq
 
 from ..config.settings import MAX_WINDOW
 from ..log import event, get_logger
-from ..wire import auth, protocol, shared_memory
+from ..wire import auth, integrity, protocol, shared_memory
 from ..wire.protocol import ErrorCode, Header, MsgType
 from .clock import Clock
 from .membership import Membership, Peer
@@ -75,6 +75,7 @@ class Admission:
         job_token: str,
         encrypt: bool,
         shared: bool,
+        integrity: bool = False,
         results: Optional[SharedResults] = None,
         shard: int = 0,
         shards: int = 1,
@@ -88,6 +89,7 @@ class Admission:
         self.name = outbox.name
         self.job_token = job_token
         self.encrypt = encrypt  # CurveZMQ on the socket (set up by serve(), before it binds)
+        self.integrity = integrity  # RS_INTEGRITY: tags past HELLO both ways (integrity.py)
         self.shared = shared  # accept shared-memory slots from workers on this host (RS_SHM)
         self.results = results  # the result slots offered to those workers
         self.shard, self.shards = shard, shards  # this process is shard `shard` of `shards` (shards.py)
@@ -154,6 +156,8 @@ class Admission:
                 f"rank {h.rank}: HELLO carries no {auth.NONCE_BYTES}-byte nonce "
                 '("nonce", hex) for this reducer to prove the job token against',
             )
+        if self.integrity != (isinstance(info, dict) and info.get("integrity") is True):
+            return self._refuse(identity, integrity.mismatch(self.integrity, h.rank))
         # Proved before the worker proves anything: a worker sends no more to a reducer that cannot.
         proof = auth.reducer_proof(
             self.job_token, theirs, index=self.index, job=h.job, generation=h.generation, shard=self.shard
@@ -188,6 +192,9 @@ class Admission:
                 payload,
             ],
         )
+        if self.integrity:  # from AUTH on, every message each way is tagged
+            peer = self.members.peers[identity]
+            peer.up, peer.down = integrity.channels(self.job_token, theirs, nonce)
 
     def auth(self, identity: bytes, payload: Optional[zmq.Frame]) -> None:
         members = self.members
@@ -330,6 +337,31 @@ class Admission:
         elif peer is None:  # a worker this reducer dropped (its job was replaced, or it was lost)
             self.outbox.error(identity, ErrorCode.NOT_ADMITTED, f"{self.name}: this worker is not admitted (any more)")
 
+    def untag(self, identity: bytes, frames: List[zmq.Frame]) -> Optional[List[zmq.Frame]]:
+        """With RS_INTEGRITY: a message's frames without its tag frame, once the tag proves them
+        (a peer past its HELLO tags every message); None when it does not, and the peer is refused
+        (before AUTH) or dropped, its rank lost (after), naming why."""
+        peer = self.members.peers.get(identity)
+        channel = peer.up if peer is not None else None
+        if channel is None:
+            return frames  # a HELLO, or a stranger's message: refused as it would be without tags
+        parts = frames[1:-1]
+        why = channel.open([parts[0].bytes, *(f.buffer for f in parts[1:])] if parts else [], frames[-1].bytes)
+        if why is None:
+            return [frames[0], *parts]
+        if not peer.admitted:
+            del self.members.peers[identity]
+            self.pending.pop(identity, None)
+            self._refuse(identity, f"rank {peer.rank}: {why}")
+            return None
+        self.outbox.throttle.event(
+            logging.WARNING, "integrity_failed", reducer=self.index, rank=peer.rank, peer=identity.hex(), reason=why
+        )
+        # told while its channel still tags what it is sent; then nothing more of it is heard
+        self.outbox.error(identity, ErrorCode.NOT_ADMITTED, f"{self.name}: rank {peer.rank} is dropped: {why}")
+        self._expel(identity, f"a message of its failed the integrity check: {why}")
+        return None
+
     def malformed(self, identity: bytes, reason: str) -> None:
         """A frame that could not be used: answered, counted, and the peer dropped at MAX_STRIKES."""
         strikes = self._strike(identity)
@@ -357,14 +389,17 @@ class Admission:
                 peer=identity.hex(),
                 reason=f"{MAX_STRIKES} malformed messages or failed handshakes",
             )
-            peer = self.members.holder(identity)
-            if peer is not None:
-                # its later messages are ignored: the other ranks must not wait for its contributions
-                self.members.lose_rank(
-                    peer.rank, f"it sent {MAX_STRIKES} malformed messages and is ignored from now on"
-                )
-            self.members.peers.pop(identity, None)
+            self._expel(identity, f"it sent {MAX_STRIKES} malformed messages")
         return strikes
+
+    def _expel(self, identity: bytes, why: str) -> None:
+        """Ignore `identity` from now on; the rank it holds is lost (`why`): the other ranks must
+        not wait for its contributions."""
+        self.strikes[identity] = (MAX_STRIKES, self.clock.now)
+        peer = self.members.holder(identity)
+        if peer is not None:
+            self.members.lose_rank(peer.rank, f"{why} and is ignored from now on")
+        self.members.peers.pop(identity, None)
 
     def _pend(self, identity: bytes) -> None:
         """identity said HELLO: kept until its AUTH, FORGET_AFTER_S, or MAX_PENDING_HELLOS newer ones."""

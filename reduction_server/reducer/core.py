@@ -88,6 +88,7 @@ class Reducer:
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         deterministic: bool = False,
         encrypt: bool = False,
+        integrity: bool = False,
         shared: bool = False,
         shard: int = 0,
         shards: int = 1,
@@ -138,12 +139,16 @@ class Reducer:
             self.clock,
             job_token=job_token,
             encrypt=encrypt,
+            integrity=integrity,
             shared=shared,
             results=self.results,
             shard=shard,
             shards=shards,
             read_events=self._read_events,
         )
+        if integrity:  # every message to a peer past its HELLO is tagged, and every one from it (integrity.py)
+            self.outbox.tagged = self.members.peers
+        self.integrity = integrity
         self.events = SocketEvents(
             socket,
             self.clock,
@@ -269,6 +274,10 @@ class Reducer:
             self.outbox.error(identity, ErrorCode.INTERNAL, f"{self.name}: internal error: {text.splitlines()[-1]}")
 
     def _dispatch(self, identity: bytes, frames: List[zmq.Frame]) -> None:
+        if self.integrity:
+            frames = self.admission.untag(identity, frames)
+            if frames is None:
+                return
         if len(frames) not in (2, 3):
             return self.admission.malformed(
                 identity, f"expected a header and at most one payload frame, got {len(frames) - 1} frames"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..log import event, get_logger
-from ..wire import protocol, shared_memory
+from ..wire import integrity, protocol, shared_memory
 from ..wire.protocol import MsgType
 from .clock import Clock
 from .outbox import Outbox
@@ -50,6 +50,9 @@ class Peer:
     max_seq: Dict[int, int] = field(default_factory=dict)  # group -> highest seq it contributed to there
     hello_at: float = 0.0  # when its HELLO arrived (a peer that never completes the handshake is dropped)
     segment: Optional[shared_memory.Segment] = None  # its shared-memory slots, when it shares this host
+    # RS_INTEGRITY (wire/integrity.py): what it sends, and what it is sent, past its HELLO
+    up: Optional[integrity.Channel] = None
+    down: Optional[integrity.Channel] = None
 
     def process(self) -> Optional[Tuple[object, object]]:
         """(host, pid) of the worker process, as its HELLO said; None when it said neither."""
@@ -117,7 +120,8 @@ class Membership:
         """A new job or generation replaces the one served: its ranks and its losses are dropped."""
         self.rank_identity.clear()
         self.forget_losses()
-        self.peers = {i: p for i, p in self.peers.items() if (p.job, p.generation) == job}
+        for identity in [i for i, p in self.peers.items() if (p.job, p.generation) != job]:
+            del self.peers[identity]  # in place: the outbox looks up the peers it tags for here
         self.job = job
         self.world = self.fixed_world or world
 

@@ -23,6 +23,7 @@ from ..config import settings
 from ..config.cluster_spec import address_list
 from ..errors import ConfigError
 from ..wire import encryption, shared_memory
+from ..wire import integrity as integrity_tags
 from .shards import count as shard_count
 
 
@@ -37,6 +38,7 @@ class ReducerConfig:
     token: str  # RS_JOB_TOKEN, "" for none
     deterministic: bool
     encrypt: bool
+    integrity: bool  # RS_INTEGRITY: a tag on every message (integrity.py); never with encrypt
     metrics_port: int  # 0: no metrics
     shards: int  # shard processes of this reducer, 1..settings.MAX_SHARDS
     shard: Optional[int]  # which of them this process is; None: the supervisor, or the only one
@@ -90,6 +92,9 @@ class ReducerConfig:
         encrypt = settings.read("RS_ENCRYPT")
         if encrypt:
             encryption.check(token)
+        integrity = integrity_tags.applies(settings.read("RS_INTEGRITY"), encrypt)
+        if integrity:
+            integrity_tags.check(token)
         metrics_port = _metrics_port(metrics_port)
         count = _shards(shards, shard)
         max_chunk = settings.read("RS_MAX_CHUNK_BYTES")
@@ -109,6 +114,7 @@ class ReducerConfig:
             token=token,
             deterministic=deterministic,
             encrypt=encrypt,
+            integrity=integrity,
             metrics_port=metrics_port,
             shards=count,
             shard=shard,

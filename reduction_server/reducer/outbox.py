@@ -5,13 +5,15 @@ that sends but does not read would stop the reducer for everyone. Sends are ther
 non-blocking: a worker never has more than its window of answers outstanding, so only such a
 peer, or one that is gone, loses messages here. A send to a peer whose connection has closed
 fails at once (EHOSTUNREACH): that is how the reducer ties a closed connection to its rank.
+With RS_INTEGRITY every message to a peer past its HELLO carries its tag frame (wire/integrity.py),
+a REJECT aside.
 """
 
 from __future__ import annotations
 
 import logging
 from types import MethodType
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 import zmq
 
@@ -59,9 +61,19 @@ class Outbox:
         self.unsent: Dict[bytes, int] = {}  # messages that could not be sent, per peer
         # every line a peer can cause before it proved the token goes through it (log.Throttle)
         self.throttle = throttle if throttle is not None else Throttle(log)
+        #: with RS_INTEGRITY, the peers by identity (membership.py), whose `down` channel tags what they are sent
+        self.tagged: Optional[Mapping[bytes, object]] = None
 
     def send(self, identity: bytes, frames: list) -> bool:
         """Queue one message for a peer; whether it was queued."""
+        if self.tagged is not None:
+            peer = self.tagged.get(identity)
+            channel = peer.down if peer is not None else None
+            if channel is not None:
+                frames = [*frames, channel.seal(frames)]
+        return self._send(identity, frames)
+
+    def _send(self, identity: bytes, frames: list) -> bool:
         try:
             # Part by part, as send_multipart does, with its flags as plain ints (~1 us per message).
             send = self._send_part
@@ -99,4 +111,4 @@ class Outbox:
         if logged:
             self.throttle.event(logging.WARNING, "rejected", reducer=self.index, peer=identity.hex(), reason=reason)
         text = f"{self.name}: {reason}".encode()
-        self.send(identity, [protocol.text_header(MsgType.REJECT, text), text])
+        self._send(identity, [protocol.text_header(MsgType.REJECT, text), text])  # never tagged (integrity.py)

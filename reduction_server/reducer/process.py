@@ -141,6 +141,7 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
                 liveness_timeout=config.liveness_timeout,
                 deterministic=config.deterministic,
                 encrypt=config.encrypt,
+                integrity=config.integrity,
                 shared=config.shared,
                 shard=config.shard_number,
                 shards=config.shards,
@@ -218,7 +219,7 @@ def _announce(
     token, encrypt, deterministic = config.token, config.encrypt, config.deterministic
     print(
         f"{reducer.name.split(' (')[0]} listening on tcp://{address}"
-        f"{_settings_in_short(config.workers, token, encrypt, deterministic)}",
+        f"{_settings_in_short(config.workers, token, encrypt, deterministic, config.integrity)}",
         flush=True,
     )
     event(
@@ -231,6 +232,7 @@ def _announce(
         workers=config.workers or "from_hello",
         auth="token" if token else "none",
         encrypt=encrypt,
+        integrity=config.integrity,
         deterministic=deterministic,
         max_chunk_bytes=config.max_chunk_bytes,
         max_accumulator_bytes=reducer.pool.max_bytes,
@@ -246,12 +248,15 @@ def _announce(
     )
 
 
-def _settings_in_short(workers: Optional[int], token: str, encrypt: bool, deterministic: bool) -> str:
+def _settings_in_short(
+    workers: Optional[int], token: str, encrypt: bool, deterministic: bool, integrity: bool = False
+) -> str:
     """The start line's settings: the world size and the authentication always, the others only
     when on (the `started` event at INFO has them all)."""
     return (
         f" workers={workers or 'from HELLO'} auth={'token' if token else 'none'}"
         + (" encrypt=curve" if encrypt else "")
+        + (" integrity=poly1305" if integrity else "")
         + (" deterministic=on" if deterministic else "")
     )
 
@@ -306,7 +311,7 @@ def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
         address = f"{supervisor.host}:{base}"
         print(
             f"reducer {index} listening on tcp://{address} shards={count} (ports {base}-{base + count - 1})"
-            f"{_settings_in_short(supervisor.workers, token, encrypt, supervisor.deterministic)}",
+            f"{_settings_in_short(supervisor.workers, token, encrypt, supervisor.deterministic, config.integrity)}",
             flush=True,
         )
         event(

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import zmq
 
 from reduction_server.config.discovery import job_id_from
-from reduction_server.wire import gate, protocol
+from reduction_server.wire import auth, gate, integrity, protocol
 from reduction_server.wire.protocol import DType, ErrorCode, Header, MsgType, ReduceOp
 
 from .cluster import TOKEN
@@ -36,8 +36,15 @@ class Peer:
         for option, value in sockopts.items():
             self.sock.setsockopt(getattr(zmq, option), value)
         self.sock.connect(f"tcp://{address}")
+        #: after a handshake with integrity (RS_INTEGRITY): (what it sends, what it reads)
+        self.tags: Optional[Tuple[integrity.Channel, integrity.Channel]] = None
 
     def send(self, *frames: bytes) -> None:
+        """One message; with tags, its tag frame after it."""
+        self.sock.send_multipart(list(frames) + ([self.tags[0].seal(frames)] if self.tags else []))
+
+    def send_raw(self, *frames: bytes) -> None:
+        """Exactly these frames (a recorded message replayed, say)."""
         self.sock.send_multipart(list(frames))
 
     def recv(self, timeout: float = 5.0) -> Optional[Tuple[Header, bytes]]:
@@ -45,8 +52,12 @@ class Peer:
         if not self.sock.poll(timeout * 1000):
             return None
         frames = self.sock.recv_multipart()
-        assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
         header = protocol.unpack(frames[0])  # what the reducer sends must parse
+        if self.tags is not None and header.type is not MsgType.REJECT:
+            why = self.tags[1].open(frames[:-1], frames[-1])
+            assert why is None, why
+            frames.pop()
+        assert 1 <= len(frames) <= 2, f"a reducer sent {len(frames)} frames"
         payload = frames[1] if len(frames) == 2 else b""
         assert len(payload) == (
             0 if header.type is MsgType.RESULT_SHM else header.nbytes
@@ -69,13 +80,27 @@ class Peer:
         assert reply is None, f"unexpected answer: {reply[0].type.name} {reply[1][:200]!r}"
 
     def handshake(
-        self, rank: int, world: int, *, job: int = JOB, generation: int = 0, token: str = TOKEN, **facts
+        self,
+        rank: int,
+        world: int,
+        *,
+        job: int = JOB,
+        generation: int = 0,
+        token: str = TOKEN,
+        integrity_tags: bool = False,
+        **facts,
     ) -> dict:
-        info = hello_payload(host="test", pid=os.getpid(), version="test")
+        info = hello_payload(
+            host="test", pid=os.getpid(), version="test", **({"integrity": True} if integrity_tags else {})
+        )
         ident = dict(rank=rank, world=world, job=job, generation=generation)
         self.send(protocol.text_header(MsgType.HELLO, info, **ident), info)
         reply = self.recv()
         assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
+        if integrity_tags:
+            self.tags = integrity.channels(
+                token, bytes.fromhex(json.loads(info)["nonce"]), reply[1][: auth.NONCE_BYTES]
+            )
         proof = auth_payload(reply[1], token, **ident) + (json.dumps(facts).encode() if facts else b"")
         self.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
         reply = self.recv()

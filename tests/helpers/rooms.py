@@ -88,7 +88,8 @@ def _bytes(frame) -> bytes:
 
 class RecordingOutbox(Outbox):
     """The reducer's Outbox with its socket replaced by a list: error() and reject() are the real
-    ones (their texts, their headers), send() records. A send to an identity in `gone` fails as one
+    ones (their texts, their headers), and so is send() (tags, with RS_INTEGRITY); what would go to
+    the socket is recorded. A send to an identity in `gone` fails as one
     to a closed connection does, and tells on_gone."""
 
     def __init__(self, index: int = 0, name: str = NAME, clock: Optional[Clock] = None) -> None:
@@ -100,8 +101,9 @@ class RecordingOutbox(Outbox):
         self.unsent: Dict[bytes, int] = {}
         self.sent: List[Sent] = []
         self.gone: set = set()
+        self.tagged = None
 
-    def send(self, identity: bytes, frames: list) -> bool:
+    def _send(self, identity: bytes, frames: list) -> bool:
         if identity in self.gone:
             self.on_gone(identity)
             return False

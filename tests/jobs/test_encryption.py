@@ -1,7 +1,9 @@
 """CurveZMQ encryption (RS_ENCRYPT=1) with keys derived from RS_JOB_TOKEN: a real job gets the
 right results over encrypted connections (and the bytes on the wire are not the plain protocol);
 a worker whose encryption setting or token differs from the reducers' is refused with a clear
-error well within its connect timeout, and the reducer keeps serving the job it serves."""
+error well within its connect timeout, and the reducer keeps serving the job it serves. And the
+integrity-only mode (RS_INTEGRITY=1, wire/integrity.py): an altered, replayed or dropped message
+is refused by name, a mismatch is named on both sides, and results are those of plain mode."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -19,13 +21,22 @@ import pytest
 import reduction_server.client as rs
 from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
 from helpers.jobs import check_sum_works
+from helpers.peers import Peer
 from reduction_server import CollectiveError
 from reduction_server.errors import ConfigError
-from reduction_server.wire import encryption, protocol
+from reduction_server.wire import encryption, integrity, protocol
+from reduction_server.wire.protocol import ErrorCode, MsgType
 
 pytestmark = pytest.mark.timeout(120)
 
 ENCRYPT = {"RS_ENCRYPT": "1"}
+INTEGRITY = {"RS_INTEGRITY": "1"}
+#: each mode's reducer environment and worker options
+MODES = {
+    "plain": ({}, {}),
+    "encrypted": (ENCRYPT, {"encrypt": True}),
+    "integrity": (INTEGRITY, {"integrity": True}),
+}
 CONNECT_TIMEOUT = 20.0  # a refusal must come long before this
 JOB = json.dumps(
     {
@@ -58,11 +69,13 @@ def refused(addresses: List[str], **options) -> str:
 
 class Tap:
     """A TCP relay in front of a reducer that keeps a copy of every byte sent each way, and
-    with `flip_at` alters one: byte `flip_at` of each connection's stream from the reducer."""
+    with `flip_at` alters one: byte `flip_at` of each connection's stream from the reducer (or,
+    `upstream`, to it)."""
 
-    def __init__(self, target: str, flip_at: Optional[int] = None) -> None:
+    def __init__(self, target: str, flip_at: Optional[int] = None, upstream: bool = False) -> None:
         self.target = target.rsplit(":", 1)
         self.flip_at = flip_at
+        self.upstream = upstream
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.1)  # the accept loop looks at `closed` this often
         self.closed = False
@@ -87,8 +100,8 @@ class Tap:
             client.settimeout(None)
             upstream = socket.create_connection((self.target[0], int(self.target[1])))
             self.sockets += [client, upstream]
-            self._start(self._pipe, client, upstream)
-            self._start(self._pipe, upstream, client, self.flip_at)
+            self._start(self._pipe, client, upstream, self.flip_at if self.upstream else None)
+            self._start(self._pipe, upstream, client, None if self.upstream else self.flip_at)
 
     def _pipe(self, src: socket.socket, dst: socket.socket, flip_at: Optional[int] = None) -> None:
         relayed = 0
@@ -164,16 +177,14 @@ def test_the_bytes_on_the_wire_are_encrypted(encrypt):
         assert b"PLAIN" in seen[:200] and magic in seen and b"GRADIENT" * 8 in seen
 
 
-@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
-def test_a_relay_that_alters_a_result_is_caught_only_by_encryption(encrypt):
-    """An on-path relay flips one byte of a RESULT payload on its way to each rank. Without
-    RS_ENCRYPT the job token proves each peer at the handshake only, so the altered result is
-    returned with no error (docs/reliability.md: use RS_ENCRYPT where the network is not
-    trusted); with it, the frame fails CurveZMQ's authentication and the rank's collective fails
-    naming that, instead of returning it."""
-    payload = np.arange(1 << 17, dtype=np.float64)  # 1 MiB in one chunk: the byte flipped lies in its RESULT
-    with reducers(1, extra_env={**(ENCRYPT if encrypt else {}), **ONE_PROCESS}) as group:
-        tap = Tap(group.addresses[0], flip_at=600_000)  # past the handshake's few hundred bytes
+def altered_job(mode: str, upstream: bool) -> Tuple[list, str]:
+    """Each of 2 ranks' all-reduce of 1 MiB (one chunk) through a relay that flips one byte of each
+    connection's stream past the handshake: of a RESULT, or (`upstream`) of a DATA. Each rank's
+    result, or its error's text."""
+    env, options = MODES[mode]
+    payload = np.arange(1 << 17, dtype=np.float64)
+    with reducers(1, extra_env={**env, **ONE_PROCESS}) as group:
+        tap = Tap(group.addresses[0], flip_at=600_000, upstream=upstream)  # past the handshake's few hundred bytes
         try:
 
             def all_reduce(comm, rank):
@@ -185,7 +196,7 @@ def test_a_relay_that_alters_a_result_is_caught_only_by_encryption(encrypt):
             results = run_ranks(
                 2,
                 lambda r: communicator(
-                    [tap.address], r, 2, encrypt=encrypt, shared_memory=False, failover=False, pipeline_depth=1
+                    [tap.address], r, 2, **options, shared_memory=False, failover=False, pipeline_depth=1
                 ),
                 all_reduce,
                 limit=30,
@@ -193,12 +204,38 @@ def test_a_relay_that_alters_a_result_is_caught_only_by_encryption(encrypt):
         finally:
             tap.close()
         assert group.alive()  # the reducer is never taken down by it
-    for rank, result in enumerate(results):
-        if encrypt:
-            assert isinstance(result, str) and f"rank {rank}:" in result, result
-            assert "reducer 0" in result and encryption.ALTERED in result, result
-        else:
+        logs = group.stop()[0]
+    return [(result, payload) for result in results], logs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_relay_that_alters_a_result_is_caught_by_encryption_or_integrity(mode):
+    """An on-path relay flips one byte of a RESULT payload on its way to each rank. Without
+    RS_ENCRYPT or RS_INTEGRITY the job token proves each peer at the handshake only, so the
+    altered result is returned with no error (docs/reliability.md: use one of them where the
+    network is not trusted); with either, the rank's collective fails naming the rank, the
+    reducer and the alteration, instead of returning it."""
+    results, _ = altered_job(mode, upstream=False)
+    for rank, (result, payload) in enumerate(results):
+        if mode == "plain":
             assert np.count_nonzero(result != payload) == 1, f"rank {rank} got no altered element"
+            continue
+        assert isinstance(result, str) and f"rank {rank}:" in result, result
+        altered = encryption.ALTERED if mode == "encrypted" else integrity.ALTERED
+        assert "reducer 0" in result and altered in result, result
+        if mode == "integrity":
+            assert "RESULT from reducer 0" in result and "failed its integrity check" in result, result
+
+
+def test_a_relay_that_alters_a_contribution_is_caught_by_integrity_before_it_is_summed():
+    """With RS_INTEGRITY the reducer checks each DATA's tag before it folds it: a relay that flips
+    a byte of each rank's contribution makes the reducer drop both ranks, and each rank's error
+    names itself, the reducer and the alteration; the reducer logs it and stays up."""
+    results, logs = altered_job("integrity", upstream=True)
+    for rank, (result, _) in enumerate(results):
+        assert isinstance(result, str) and f"rank {rank}:" in result, result
+        assert "reducer 0" in result and integrity.ALTERED in result, result
+    assert "integrity_failed" in logs and "worker->reducer message" in logs, logs[-3000:]
 
 
 def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(caplog):
@@ -222,6 +259,59 @@ def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(ca
     lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reducer_lost")]
     assert {m.split()[1] for m in lost} == {"rank=0", "rank=1"}, lost  # (again if it came back meanwhile)
     assert all("reducer=0" in m and encryption.ALTERED in m and "failover=True" in m for m in lost), lost
+
+
+@pytest.mark.parametrize("reducer_tags", [True, False], ids=["reducer-integrity", "worker-integrity"])
+def test_an_integrity_mismatch_is_named_on_both_sides(reducer_tags):
+    with reducers(1, workers=2, extra_env=INTEGRITY if reducer_tags else {}) as group:
+        text = refused(group.addresses, integrity=not reducer_tags)
+        assert "refused this worker" in text and "integrity mismatch" in text and "RS_INTEGRITY" in text, text
+        assert group.alive()
+        logs = group.stop()[0]
+    assert "rejected" in logs and "integrity mismatch" in logs, logs[-2000:]
+
+
+def test_integrity_results_equal_plain_results_bitwise():
+    """Tags change nothing of a sum: a float32 job's results with RS_INTEGRITY are plain mode's, bit for bit."""
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
+    results = {}
+    for mode in ("plain", "integrity"):
+        env, options = MODES[mode]
+        with reducers(2, extra_env={**env, **ONE_PROCESS, "RS_DETERMINISTIC": "1"}) as group:
+            results[mode] = run_ranks(
+                3,
+                lambda r, options=options, group=group: communicator(
+                    group.addresses, r, 3, **options, shared_memory=False
+                ),
+                lambda comm, r: comm.all_reduce(inputs[r]),
+                limit=30,
+            )
+    for plain, tagged in zip(results["plain"], results["integrity"]):
+        assert plain.tobytes() == tagged.tobytes()
+
+
+@pytest.mark.parametrize("fault", ["replayed", "dropped"])
+def test_a_replayed_or_dropped_message_is_caught_by_integrity(fault):
+    """A peer with the token and tags (as a relay would replay or drop a worker's message): the
+    reducer refuses the message out of sequence, names why, and drops the connection's rank."""
+    with reducers(1, workers=1, extra_env={**INTEGRITY, **ONE_PROCESS}) as group:
+        peer = Peer(group.addresses[0])
+        try:
+            peer.handshake(0, 1, integrity_tags=True)
+            ping = protocol.text_header(MsgType.PING, b"", rank=0, world=1)
+            first = peer.tags[0].seal([ping])
+            if fault == "replayed":
+                peer.send_raw(ping, first)
+                peer.send_raw(ping, first)
+                words = "(a replay)"
+            else:
+                peer.send_raw(ping, peer.tags[0].seal([ping]))  # the first never goes
+                words = "one was dropped"
+            peer.expect_error(ErrorCode.NOT_ADMITTED, "rank 0 is dropped", words, integrity.ALTERED)
+        finally:
+            peer.close()
+        assert group.alive()
 
 
 def test_a_worker_without_encryption_is_refused_and_the_reducer_keeps_serving_its_job():
