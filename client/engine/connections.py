@@ -94,6 +94,7 @@ class Connections:
         # Per endpoint: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
+        self.hellos: List[bytes] = [b""] * len(ends)  # the last HELLO's payload (RS_INTEGRITY's keys bind it)
         # RS_INTEGRITY: each connection's channels, from its CHALLENGE on (None: no tags, or not yet)
         self.tags_out: List[Optional[integrity.Channel]] = [None] * len(ends)
         self.tags_in: List[Optional[integrity.Channel]] = [None] * len(ends)
@@ -181,7 +182,8 @@ class Connections:
         if self.options.integrity:  # the reducer refuses a worker whose setting is not its own
             facts["integrity"] = True
         self.slots.drop(e)  # a new connection gets a new segment: nothing old can reach it
-        self.send_text(e, MsgType.HELLO, json.dumps(facts).encode())
+        self.hellos[e] = json.dumps(facts).encode()
+        self.send_text(e, MsgType.HELLO, self.hellos[e])
 
     def tagged(self, e: int, frames: List[bytes]) -> List[bytes]:
         """A message's frames for endpoint e, with their tag frame when its connection has tags."""
@@ -190,10 +192,10 @@ class Connections:
 
     def start_tags(self, e: int, reducer_nonce: bytes) -> None:
         """Endpoint e proved the token: from the AUTH on, every message each way is tagged, with
-        keys from both nonces of this connection's handshake (RS_INTEGRITY)."""
+        keys from this connection's HELLO and the reducer's nonce (RS_INTEGRITY)."""
         if self.options.integrity:
             self.tags_out[e], self.tags_in[e] = integrity.channels(
-                self.options.job_token, self.nonces[e], reducer_nonce
+                self.options.job_token, self.hellos[e], reducer_nonce
             )
 
     def untag(self, e: int, h: protocol.Header, frames: list) -> Optional[str]:

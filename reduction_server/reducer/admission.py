@@ -132,8 +132,9 @@ class Admission:
                     f"but {self.name} already serves generation {job[1]}"
                 ),
             )
+        payload_bytes = payload.bytes if payload is not None else b""
         try:
-            info = json.loads(payload.bytes) if payload is not None else {}
+            info = json.loads(payload_bytes) if payload is not None else {}
         except ValueError as exc:
             return self._refuse(identity, f"HELLO payload is not valid JSON: {exc}")
         if isinstance(info, dict) and info.get("rejoin") and job is not None and (h.job, h.generation) != job:
@@ -194,7 +195,7 @@ class Admission:
         )
         if self.integrity:  # from AUTH on, every message each way is tagged
             peer = self.members.peers[identity]
-            peer.up, peer.down = integrity.channels(self.job_token, theirs, nonce)
+            peer.up, peer.down = integrity.channels(self.job_token, payload_bytes, nonce)
 
     def auth(self, identity: bytes, payload: Optional[zmq.Frame]) -> None:
         members = self.members

@@ -3,12 +3,14 @@ HELLO and CHALLENGE carries a tag frame, so that a message altered, dropped, rep
 reordered on the way is refused by name instead of changing a sum (docs/protocol.md, "Integrity").
 
 - Keys: per connection and direction, HMAC-SHA256 under the stretched job token (job_token.py)
-  over both nonces of the connection's handshake (the worker's from HELLO, the reducer's from
-  CHALLENGE): a recorded connection cannot be replayed into another one.
+  over the SHA-256 of the HELLO's payload (the worker's nonce, and every fact it states) and the
+  reducer's nonce from CHALLENGE: a recorded connection cannot be replayed into another one, and
+  an altered HELLO fails the AUTH's tag.
 - Tags: message n of a direction carries n (uint64) and the Poly1305 tag of its header and
   payload frames under a one-time key, keyed BLAKE2b of the direction's key over n and the number
   of frames (Poly1305 may tag one message per key). The receiver expects n = 0, 1, 2, ...
-- What is not tagged: HELLO and CHALLENGE (their nonces and the token's proofs make the keys), a
+- What is not tagged: HELLO and CHALLENGE (their bytes make the keys, and the token's proofs bind
+  the headers' identities), a
   REJECT (it only ends a handshake: forging one denies service, which a relay can always do by
   cutting the connection), and shared-memory slots (same host: the header that names the slot is).
 
@@ -98,11 +100,11 @@ class Channel:
         return None
 
 
-def channels(token: str, worker_nonce: bytes, reducer_nonce: bytes) -> Tuple[Channel, Channel]:
-    """(worker->reducer, reducer->worker) channels of the connection whose handshake used these nonces."""
+def channels(token: str, hello: bytes, reducer_nonce: bytes) -> Tuple[Channel, Channel]:
+    """(worker->reducer, reducer->worker) channels of the connection whose HELLO had the payload
+    `hello` (with the worker's nonce) and whose CHALLENGE the nonce `reducer_nonce`."""
     stretched = token_key(token)
-    nonces = worker_nonce + reducer_nonce
-    up = hmac.new(stretched, _UP_LABEL + nonces, hashlib.sha256).digest()
-    down = hmac.new(stretched, _DOWN_LABEL + nonces, hashlib.sha256).digest()
+    handshake = hashlib.sha256(hello).digest() + reducer_nonce
+    up = hmac.new(stretched, _UP_LABEL + handshake, hashlib.sha256).digest()
+    down = hmac.new(stretched, _DOWN_LABEL + handshake, hashlib.sha256).digest()
     return Channel(up, "worker->reducer"), Channel(down, "reducer->worker")
-

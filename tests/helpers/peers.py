@@ -98,9 +98,7 @@ class Peer:
         reply = self.recv()
         assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
         if integrity_tags:
-            self.tags = integrity.channels(
-                token, bytes.fromhex(json.loads(info)["nonce"]), reply[1][: auth.NONCE_BYTES]
-            )
+            self.tags = integrity.channels(token, info, reply[1][: auth.NONCE_BYTES])
         proof = auth_payload(reply[1], token, **ident) + (json.dumps(facts).encode() if facts else b"")
         self.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
         reply = self.recv()

@@ -20,7 +20,9 @@ import pytest
 
 import reduction_server.client as rs
 from helpers.cluster import ONE_PROCESS, SCRIPTS, TOKEN, child_env, reducers, run_ranks, run_workers
+from helpers.handshake import auth_payload, hello_payload
 from helpers.jobs import check_sum_works
+from helpers.peers import JOB as JOB_ID
 from helpers.peers import Peer
 from reduction_server import CollectiveError
 from reduction_server.errors import ConfigError
@@ -309,6 +311,28 @@ def test_a_replayed_or_dropped_message_is_caught_by_integrity(fault):
                 peer.send_raw(ping, peer.tags[0].seal([ping]))  # the first never goes
                 words = "one was dropped"
             peer.expect_error(ErrorCode.NOT_ADMITTED, "rank 0 is dropped", words, integrity.ALTERED)
+        finally:
+            peer.close()
+        assert group.alive()
+
+
+def test_a_hello_altered_on_the_way_fails_the_auths_tag():
+    """The keys bind the HELLO's bytes: a worker whose HELLO reached the reducer changed (here the
+    worker derives its keys from another HELLO than the one sent) has its AUTH refused by name."""
+    with reducers(1, workers=1, extra_env={**INTEGRITY, **ONE_PROCESS}) as group:
+        peer = Peer(group.addresses[0])
+        try:
+            ident = dict(rank=0, world=1, job=JOB_ID, generation=0)
+            sent = hello_payload(integrity=True, run_id="run-a")
+            peer.send(protocol.text_header(MsgType.HELLO, sent, **ident), sent)
+            reply = peer.recv()
+            assert reply is not None and reply[0].type is MsgType.CHALLENGE, reply
+            peer.tags = integrity.channels(TOKEN, sent.replace(b"run-a", b"run-b"), reply[1][:32])
+            proof = auth_payload(reply[1], TOKEN, **ident)
+            peer.send(protocol.text_header(MsgType.AUTH, proof, **ident), proof)
+            reply = peer.recv()
+            assert reply is not None and reply[0].type is MsgType.REJECT, reply
+            assert b"failed its integrity check" in reply[1], reply[1]
         finally:
             peer.close()
         assert group.alive()

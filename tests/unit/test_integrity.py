@@ -1,6 +1,6 @@
 """RS_INTEGRITY's pieces (wire/integrity.py, wire/poly1305.py): OpenSSL's Poly1305 gives RFC 8439's
-tag, each connection's keys come from the token and both nonces (the same on both sides, new with
-every handshake, one per direction), and a tag frame proves its message's bytes and its place in
+tag, each connection's keys come from the token, its HELLO and the reducer's nonce (the same on
+both sides, new with every handshake, one per direction), and a tag frame proves its message's bytes and its place in
 the sequence."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from reduction_server.wire import integrity, poly1305
 from reduction_server.wire.integrity import TAG_FRAME_BYTES
 
 TOKEN = "integrity-unit-token"
-WORKER_NONCE, REDUCER_NONCE = b"w" * 32, b"r" * 32
+HELLO, REDUCER_NONCE = b'{"nonce": "77"}', b"r" * 32
 
 
 def test_poly1305_gives_rfc_8439s_tag_over_parts_of_any_buffer_type():
@@ -26,21 +26,21 @@ def test_poly1305_gives_rfc_8439s_tag_over_parts_of_any_buffer_type():
 
 
 def test_both_sides_derive_the_same_keys_one_per_direction_and_connection():
-    up, down = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
-    again = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
+    up, down = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
+    again = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
     assert (up.key, down.key) == (again[0].key, again[1].key)  # what the other side derives
     assert up.key != down.key
     others = [
-        integrity.channels(TOKEN, WORKER_NONCE, b"R" * 32),  # another handshake's reducer nonce
-        integrity.channels(TOKEN, b"W" * 32, REDUCER_NONCE),
-        integrity.channels("another-token", WORKER_NONCE, REDUCER_NONCE),
+        integrity.channels(TOKEN, HELLO, b"R" * 32),  # another handshake's reducer nonce
+        integrity.channels(TOKEN, b'{"nonce": "78"}', REDUCER_NONCE),  # another HELLO
+        integrity.channels("another-token", HELLO, REDUCER_NONCE),
     ]
     assert len({up.key, down.key, *(c.key for pair in others for c in pair)}) == 8
 
 
 def pair():
-    sender, _ = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
-    receiver, _ = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
+    sender, _ = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
+    receiver, _ = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
     return sender, receiver
 
 
@@ -81,11 +81,11 @@ def test_a_replayed_a_dropped_and_an_untagged_message_are_named():
 
 
 def test_a_tag_of_another_direction_or_connection_fails():
-    up, down = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
-    _, down_again = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
-    other_up, _ = integrity.channels(TOKEN, WORKER_NONCE, b"R" * 32)
+    up, down = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
+    _, down_again = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
+    other_up, _ = integrity.channels(TOKEN, HELLO, b"R" * 32)
     assert "failed its integrity check" in down_again.open([b"x"], up.seal([b"x"]))
-    _, down_again = integrity.channels(TOKEN, WORKER_NONCE, REDUCER_NONCE)
+    _, down_again = integrity.channels(TOKEN, HELLO, REDUCER_NONCE)
     assert "failed its integrity check" in down_again.open([b"x"], other_up.seal([b"x"]))
 
 
