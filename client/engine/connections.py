@@ -185,10 +185,17 @@ class Connections:
         self.hellos[e] = json.dumps(facts).encode()
         self.send_text(e, MsgType.HELLO, self.hellos[e])
 
-    def tagged(self, e: int, frames: List[bytes]) -> List[bytes]:
-        """A message's frames for endpoint e, with their tag frame when its connection has tags."""
+    def send_small(self, e: int, frames: List[bytes]) -> bool:
+        """Queue a small message to endpoint e without blocking, its tag frame after it when its
+        connection has tags; False if libzmq would not take it (a full queue, a gone connection)."""
         channel = self.tags_out[e]
-        return frames if channel is None else [*frames, channel.seal(frames)]
+        try:
+            self.sockets[e].send_multipart(frames if channel is None else [*frames, channel.seal(frames)], zmq.NOBLOCK)
+        except zmq.Again:
+            if channel is not None:
+                channel.seq -= 1  # never sent (libzmq takes a message whole or not at all): its number is the next's
+            return False
+        return True
 
     def start_tags(self, e: int, reducer_nonce: bytes) -> None:
         """Endpoint e proved the token: from the AUTH on, every message each way is tagged, with
@@ -213,11 +220,7 @@ class Connections:
         """Queue a small message (HELLO, AUTH, GROUP, PROGRESS) to endpoint e without blocking; if
         its connection already failed, it is dropped (the monitor reports the failure, and a new
         connection's handshake says it all again)."""
-        try:
-            self.sockets[e].send_multipart(
-                self.tagged(e, [self.me.header(mtype, payload, group), payload]), zmq.NOBLOCK
-            )
-        except zmq.Again:
+        if not self.send_small(e, [self.me.header(mtype, payload, group), payload]):
             # The connection already failed (its security handshake was refused, or it dropped):
             # the monitor reports that, and a new connection is opened, or the endpoint given up.
             log.debug("rank %d: %s not queued: its connection already failed", self.me.rank, mtype.name)
@@ -325,10 +328,7 @@ class Connections:
         del self.down[e]
         self.admitted(e, welcome)
         self.event("reducer_readmitted", e)
-        try:
-            self.sockets[e].send_multipart(self.tagged(e, [self.me.header(MsgType.PING)]), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self.send_small(e, [self.me.header(MsgType.PING)])
         progress = self.failover.readmitted(e, self._progress())
         if progress:
             self.report(e, progress)
@@ -344,13 +344,9 @@ class Connections:
     def heartbeat_all(self) -> None:
         """Send a PING to every endpoint not down, without blocking; a full queue or a gone connection skips it."""
         ping = self.me.header(MsgType.PING)
-        for e, sock in enumerate(self.sockets):
-            if e in self.down:
-                continue
-            try:
-                sock.send_multipart(self.tagged(e, [ping]), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # its queue is full of chunks, or its connection is gone (its monitor says so)
+        for e in range(len(self.sockets)):
+            if e not in self.down:  # a full queue of chunks, or a gone connection (its monitor says so), skips it
+                self.send_small(e, [ping])
 
     def event(self, name: str, e: int, **fields: Any) -> None:
         """A WARNING log line about endpoint e, naming this rank, the endpoint and its address."""
@@ -366,7 +362,7 @@ class Connections:
         for e, sock in enumerate(self.sockets):
             if bye and e not in self.down:
                 try:
-                    sock.send_multipart(self.tagged(e, [self.me.header(MsgType.BYE)]), zmq.NOBLOCK)
+                    self.send_small(e, [self.me.header(MsgType.BYE)])
                 except zmq.ZMQError:
                     pass  # nobody to say goodbye to
             # A failed handshake, or an endpoint that is gone, has nothing worth lingering for.

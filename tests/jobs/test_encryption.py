@@ -240,16 +240,18 @@ def test_a_relay_that_alters_a_contribution_is_caught_by_integrity_before_it_is_
     assert "integrity_failed" in logs and "worker->reducer message" in logs, logs[-3000:]
 
 
-def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(caplog):
+@pytest.mark.parametrize("mode", ["encrypted", "integrity"])
+def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(caplog, mode):
     """With failover, the reducer whose frames an on-path relay alters is lost to each rank, its
     chunks move to the other reducer, every result is right, and each rank logs why it lost it."""
+    env, options = MODES[mode]
     payload = np.arange(1 << 18, dtype=np.float64)  # 2 MiB a collective, half of it through the relay
-    with reducers(2, extra_env={**ENCRYPT, **ONE_PROCESS}) as group:
+    with reducers(2, extra_env={**env, **ONE_PROCESS}) as group:
         tap = Tap(group.addresses[0], flip_at=600_000)  # within the first collective's results
         try:
             results = run_ranks(
                 2,
-                lambda r: communicator([tap.address, group.addresses[1]], r, 2, encrypt=True, shared_memory=False),
+                lambda r: communicator([tap.address, group.addresses[1]], r, 2, **options, shared_memory=False),
                 lambda comm, r: [comm.all_reduce(payload, "max") for _ in range(4)],
                 limit=60,
             )
@@ -260,7 +262,8 @@ def test_an_altered_reducers_chunks_move_to_the_others_with_the_reason_logged(ca
             np.testing.assert_array_equal(y, payload)
     lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reducer_lost")]
     assert {m.split()[1] for m in lost} == {"rank=0", "rank=1"}, lost  # (again if it came back meanwhile)
-    assert all("reducer=0" in m and encryption.ALTERED in m and "failover=True" in m for m in lost), lost
+    altered = encryption.ALTERED if mode == "encrypted" else integrity.ALTERED
+    assert all("reducer=0" in m and altered in m and "failover=True" in m for m in lost), lost
 
 
 @pytest.mark.parametrize("reducer_tags", [True, False], ids=["reducer-integrity", "worker-integrity"])

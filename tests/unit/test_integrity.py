@@ -102,3 +102,16 @@ def test_a_mismatch_names_both_settings():
         True, 3
     )
     assert "rank 3 does;" in integrity.mismatch(False, 3) and "RS_INTEGRITY" in integrity.mismatch(False, 3)
+
+
+def test_a_workers_options_resolve_the_setting_against_encryption_and_the_token():
+    from reduction_server.client.engine.options import EngineOptions
+
+    def resolve(**options):
+        return EngineOptions.resolve(["127.0.0.1:1"], 0, 1, **options)
+
+    assert resolve(job_token=TOKEN, integrity=True).integrity
+    assert not resolve(job_token=TOKEN, integrity=True, encrypt=True).integrity  # CurveZMQ authenticates already
+    assert not resolve(job_token=TOKEN).integrity
+    with pytest.raises(ConfigError, match="RS_INTEGRITY=1 needs RS_JOB_TOKEN"):
+        resolve(job_token="", integrity=True)
