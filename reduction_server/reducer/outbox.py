@@ -70,7 +70,12 @@ class Outbox:
             peer = self.tagged.get(identity)
             channel = peer.down if peer is not None else None
             if channel is not None:
-                frames = [*frames, channel.seal(frames)]
+                # Not sent (refused at its first frame: libzmq takes a message whole or not at
+                # all), its number is the next message's: the peer must not see one dropped.
+                if self._send(identity, [*frames, channel.seal(frames)]):
+                    return True
+                channel.seq -= 1
+                return False
         return self._send(identity, frames)
 
     def _send(self, identity: bytes, frames: list) -> bool:
