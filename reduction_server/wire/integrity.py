@@ -9,10 +9,10 @@ reordered on the way is refused by name instead of changing a sum (docs/protocol
 - Tags: message n of a direction carries n (uint64) and the Poly1305 tag of its header and
   payload frames under a one-time key, keyed BLAKE2b of the direction's key over n and the number
   of frames (Poly1305 may tag one message per key). The receiver expects n = 0, 1, 2, ...
-- What is not tagged: HELLO and CHALLENGE (their bytes make the keys, and the token's proofs bind
-  the headers' identities), a
-  REJECT (it only ends a handshake: forging one denies service, which a relay can always do by
-  cutting the connection), and shared-memory slots (same host: the header that names the slot is).
+- What is not tagged: HELLO and CHALLENGE (the HELLO's payload and the CHALLENGE's nonce make the
+  keys, its proof is checked, and the proofs bind the headers' identities), a REJECT (it only ends
+  a handshake: forging one denies service, which a relay can always do by cutting the
+  connection), and shared-memory slots (same host: the header that names the slot is).
 
 RS_ENCRYPT=1 makes this redundant (CurveZMQ authenticates every frame, in order): with it,
 RS_INTEGRITY adds no tags (`applies`).
@@ -34,7 +34,10 @@ TAG_FRAME_BYTES = SEQ_BYTES + poly1305.TAG_BYTES
 _UP_LABEL = b"reduction-server integrity worker->reducer v1\0"
 _DOWN_LABEL = b"reduction-server integrity reducer->worker v1\0"
 #: the words every integrity failure ends with, so that logs and tests can find them
-ALTERED = "refused by RS_INTEGRITY: something between the worker and the reducer changes the messages it relays"
+ALTERED = (
+    "refused by RS_INTEGRITY: something between the worker and the reducer changes, drops or replays the messages "
+    "it relays"
+)
 
 
 def applies(integrity: bool, encrypt: bool) -> bool:
