@@ -80,9 +80,10 @@ class _Context:
             raise MemoryError("EVP_MAC_CTX_new failed")
         self.out = ctypes.create_string_buffer(TAG_BYTES)
         self.size = ctypes.c_size_t()
+        self.free = _LIB.EVP_MAC_CTX_free  # held here: at exit the module's globals may be gone first
 
     def __del__(self) -> None:
-        _LIB.EVP_MAC_CTX_free(self.ctx)
+        self.free(self.ctx)
 
 
 _contexts = threading.local()
