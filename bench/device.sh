@@ -103,9 +103,9 @@ run() {
   # int8 blocks against float32 in the reducer, as issue 41 counts it (per GiB of float32)
   step bench-reducer-int8 150 env -C "$OUT/int8" python3 -m reduction_server bench reducer --workers 4 --shards 1,4 \
     --compression none,int8 --out "$OUT/int8"
-  # RS_ENCRYPT's price on both sides, in turns with the defaults (issue 37)
-  step bench-reducer-encrypt 150 env -C "$OUT/encrypt" python3 -m reduction_server bench reducer --workers 4 \
-    --shards 1 --variant RS_ENCRYPT=1 --out "$OUT/encrypt"
+  # RS_INTEGRITY's and RS_ENCRYPT's price on both sides, in turns with the defaults (issue 37)
+  step bench-reducer-encrypt 200 env -C "$OUT/encrypt" python3 -m reduction_server bench reducer --workers 4 \
+    --shards 1 --variant RS_INTEGRITY=1 --variant RS_ENCRYPT=1 --out "$OUT/encrypt"
   step bench-chunks 300 env -C "$OUT" python3 -m reduction_server bench chunks --rounds 3 --out "$OUT"
   step bench-kernels 60 env -C "$OUT" python3 -m reduction_server bench kernels --out "$OUT"
   step bench-loopback 120 env -C "$OUT" python3 -m reduction_server bench loopback --workers 4 --reducers 2 --mib 64 \
