@@ -1,7 +1,8 @@
-"""A reducer's Prometheus metrics, scraped over HTTP as Prometheus would."""
+"""A reducer's Prometheus metrics, scraped over HTTP as Prometheus would, and its probes."""
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from typing import Dict, Tuple
 
@@ -27,3 +28,14 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     key = (name, tuple(sorted({"reducer": "0", **labels}.items())))
     assert key in samples, f"{name}{labels} not scraped; have {sorted(n for n, _ in samples)}"
     return samples[key]
+
+
+def probe(port: int, path: str) -> tuple:
+    """(status, body) of GET `path` (/readyz, /healthz) on the loopback at `port`, never through a proxy."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode()
+    finally:
+        connection.close()

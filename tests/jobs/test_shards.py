@@ -5,7 +5,6 @@ bits as an unsharded one's (deterministic mode)."""
 
 from __future__ import annotations
 
-import http.client
 import os
 import platform
 import re
@@ -25,7 +24,7 @@ import pytest
 import reduction_server.client as rs
 from helpers.cluster import TOKEN, child_env, reducers, run_ranks
 from helpers.jobs import until
-from helpers.metrics import scrape, value
+from helpers.metrics import probe, scrape, value
 from helpers.ports import free_port_range
 from helpers.source_tree import ROOT
 from helpers.training import FAST, Run
@@ -551,17 +550,6 @@ def test_a_process_on_a_shard_port_that_is_not_that_shard_is_refused_by_name():
             group.procs[0].send_signal(signal.SIGCONT)
 
 
-def _probe(port: int, path: str) -> tuple:
-    """(status, body) of GET `path` on the loopback at `port`, never through a proxy."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        connection.request("GET", path)
-        reply = connection.getresponse()
-        return reply.status, reply.read().decode()
-    finally:
-        connection.close()
-
-
 def test_readyz_says_whether_every_shard_listens_and_healthz_that_the_reducer_is_alive():
     """`serve --shards 2` with a metrics port: /readyz is 200 once it says it listens; while
     shard 1 cannot listen (killed, its port taken by another program) it is 503 naming the
@@ -570,9 +558,9 @@ def test_readyz_says_whether_every_shard_listens_and_healthz_that_the_reducer_is
     /metrics is still the metrics page."""
     metrics = free_port_range(1)
     with reducers(1, extra_env={"RS_SHARDS": "2", "RS_METRICS_PORT": str(metrics)}) as group:
-        assert _probe(metrics, "/readyz") == (200, "ok\n")
-        assert _probe(metrics, "/healthz") == (200, "ok\n")
-        assert "reduction_server_shard_up" in _probe(metrics, "/metrics")[1]
+        assert probe(metrics, "/readyz") == (200, "ok\n")
+        assert probe(metrics, "/healthz") == (200, "ok\n")
+        assert "reduction_server_shard_up" in probe(metrics, "/metrics")[1]
         victim = _shards(group.procs[0])[1]
         port = int(victim.cmdline()[victim.cmdline().index("--port") + 1])
         victim.kill()
@@ -581,18 +569,18 @@ def test_readyz_says_whether_every_shard_listens_and_healthz_that_the_reducer_is
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             squatter.bind(("127.0.0.1", port))
             squatter.listen()
-            status, body = _probe(metrics, "/readyz")
+            status, body = probe(metrics, "/readyz")
             assert status == 503 and f"shard 1 (port {port})" in body, body
             until(lambda: "shard_restart_failed" in open(f"/proc/{group.procs[0].pid}/fd/2").read(), "a failed try")
-            assert _probe(metrics, "/readyz")[0] == 503 and _probe(metrics, "/healthz")[0] == 200
-        until(lambda: _probe(metrics, "/readyz")[0] == 200, "shard 1 listening again", limit=30)
+            assert probe(metrics, "/readyz")[0] == 503 and probe(metrics, "/healthz")[0] == 200
+        until(lambda: probe(metrics, "/readyz")[0] == 200, "shard 1 listening again", limit=30)
         kids = _shards(group.procs[0])
         for kid in kids:
             kid.suspend()
         group.procs[0].terminate()
         try:
-            until(lambda: _probe(metrics, "/readyz") == (503, "not ready: stopping\n"), "stopping", limit=10)
-            assert _probe(metrics, "/healthz")[0] == 200
+            until(lambda: probe(metrics, "/readyz") == (503, "not ready: stopping\n"), "stopping", limit=10)
+            assert probe(metrics, "/healthz")[0] == 200
         finally:
             for kid in kids:
                 kid.resume()
