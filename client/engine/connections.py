@@ -29,7 +29,7 @@ import zmq
 
 from reduction_server import __version__
 from reduction_server.config.settings import SNDBUF_AUTO
-from reduction_server.log import Throttle, event, get_logger
+from reduction_server.log import NOTICE, Throttle, event, get_logger
 from reduction_server.wire import auth, encryption, gate, integrity, protocol
 from reduction_server.wire.protocol import MsgType
 from reduction_server.wire.send_buffers import EndpointBuffers
@@ -273,14 +273,47 @@ class Connections:
         """Open a new connection to endpoint e `after` seconds from now."""
         self.reopen_at[e] = time.monotonic() + after
 
-    def lose(self, e: int, reason: str, *, reconnect: bool) -> None:
+    def drain(self, e: int, boundaries: Dict[int, int]) -> None:
+        """Endpoint e drains (DRAIN, reducer/drain.py): with failover, its chunks from the
+        boundaries on move to the others (failover.py); without, each it answers DRAINING fails."""
+        failover = self.failover
+        moving = failover.enabled and e not in self.down
+        self.event("reducer_draining", e, level=logging.INFO, groups=len(boundaries), moving=moving)
+        if not moving:
+            return
+        for coll in failover.drain(e, boundaries, self.ledger):
+            self.ledger.give_up(coll, f"{self.name(e)} drains (it was told to stop); {self.unmovable()}")
+
+    def unmovable(self) -> str:
+        """Why a draining endpoint's chunk past its boundary cannot move (the end of its error)."""
+        if not self.failover.enabled:
+            if len(self.endpoints) == 1:
+                return "there is no other reducer to move its chunks to"
+            return "with RS_FAILOVER=0 this worker does not move its chunks to another reducer"
+        return "no other reducer is left for one of its chunks" + (
+            f": {self.failover.reason()}" if self.failover.lost else ""
+        )
+
+    def lose(self, e: int, reason: str, *, reconnect: bool, drained: bool = False) -> None:
         """Endpoint e is gone. With failover and another endpoint in use, its chunks move there
         (failover.py) until it comes back and every rank agrees from when to use it again;
         otherwise every pending collective that needs it fails now, naming it (and every
-        endpoint lost before it). Either way, a new connection is tried when `reconnect`."""
-        text = f"{self.name(e)} was lost: {reason}"
+        endpoint lost before it). Either way, a new connection is tried when `reconnect`.
+        `drained`: it said DRAINED (it answered every chunk before the boundaries of the DRAIN
+        this rank moved its chunks by): nothing is resent, and it is tried again once it closed."""
         failover = self.failover
-        self.down[e] = (text, reconnect)
+        if drained and e not in failover.until:  # it did not move this rank's chunks
+            reason += f"; {self.unmovable()}"
+        text = f"{self.name(e)} was lost: {reason}"
+        # A drained one is tried again later (_part), but nothing waits for it meanwhile.
+        self.down[e] = (text, reconnect and not drained)
+        if drained:
+            self._part(e)
+        if drained and e in failover.until:
+            self.event("reducer_drained", e, level=NOTICE)
+            for coll in failover.drained(e, text, self.ledger):
+                self.ledger.give_up(coll, f"{self.name(e)} drained; {self.unmovable()}")
+            return
         if failover.enabled and (failover.survivors(without=e) or failover.recruitable(self.down)):
             self.event("reducer_lost", e, reason=reason, failover=True, left=len(failover.survivors(without=e)))
             for coll in failover.move_off(e, text, self.ledger):
@@ -296,8 +329,17 @@ class Connections:
                         self.down[other] = (text, self.down[other][1])
                 failover.reset()
             self.ledger.fail_pending_on(e, text)
-        if reconnect:
+        if reconnect and not drained:
             self.reopen(e, rejoin=True)
+
+    def _part(self, e: int) -> None:
+        """Endpoint e drained: a BYE lets it exit (it waits for every worker's), and a new
+        connection is tried once it may be back (a reducer restarted at its address)."""
+        try:
+            self.sockets[e].send(self.me.header(MsgType.BYE), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # gone already: it exits at its RS_DRAIN_TIMEOUT
+        self.retry_later(e, REFUSED_RETRY_S)
 
     def refuse(self, e: int, reason: str) -> None:
         """Endpoint e came back but cannot be used: collectives that need it fail with reason until
@@ -348,10 +390,10 @@ class Connections:
             if e not in self.down:  # a full queue of chunks, or a gone connection (its monitor says so), skips it
                 self.send_small(e, [ping])
 
-    def event(self, name: str, e: int, **fields: Any) -> None:
-        """A WARNING log line about endpoint e, naming this rank, the endpoint and its address."""
+    def event(self, name: str, e: int, level: int = logging.WARNING, **fields: Any) -> None:
+        """A log line (WARNING unless told) about endpoint e, naming this rank, the endpoint and its address."""
         # The field keeps its name, `reducer`, which log readers match on; with shards it is the endpoint's index.
-        event(log, logging.WARNING, name, rank=self.me.rank, reducer=e, address=self.addresses[e], **fields)
+        event(log, level, name, rank=self.me.rank, reducer=e, address=self.addresses[e], **fields)
 
     def close(self, bye: bool) -> None:
         """Say BYE to every endpoint still up (when `bye`), close every socket and the context."""

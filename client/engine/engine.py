@@ -219,6 +219,7 @@ class Engine:
                 if kind == "data":
                     self.results.drain(e)
                 elif kind == "monitor":
+                    self.results.drain(e)  # what it sent before a close (a DRAINED) is read first
                     conn.on_monitor(e)
             now = time.monotonic()
             conn.reopen_due(now, rejoin=True)

@@ -60,6 +60,10 @@ class Failover:
         self.rejoining: Dict[int, Dict[int, int]] = {}
         self.since: Dict[int, Dict[int, int]] = {}
         self.held_since: Optional[float] = None  # when the collective waiting for a JOIN began to
+        # An endpoint that drains (DRAIN, reducer/drain.py): each group's seq from which it takes none.
+        self.until: Dict[int, Dict[int, int]] = {}
+        self.drains = 0  # endpoints that drained and left cleanly (DRAINED), never counted as losses
+        self.drain_moved = 0  # chunks sent to a draining endpoint past its boundary, moved (not summed there)
         self.results = KeptResults(window, num_endpoints)
         self.resend: Deque[Resend] = deque()
         self.moved_chunks = 0  # chunks sent to a substitute as MOVED (the tests read these counts)
@@ -71,11 +75,15 @@ class Failover:
     def rerouting(self) -> bool:
         """Whether a new collective's chunks may need another endpoint than the plan's: one of
         the plan's endpoints is lost (spares alone never are a chunk's own)."""
-        return any(e < self.active for e in self.lost)
+        return bool(self.until) or any(e < self.active for e in self.lost)
 
     def usable(self, e: int, group: int, seq: int) -> bool:
-        """Whether endpoint e takes chunks of collective seq of group: never lost, or back from that seq."""
-        return e not in self.lost or seq >= self.since.get(e, {}).get(group, _NEVER)
+        """Whether endpoint e takes chunks of collective seq of group: never lost, or back from
+        that seq; one that drains, before its boundary (a group it did not name: none)."""
+        if e in self.lost:
+            return seq >= self.since.get(e, {}).get(group, _NEVER)
+        until = self.until.get(e)
+        return until is None or seq < until.get(group, 0)
 
     def survivors(self, without: int) -> List[int]:
         """The endpoints in use (not lost, back in some group, or back and awaiting the JOIN that
@@ -109,13 +117,47 @@ class Failover:
         """Endpoint e is lost: every chunk on it moves to its substitute; what it had not
         answered, and the results it gave this rank, are queued to be sent there. Returns the
         collectives left with no endpoint for a chunk (the caller fails them)."""
-        self.lost[e] = reason
         self.losses += 1
+        stranded = self._leave(e, reason, ledger)
+        self.resend.extend(self.results.take(e))
+        return stranded
+
+    def drain(self, e: int, boundaries: Dict[int, int], ledger: Ledger) -> List[Collective]:
+        """Endpoint e drains (DRAIN): from each group's boundary on (a group it did not name: from
+        its first collective), its chunks move to their substitutes, as after a loss; those sent
+        there already are sent again (it answers them DRAINING, unsummed), and so are the
+        results brought there. Every chunk before the boundary stays. Returns the collectives
+        left with no endpoint for a chunk (the caller fails them)."""
+        self.until[e] = boundaries
+        before = len(self.resend)
+        stranded = self._move(e, ledger, lambda coll: coll.seq >= boundaries.get(coll.group, 0))
+        self.drain_moved += len(self.resend) - before
+        self.resend.extend(self.results.brought_past(e, boundaries))
+        return stranded
+
+    def drained(self, e: int, reason: str, ledger: Ledger) -> List[Collective]:
+        """Endpoint e drained (DRAINED): it answered every chunk before its boundaries, so no
+        rank lacks a result of it: nothing kept of it is brought anywhere. It stays lost until
+        it comes back (PROGRESS, JOIN), as a lost endpoint does."""
+        self.drains += 1
+        self.results.drop(e)
+        return self._leave(e, reason, ledger)
+
+    def _leave(self, e: int, reason: str, ledger: Ledger) -> List[Collective]:
+        """Endpoint e is no longer in use: every chunk still on it moves (the stranded collectives)."""
+        self.lost[e] = reason
+        self.until.pop(e, None)
         self.since.pop(e, None)
         self.rejoining.pop(e, None)
+        return self._move(e, ledger, lambda coll: True)
+
+    def _move(self, e: int, ledger: Ledger, which: Callable[[Collective], bool]) -> List[Collective]:
+        """The chunks on endpoint e of the collectives in flight that `which` picks go to their
+        substitutes; those sent to e are queued to be sent again. Returns the collectives left
+        with no endpoint for a chunk."""
         stranded = []
         for coll in ledger.active.values():
-            if e not in coll.endpoints:
+            if e not in coll.endpoints or not which(coll):
                 continue
             inflight = ledger.window(coll.group)
             for k, chunk in enumerate(coll.chunks):
@@ -128,7 +170,6 @@ class Failover:
                 if not self._reroute(coll, k):
                     stranded.append(coll)
                     break
-        self.resend.extend(self.results.take(e))
         return stranded
 
     def place(self, coll: Collective) -> bool:
@@ -165,6 +206,7 @@ class Failover:
         """No endpoint is left: forget every loss, so that the endpoints, once back, are used as
         planned by every rank alike (each rank may have lost them in another order)."""
         self.lost.clear()
+        self.until.clear()
         self.since.clear()
         self.rejoining.clear()
         self.close()

@@ -147,6 +147,21 @@ class KeptResults:
                 item.lease = None
         return taken
 
+    def brought_past(self, e: int, boundaries: Dict[int, int]) -> List[Kept]:
+        """Endpoint e drains from these boundaries (a group not named: from its first
+        collective): the results brought to it at or past them, to bring on elsewhere."""
+        taken = []
+        for key in [key for key in self.brought if key[1] == e]:
+            group, items = key[0], self.brought[key]
+            boundary = boundaries.get(group, 0)
+            taken += [item for item in items if item.seq >= boundary]
+            items[:] = [item for item in items if item.seq < boundary]
+        return taken
+
+    def drop(self, e: int) -> None:
+        """Endpoint e drained: every rank has its results, none is kept of it any more."""
+        self._forget(lambda key: key[1] == e)
+
     def brought_to(self, item: Kept, e: int) -> None:
         """item went to endpoint e as a FINAL: kept there from now on, since e may be lost in turn."""
         item.endpoint = e

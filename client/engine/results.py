@@ -6,7 +6,8 @@ allocated), or, when failover keeps it and it is large, as the message libzmq re
 into the output and kept as it is; a RESULT_SHM is copied out of its shared-memory slot, and a
 RESULT_SHARED out of the reducer's result slot, which failover may keep as it is (slots.Lease)
 or else is released at once; an ERROR fails its chunk, and so its collective, with
-the reducer's words; a handshake message from an endpoint that was lost readmits it (or refuses
+the reducer's words; a DRAIN moves an endpoint's chunks from its boundaries, a DRAINED
+ends its use; a handshake message from an endpoint that was lost readmits it (or refuses
 it). Each answer is checked against the chunk it answers (its offset,
 count, dtype and slot), and frees the chunk's slot whatever became of the collective.
 
@@ -119,19 +120,26 @@ class Results:
                 self._error(e, h, payload.decode(errors="replace") if len(frames) > 1 else "(no message)")
             elif mtype is MSG_PING:
                 pass
-            elif mtype is MsgType.JOIN:
-                self._join(e, payload)
+            elif mtype is MsgType.JOIN or mtype is MsgType.DRAIN:
+                self._boundaries(e, mtype, payload)
+            elif mtype is MsgType.DRAINED:
+                conn.lose(e, "it drained (it was told to stop) and closes", reconnect=True, drained=True)
             elif mtype in (MsgType.CHALLENGE, MsgType.WELCOME, MsgType.REJECT) and e in conn.down:
                 self._rejoin(e, h, payload)
             else:
                 conn.event("unexpected_message", e, type=mtype.name)
 
-    def _join(self, e: int, payload: bytes) -> None:
-        """A lost endpoint that came back names the seqs from which every rank uses it again."""
+    def _boundaries(self, e: int, mtype: MsgType, payload: bytes) -> None:
+        """A lost endpoint that came back names the seqs from which every rank uses it again
+        (JOIN); one that drains, the seqs from which no rank sends it chunks (DRAIN)."""
         try:
-            self.failover.joined(e, protocol.seq_pairs(payload))
+            boundaries = protocol.seq_pairs(payload)
         except ProtocolError as exc:
-            self.connections.event("unexpected_message", e, type="JOIN", reason=str(exc))
+            return self.connections.event("unexpected_message", e, type=mtype.name, reason=str(exc))
+        if mtype is MsgType.JOIN:
+            self.failover.joined(e, boundaries)
+        else:
+            self.connections.drain(e, boundaries)
 
     def _rejoin(self, e: int, h: protocol.Header, text: bytes) -> None:
         """The handshake of an endpoint that was lost and answers a new connection."""
@@ -264,6 +272,10 @@ class Results:
             # reducer back from the job that replaced this one.
             return conn.lose(e, f"it no longer admits this worker: {text}", reconnect=False)
         coll = self.ledger.pending_chunk(h, e)
+        if h.aux == ErrorCode.DRAINING:
+            if coll is not None:  # not moved (connections.drain): it fails
+                self.ledger.chunk_done(coll, h.chunk, e, f"{text}; {conn.unmovable()}")
+            return
         if coll is None:
             # An error about no pending chunk (a malformed frame of ours, a stale key): log it.
             conn.event("reducer_error", e, key=h.describe(), reason=text)

@@ -73,6 +73,8 @@ DEFAULT_MAX_ROUNDS = 1024
 DEFAULT_MAX_UNGREETED = 128
 #: seconds a connection may stay without saying HELLO before the reducer closes it
 DEFAULT_HELLO_TIMEOUT = 10.0
+#: seconds a reducer told to stop (SIGTERM) drains before it exits whatever it holds
+DEFAULT_DRAIN_TIMEOUT = 10.0
 #: shards one `serve` may run (each a process with its own port)
 MAX_SHARDS = 256
 #: bytes per fused bucket of all-reduces (Horovod's default)
@@ -537,6 +539,16 @@ VARIABLES: Tuple[Variable, ...] = (
         float,
         DEFAULT_HELLO_TIMEOUT,
         0.1,
+    ),
+    Variable(
+        "RS_DRAIN_TIMEOUT",
+        (REDUCERS,),
+        _seconds(DEFAULT_DRAIN_TIMEOUT),
+        "on SIGTERM a reducer drains (its workers move its chunks, it answers what it holds) for at most "
+        "this long, then exits; 0: it closes at once, as on SIGINT",
+        float,
+        DEFAULT_DRAIN_TIMEOUT,
+        0.0,
     ),
     Variable("RS_METRICS_PORT", (REDUCERS,), "off", "serve Prometheus metrics on this port", int, 0, 0, 65535),
     Variable(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 import zmq
 
 from ..config.settings import (
+    DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HELLO_TIMEOUT,
     DEFAULT_LIVENESS_TIMEOUT,
@@ -34,6 +35,7 @@ from .accumulator import AccumulatorPool
 from .admission import Admission
 from .arrivals import Arrivals
 from .clock import Clock
+from .drain import Drain
 from .fold import Payload
 from .membership import Membership, Peer
 from .outbox import Outbox
@@ -51,6 +53,7 @@ _CONTRIBUTIONS = frozenset((MSG_DATA, *MOVED_TYPES))  # chunks that come as fram
 # After a connection closes, heartbeat peers are probed this many seconds later (the one whose
 # pipe is gone answers EHOSTUNREACH): a killed worker is noticed in milliseconds.
 PROBE_DELAYS = (0.0, 0.02, 0.1, 0.3, 1.0)
+_DRAINING = "it drains (it was told to stop) and admits no worker"
 # Messages handled before housekeeping: under load, messages come in bursts.
 _BATCH = 256
 
@@ -86,6 +89,7 @@ class Reducer:
         hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         deterministic: bool = False,
         encrypt: bool = False,
         integrity: bool = False,
@@ -131,6 +135,16 @@ class Reducer:
             round_timeout=round_timeout,
             deterministic=deterministic,
             results=self.results,
+        )
+        self.drain = Drain(
+            self.outbox,
+            self.members,
+            self.rounds,
+            self.clock,
+            index=index,
+            name=self.name,
+            timeout=drain_timeout,
+            fields={"shard": shard} if shards > 1 else None,
         )
         self.admission = Admission(
             self.outbox,
@@ -196,7 +210,8 @@ class Reducer:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool]) -> None:
-        """Serve until should_stop() says so (it is asked at least every 100 ms)."""
+        """Serve until should_stop() says so (it is asked at least every 100 ms), or until a
+        drain (`drain.request()`, drain.py) is over."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         monitor = self.events.open()
@@ -204,9 +219,13 @@ class Reducer:
         tick = max(0.01, min(1.0, self.round_timeout / 4, self.heartbeat_interval / 2))
         next_tick = time.monotonic() + tick
         next_heartbeat = time.monotonic() + self.heartbeat_interval
-        members, send_buffers = self.members, self.events.send_buffers
+        members, send_buffers, drain = self.members, self.events.send_buffers, self.drain
         try:
             while not should_stop():
+                if drain.requested and not drain.draining:
+                    drain.start()
+                if drain.draining and drain.over():
+                    break
                 wait = 100 if not self.probes else max(0, min(100, (self.probes[0] - time.monotonic()) * 1000))
                 events = dict(poller.poll(10 if members.gone else wait))
                 self.clock.now = time.monotonic()
@@ -304,8 +323,12 @@ class Reducer:
         elif h.type is MsgType.HELLO:
             self._read_events()  # its connection's acceptance first: the monitor may not have been read since
             self.events.arrivals.greeted(frames[1])  # the id frame is the ROUTER's own, of no connection
+            if self.drain.requested:
+                return self.outbox.reject(identity, _DRAINING)
             self.admission.hello(identity, h, payload)
         elif h.type is MsgType.AUTH:
+            if self.drain.requested:  # one admitted now would never hear the DRAIN
+                return self.outbox.reject(identity, _DRAINING)
             self.admission.auth(identity, payload)
         elif h.type in (MsgType.GROUP, MsgType.PROGRESS):
             self._member_news(identity, h, payload)
@@ -397,4 +420,6 @@ class Reducer:
                 ),
                 about=h,
             )
+        if self.drain.boundaries is not None and self.drain.refuses(identity, h):
+            return
         self.rounds.contribute(peer, h, payload, bad_payload, slot)

@@ -52,6 +52,7 @@ class ReducerConfig:
     round_timeout: float
     max_ungreeted: int  # connections without a HELLO (arrivals.py)
     hello_timeout: float
+    drain_timeout: float  # 0: SIGTERM closes at once
     shared: bool  # shared memory with the workers on this host (RS_SHM, where supported)
 
     @property
@@ -105,6 +106,7 @@ class ReducerConfig:
         max_peer, max_rounds = settings.read("RS_MAX_PEER_BYTES"), settings.read("RS_MAX_ROUNDS")
         round_timeout = settings.read("RS_TIMEOUT")
         max_ungreeted, hello_timeout = settings.read("RS_MAX_UNGREETED"), settings.read("RS_HELLO_TIMEOUT")
+        drain_timeout = settings.read("RS_DRAIN_TIMEOUT")
         _check_budget(budget, max_chunk, count)
         return cls(
             host=host,
@@ -128,6 +130,7 @@ class ReducerConfig:
             round_timeout=round_timeout,
             max_ungreeted=max_ungreeted,
             hello_timeout=hello_timeout,
+            drain_timeout=drain_timeout,
             shared=shared_memory.enabled(),
         )
 

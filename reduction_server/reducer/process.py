@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from typing import ContextManager, Dict, List, Optional, Tuple, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple, Union
 
 import zmq
 
@@ -48,11 +48,14 @@ def _bind(socket: zmq.Socket, host: str, port: int) -> int:
     return port
 
 
-def _stopping() -> List[bool]:
-    """A list that SIGTERM and SIGINT append to: the loops stop once it is not empty."""
-    stopping: List[bool] = []
+def _stopping(on_term: Optional[Callable[[], None]] = None) -> List[int]:
+    """A list that SIGTERM and SIGINT append their number to: the loops stop once it is not
+    empty. With `on_term`, SIGTERM calls it instead (a reducer drains, drain.py)."""
+    stopping: List[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
+    if on_term is not None:
+        signal.signal(signal.SIGTERM, lambda *_: on_term())
     return stopping
 
 
@@ -139,6 +142,7 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
                 hello_timeout=config.hello_timeout,
                 heartbeat_interval=config.heartbeat_interval,
                 liveness_timeout=config.liveness_timeout,
+                drain_timeout=config.drain_timeout,
                 deterministic=config.deterministic,
                 encrypt=config.encrypt,
                 integrity=config.integrity,
@@ -150,12 +154,18 @@ def _run(config: ReducerConfig, ready_fd: Optional[int], heap_kept: bool) -> Red
             )
             try:
                 metrics_at = _serve_metrics(config, reducer)
-                stopping = _stopping()
+                stopping = _stopping(reducer.drain.request if config.drain_timeout > 0 else None)
                 if reducer.metrics is not None:  # it listens: ready until told to stop
-                    reducer.metrics.not_ready = lambda: "stopping" if stopping else None
+                    reducer.metrics.not_ready = lambda: (
+                        "stopping" if stopping else "draining" if reducer.drain.requested else None
+                    )
                 _announce(config, reducer, bound, metrics_at, heap_kept)
                 _say_ready(ready_fd, bound, metrics_at[1] if metrics_at and config.shards > 1 else None)
                 reducer.run(lambda: bool(stopping))
+                if reducer.drain.draining:
+                    # What it queued last (results, DRAINED) leaves before the context closes.
+                    left = config.drain_timeout - (time.monotonic() - reducer.drain.started_at)
+                    socket.setsockopt(zmq.LINGER, max(100, int(left * 1000)))
             finally:
                 if reducer.metrics is not None:
                     reducer.metrics.stop()
@@ -281,6 +291,7 @@ def _summarise(config: ReducerConfig, reducer: Reducer) -> None:
         peers_admitted=reducer.admission.admissions,
         uptime_s=f"{time.monotonic() - reducer.started:.1f}",
         open_rounds=len(rounds.rounds),
+        drain=reducer.drain.outcome,
         accumulator_bytes_in_use=reducer.pool.in_use_bytes,
     )
 
@@ -326,8 +337,8 @@ def _supervise(config: ReducerConfig, ready_fd: Optional[int]) -> int:
         )
         _say_ready(ready_fd, base)
         supervisor.watch(lambda: bool(stopping))
-    finally:
-        supervisor.stop()
+    finally:  # SIGTERM has every shard drain, SIGINT stop at once
+        supervisor.stop(stopping[0] if stopping else signal.SIGTERM, config.drain_timeout)
         if metrics is not None:
             metrics.stop()
     event(

@@ -10,8 +10,9 @@ serves its metrics to this process, which serves every shard's on the one metric
 (shard_metrics.py).
 
 This process supervises them: it starts them, says the reducer listens once all of them do, stops
-them all on SIGTERM or SIGINT, and starts a shard that died again at its port (workers treat it as
-a lost reducer and take it back once it is up: reliability.md). The shards die with it, even when
+them all on SIGTERM (passed on: each shard drains, drain.py) or SIGINT, and starts a shard that
+died again at its port (workers treat it as a lost reducer and take it back once it is up:
+reliability.md). The shards die with it, even when
 it is killed with SIGKILL.
 """
 
@@ -21,6 +22,7 @@ import errno
 import math
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -378,16 +380,17 @@ class Supervisor:
                         )
             time.sleep(_POLL_S)
 
-    def stop(self) -> None:
-        """SIGTERM every shard, then SIGKILL those still there after a grace period."""
+    def stop(self, signum: int = signal.SIGTERM, drain_timeout: float = 0.0) -> None:
+        """`signum` to every shard (SIGTERM: each drains for up to `drain_timeout` seconds,
+        drain.py), then SIGKILL those still there after a grace period beyond that."""
         for shard in self.shards:
             if shard.ready is not None:
                 os.close(shard.ready)
                 shard.ready = None
         running = [s.proc for s in self.shards if s.proc is not None and s.proc.poll() is None]
         for proc in running:
-            proc.terminate()
-        deadline = time.monotonic() + _STOP_GRACE_S
+            proc.send_signal(signum)
+        deadline = time.monotonic() + _STOP_GRACE_S + (drain_timeout if signum == signal.SIGTERM else 0.0)
         for proc in running:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

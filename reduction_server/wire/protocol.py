@@ -25,7 +25,7 @@ from ..errors import ProtocolError
 from .formats import COMPRESSED, INT8_BLOCK, WireFormat, block_of
 
 MAGIC = 0x52535631  # b"1VSR" little-endian: "RSV1"
-VERSION = 5  # 2: the reducer proves the job token too (auth.py); 3: groups; 4: failover (MOVED, FINAL); 5: shards
+VERSION = 6  # 2: the reducer proves the token too; 3: groups; 4: failover; 5: shards; 6: drain (DRAIN, DRAINED)
 
 # magic, version, type, dtype, op, rank, world, generation, chunk, nchunks, aux,
 # job, group, seq, offset, count, total, nbytes
@@ -67,6 +67,9 @@ class MsgType(enum.IntEnum):
     # Same host, a result written once for several ranks: it lies in a slot of the reducer's own segment
     # (shared_memory.py, "shared results"); aux packs the slot and the use of it to release (shared_result_aux).
     RESULT_SHARED = 18  # reducer -> worker: RESULT in a result slot; the chunk's own slot is free again
+    # A reducer told to stop (SIGTERM, reducer/drain.py): its chunks move from a boundary per group.
+    DRAIN = 19  # reducer -> worker: per group, the seq from which no rank sends it that group's chunks
+    DRAINED = 20  # reducer -> worker: every round before the boundaries is answered; it closes now
 
 
 class ErrorCode(enum.IntEnum):
@@ -80,6 +83,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 8  # a size over the reducer's caps
     INTERNAL = 9  # a bug on the reducer side; reported, never swallowed
     LOST = 10  # a rank the collective needs was lost (died, disconnected, left, skipped it)
+    DRAINING = 11  # a chunk at or past its group's DRAIN boundary: the reducer drains and sums it not
 
 
 class ReduceOp(enum.IntEnum):
@@ -168,7 +172,12 @@ _FROM_NUMPY: dict = {}  # numpy dtype -> DType, filled by DType.from_numpy
 MSG_TYPES: Dict[int, MsgType] = {int(m): m for m in MsgType}
 #: the largest payload of a message that is neither a chunk nor text: GROUP's ranks, PROGRESS's and
 #: JOIN's (group, seq) pairs (at most a reducer's 65,536 groups and group 0)
-_PAYLOAD_LIMITS = {MsgType.GROUP: 4 * MAX_WORLD_SIZE, MsgType.PROGRESS: 16 * 65537, MsgType.JOIN: 16 * 65537}
+_PAYLOAD_LIMITS = {
+    MsgType.GROUP: 4 * MAX_WORLD_SIZE,
+    MsgType.PROGRESS: 16 * 65537,
+    MsgType.JOIN: 16 * 65537,
+    MsgType.DRAIN: 16 * 65537,
+}
 #: the largest payload of any message that carries no chunk
 MAX_CONTROL_PAYLOAD = max(MAX_TEXT_PAYLOAD, *_PAYLOAD_LIMITS.values())
 DTYPES: Dict[int, DType] = {int(m): m for m in DType}

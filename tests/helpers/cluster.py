@@ -161,8 +161,8 @@ class Reducers:
         if self.stopped is not None:
             return self.stopped
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc.poll() is None:  # at once: SIGTERM would drain, for up to RS_DRAIN_TIMEOUT
+                proc.send_signal(signal.SIGINT)
         self.stopped = [_stopped(proc, log) for proc, log in zip(self.procs, self.logs)]
         return self.stopped
 

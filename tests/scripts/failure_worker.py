@@ -11,6 +11,8 @@ last. Times are wall-clock (time.time()), to compare with the test's own clock o
 - between: run "before" collectives, say ready, wait for the file "go" (a reducer is killed, and
   maybe restarted, in between), then run one more collective; report whether it worked and how long it took.
 - straggler: rank "slow" sleeps "delay" seconds first; every rank then all-reduces once.
+- drain: "collectives" all-reduces of "count" elements, each result checked against NumPy's,
+  saying {"done": i} after each (a reducer drains meanwhile); then it reports what its failover did.
 - close: every rank runs "before" collectives; rank "closer" then closes its communicator and
   exits; the others start one more collective, which must fail naming the closer.
 """
@@ -68,6 +70,28 @@ def fail_loop(comm, spec) -> dict:
             raise AssertionError("no failure came")
 
 
+def drain_loop(comm, spec) -> dict:
+    failover = comm._engine.failover
+    x = np.zeros(spec.get("count", 1 << 18), np.float32)
+    base = np.arange(len(x), dtype=np.float32) % 97
+    for i in range(spec["collectives"]):
+        x[:] = base + comm.rank + i % 7
+        y = comm.all_reduce(x, "sum", out=x)
+        expected = np.sum([base + r + i % 7 for r in range(comm.world_size)], axis=0)
+        if not np.array_equal(y, expected):
+            raise AssertionError(f"collective {i}: {np.flatnonzero(y != expected).size} elements differ")
+        say(rank=comm.rank, done=i)
+    return {
+        "collectives": i + 1,
+        "drains": failover.drains,
+        "losses": failover.losses,
+        "finals": failover.finals,
+        "moved": failover.moved_chunks,
+        "drain_moved": failover.drain_moved,
+        "lost": sorted(failover.lost),
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     mode = spec["mode"]
@@ -104,6 +128,8 @@ def main() -> None:
         except CollectiveError as exc:
             out["error"] = str(exc)
         out["took"] = time.time() - start
+    elif mode == "drain":
+        out.update(drain_loop(comm, spec))
     elif mode == "straggler":
         t0 = time.time()
         if rank == spec["slow"]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import pytest
@@ -22,6 +22,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is installed with the test ext
 
 from helpers.source_tree import ROOT  # noqa: E402
 from reduction_server.cli import build_parser  # noqa: E402
+from reduction_server.config import settings  # noqa: E402
 from reduction_server.config.discovery import discover_reducer, discover_worker  # noqa: E402
 from reduction_server.errors import ConfigError  # noqa: E402
 from reduction_server.reducer.metrics import HEALTH_PATH, READY_PATH  # noqa: E402
@@ -387,14 +388,34 @@ def test_tfjob_with_ps_reducers_gives_every_pod_its_role() -> None:
     assert sorted(ranks) == list(range(world))
 
 
+def _reducer_pods() -> Iterator[Tuple[str, dict, Callable[[dict], Dict[str, str]]]]:
+    """(where, pod spec, its container's environment of its first replica) for every reducer pod."""
+    statefulset, _ = _reducer_set()
+    yield "reducers.yaml", statefulset["spec"]["template"]["spec"], container_env
+    (job,) = by_kind("TFJob", "tfjob-ps-reducers.yaml")
+    yield (
+        "tfjob-ps-reducers.yaml",
+        job["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"],
+        lambda container: dict(container_env(container), TF_CONFIG=_tf_config(job, "PS", 0)),
+    )
+
+
 def _reducer_containers() -> Iterator[Tuple[str, dict, Dict[str, str]]]:
     """(where, container, environment of its first replica) for every reducer container."""
-    statefulset, _ = _reducer_set()
-    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
-    yield "reducers.yaml", container, container_env(container)
-    (job,) = by_kind("TFJob", "tfjob-ps-reducers.yaml")
-    (container,) = job["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"]
-    yield "tfjob-ps-reducers.yaml", container, dict(container_env(container), TF_CONFIG=_tf_config(job, "PS", 0))
+    for where, pod, env in _reducer_pods():
+        (container,) = pod["containers"]
+        yield where, container, env(container)
+
+
+def test_reducer_pods_give_a_draining_reducer_more_time_than_its_drain_timeout() -> None:
+    """On SIGTERM a reducer drains for up to RS_DRAIN_TIMEOUT (docs/reliability.md); the pod's
+    grace period (Kubernetes' default 30 s when unset) leaves it that and more before SIGKILL."""
+    for where, pod, env in _reducer_pods():
+        (container,) = pod["containers"]
+        with mock.patch.dict(os.environ, env(container), clear=True):
+            drain = settings.read("RS_DRAIN_TIMEOUT")
+        grace = pod.get("terminationGracePeriodSeconds", 30)
+        assert grace >= drain + 10, f"{where}: terminationGracePeriodSeconds {grace} for a drain of {drain:g} s"
 
 
 def test_reducers_declare_exactly_the_ports_they_listen_on_and_probe_the_metrics_port() -> None:

@@ -85,7 +85,7 @@ def test_header_layout_matches_the_documentation():
     packed = data().pack()
     assert len(packed) == 88
     magic, version, mtype = struct.unpack_from("<IBB", packed)
-    assert (magic, version, mtype) == (0x52535631, 5, 6)
+    assert (magic, version, mtype) == (0x52535631, 6, 6)
     assert packed[:4] == b"1VSR"
     # u64 fields at the documented offsets
     assert struct.unpack_from("<Q", packed, 32)[0] == 0xDEADBEEFCAFEF00D  # job
@@ -184,12 +184,12 @@ def test_garbage_is_rejected():
     rejects(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(HEADER_SIZE, b"x"), "magic")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 255])
 def test_other_version(version):
     rejects(raw(version=version), "version", str(version))
 
 
-@pytest.mark.parametrize("mtype", [0, 19, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 21, 99, 255])
 def test_unknown_message_type(mtype):
     rejects(raw(mtype=mtype), "message type", str(mtype))
 
@@ -279,7 +279,11 @@ def test_only_broadcasts_and_bare_results_may_omit_the_payload():
 
 @pytest.mark.parametrize(
     "mtype",
-    [t for t in MsgType if t not in protocol.DATA_TYPES and t not in (MsgType.GROUP, MsgType.PROGRESS, MsgType.JOIN)],
+    [
+        t
+        for t in MsgType
+        if t not in protocol.DATA_TYPES and t not in (MsgType.GROUP, MsgType.PROGRESS, MsgType.JOIN, MsgType.DRAIN)
+    ],
 )
 def test_text_payload_limit(mtype):
     ok = Header(mtype, nbytes=MAX_TEXT_PAYLOAD)
