@@ -1,13 +1,14 @@
 """`reduction-server bench failover`: what losing a reducer costs, on the emulated network
 (bench/emulated_network.py: one namespace per host, every link shaped to the same rate).
 
-Four runs of the same job (bench/failover_job.py: one all-reduce per step, rank 0 timing each),
+Five runs of the same job (bench/failover_job.py: one all-reduce per step, rank 0 timing each),
 in turns on one network: R reducers undisturbed; the same with RS_FAILOVER=0 (no results kept:
 what keeping them costs); R-1 reducers from the start (the steady state after a loss, as fast as
-it can be); and R reducers with one SIGKILLed a moment into step K. Each row gives its median
-step; the failover row also the step of the loss and the median step after it, with the ratios
-that matter: the loss step against an undisturbed step, and the steps after it against R-1
-reducers from the start.
+it can be); R reducers with one SIGKILLed a moment into step K; and the same with SIGTERM, which
+drains it (docs/reliability.md). Each row gives its median step; the failover and drain rows
+also the step of the loss (or drain) and the median step after it, with the ratios that matter:
+that step against an undisturbed step, and the steps after it against R-1 reducers from the
+start.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def run(
         ]
         for world, r, rate, mib in tqdm(jobs, desc="failover", unit="job"):
             args = ["--mib", f"{mib:g}", "--steps", str(steps)]
-            runs: Dict[str, List[List[float]]] = {"undisturbed": [], "RS_FAILOVER=0": [], "fewer": [], "failover": []}
+            runs: Dict[str, List[List[float]]] = {
+                "undisturbed": [],
+                "RS_FAILOVER=0": [],
+                "fewer": [],
+                "failover": [],
+                "drain": [],
+            }
             with EmulatedNetwork(world + r, rate) as net:
                 for _ in range(rounds):  # in turns: the runs meet the same quiet and busy moments
                     runs["undisturbed"].append(_steps(run_reduction_server(net, world, r, _JOB, args, _MARKER)))
@@ -57,13 +64,11 @@ def run(
                         _steps(run_reduction_server(net, world, r, _JOB, args, _MARKER, settings={"RS_FAILOVER": "0"}))
                     )
                     runs["fewer"].append(_steps(run_reduction_server(net, world, r - 1, _JOB, args, _MARKER)))
-                    runs["failover"].append(
-                        _steps(
-                            run_reduction_server(
-                                net, world, r, _JOB, [*args, "--kill-at", str(kill_at)], _MARKER, victim=r - 1
-                            )
+                    for label, signal in (("failover", "KILL"), ("drain", "TERM")):
+                        stop = [*args, "--kill-at", str(kill_at), "--signal", signal]
+                        runs[label].append(
+                            _steps(run_reduction_server(net, world, r, _JOB, stop, _MARKER, victim=r - 1))
                         )
-                    )
             rows += _rows(runs, world, r, rate, mib, kill_at)
     return rows
 
@@ -81,24 +86,25 @@ def _rows(runs: Dict[str, List[List[float]]], world: int, r: int, rate: float, m
     whole = (_WARMUP, None)
     undisturbed = _median(runs["undisturbed"], whole)
     fewer = _median(runs["fewer"], whole)
-    loss = statistics.median(run[kill_at] for run in runs["failover"])
-    after = _median(runs["failover"], (kill_at + 1, None))
     base = {"W": world, "mbit": rate, "mib": mib, "loss_step_ms": "-", "after_ms": "-", "after_vs_fewer": "-"}
     rows = []
     for label, reducers in (("undisturbed", r), ("RS_FAILOVER=0", r), ("fewer", r - 1)):
         step = _median(runs[label], whole)
         rows.append({**base, "run": label, "R": reducers, "step_ms": step * 1e3, "vs_undisturbed": step / undisturbed})
-    before = _median(runs["failover"], (_WARMUP, kill_at))
-    rows.append(
-        {
-            **base,
-            "run": f"failover (reducer {r - 1} killed in step {kill_at})",
-            "R": f"{r}->{r - 1}",
-            "step_ms": before * 1e3,
-            "loss_step_ms": loss * 1e3,
-            "after_ms": after * 1e3,
-            "vs_undisturbed": loss / undisturbed,
-            "after_vs_fewer": after / fewer,
-        }
-    )
+    for label, what in (("failover", "killed"), ("drain", "drained (SIGTERM)")):
+        loss = statistics.median(run[kill_at] for run in runs[label])
+        after = _median(runs[label], (kill_at + 1, None))
+        before = _median(runs[label], (_WARMUP, kill_at))
+        rows.append(
+            {
+                **base,
+                "run": f"{label} (reducer {r - 1} {what} in step {kill_at})",
+                "R": f"{r}->{r - 1}",
+                "step_ms": before * 1e3,
+                "loss_step_ms": loss * 1e3,
+                "after_ms": after * 1e3,
+                "vs_undisturbed": loss / undisturbed,
+                "after_vs_fewer": after / fewer,
+            }
+        )
     return rows

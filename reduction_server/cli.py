@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs root and torch); reducer: one reducer's CPU per GiB over tcp vs the copy limit "
         "measured in the same run, its busiest thread's share, and both against shards; chunks: a worker's and the "
         "reducers' CPU per chunk and per GiB over chunk sizes, beside a Gloo rank's CPU; failover: the step in which a "
-        "reducer is killed and the steps after it vs undisturbed runs on that network (needs root); sizing: "
+        "reducer is killed (and one in which it drains, SIGTERM) and the steps after it vs undisturbed runs on that "
+        "network (needs root); sizing: "
         "the step-time model's predicted all-reduce vs the measured one, ours and Gloo's, over a grid of "
         "that network (needs root and torch; docs/sizing.md); numerics: the held-out loss of the same training "
         "with float32, bf16 and int8 gradients and PowerSGD over Gloo (needs torch; docs/numerics.md)",

@@ -314,9 +314,10 @@ def test_reducer_suite(tmp_path):
 
 @needs_root
 def test_failover_suite(tmp_path):
-    """Four runs on one emulated network: R reducers undisturbed, without kept results, R-1 from
-    the start, and R with one SIGKILLed mid-step (each job checks every sum, so the failover run
-    completing is itself the check that failover worked on shaped links)."""
+    """Five runs on one emulated network: R reducers undisturbed, without kept results, R-1 from
+    the start, and R with one SIGKILLed, then SIGTERMed (drained), mid-step (each job checks every
+    sum, so those runs completing is itself the check that failover and the drain worked on shaped
+    links)."""
     from reduction_server.bench import failover
 
     before = _bench_namespaces()
@@ -326,19 +327,22 @@ def test_failover_suite(tmp_path):
         ("RS_FAILOVER=0", 2),
         ("fewer", 1),
         ("failover (reducer 1 killed in step 4)", "2->1"),
+        ("drain (reducer 1 drained (SIGTERM) in step 4)", "2->1"),
     ]
     undisturbed = rows[0]["step_ms"]
     for row in rows:
         assert set(failover.COLUMNS) <= set(row) and (row["W"], row["mbit"], row["mib"]) == (2, 400, 1)
         assert row["step_ms"] > 0
-    *plain, lost = rows
+    plain, lost = rows[:3], rows[3:]
     for row in plain:
         assert row["vs_undisturbed"] == pytest.approx(row["step_ms"] / undisturbed)
-    assert lost["vs_undisturbed"] == pytest.approx(lost["loss_step_ms"] / undisturbed)
-    assert lost["after_vs_fewer"] == pytest.approx(lost["after_ms"] / rows[2]["step_ms"])
-    # one reducer left carries both workers' sums over one link: the steps after the loss are
-    # bounded by the wire, as R-1 from the start is (a shaped link is the limit, not the CPU)
-    assert lost["after_ms"] > 1.5 * undisturbed and rows[2]["step_ms"] > 1.5 * undisturbed
+    for row in lost:
+        assert row["vs_undisturbed"] == pytest.approx(row["loss_step_ms"] / undisturbed)
+        assert row["after_vs_fewer"] == pytest.approx(row["after_ms"] / rows[2]["step_ms"])
+        # one reducer left carries both workers' sums over one link: the steps after the loss
+        # are bounded by the wire, as R-1 from the start is (a shaped link is the limit, not the CPU)
+        assert row["after_ms"] > 1.5 * undisturbed
+    assert rows[2]["step_ms"] > 1.5 * undisturbed
     assert table.splitlines()[0].split() == failover.COLUMNS
     assert _bench_namespaces() == before
 
