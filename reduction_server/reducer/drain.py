@@ -86,7 +86,7 @@ class Drain:
         workers = self._tell(header, payload)
         event(
             log,
-            NOTICE,
+            NOTICE if workers else logging.INFO,  # with no worker, the stop line says it all
             "draining",
             reducer=self.index,
             **self.fields,
@@ -126,7 +126,7 @@ class Drain:
             return False
         event(
             log,
-            NOTICE if self.outcome == "drained" else logging.WARNING,
+            logging.INFO if self.outcome == "drained" else logging.WARNING,  # the stop line says drain=drained
             self.outcome,
             reducer=self.index,
             **self.fields,
