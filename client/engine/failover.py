@@ -80,10 +80,10 @@ class Failover:
     def usable(self, e: int, group: int, seq: int) -> bool:
         """Whether endpoint e takes chunks of collective seq of group: never lost, or back from
         that seq; one that drains, before its boundary (a group it did not name: none)."""
-        if e in self.lost:
-            return seq >= self.since.get(e, {}).get(group, _NEVER)
         until = self.until.get(e)
-        return until is None or seq < until.get(group, 0)
+        if until is not None and seq >= until.get(group, 0):
+            return False
+        return e not in self.lost or seq >= self.since.get(e, {}).get(group, _NEVER)
 
     def survivors(self, without: int) -> List[int]:
         """The endpoints in use (not lost, back in some group, or back and awaiting the JOIN that

@@ -108,3 +108,13 @@ def test_a_draining_reducers_chunks_move_from_its_boundary_per_group_and_nothing
     assert not any(key[1] == 0 for key in failover.results.kept)
     assert list(failover.resend) == [] and failover.losses == 0 and failover.drains == 1
     assert 0 in failover.lost and not failover.usable(0, 0, 4)
+
+
+def test_a_reducer_used_again_after_a_loss_that_drains_is_left_from_its_boundary():
+    ledger, failover = worker_rooms(3)
+    failover.move_off(1, "reducer 1 was lost", ledger)
+    failover.readmitted(1, {0: 0})
+    failover.joined(1, {0: 2})  # used again from seq 2
+    assert not failover.usable(1, 0, 1) and failover.usable(1, 0, 4)
+    failover.drain(1, {0: 4}, ledger)
+    assert failover.usable(1, 0, 3) and not failover.usable(1, 0, 4) and not failover.usable(1, 0, 1)
