@@ -40,6 +40,7 @@ from .failover import Failover
 from .identity import Identity
 from .ledger import Ledger
 from .options import EngineOptions
+from .resolver import Resolver
 from .slots import Slots
 from .watch import CONNECTING, CUT, REFUSED, Watch
 
@@ -52,6 +53,8 @@ RECONNECT_S = 0.1
 #: reducer may yet answer there (another job's that took its port stopped, or it was restarted as
 #: it should be), and only once every rank is admitted again can the ranks agree to use it (JOIN)
 REFUSED_RETRY_S = 1.0
+#: how often a new connection waiting for its address's lookup (resolver.py) asks again
+_LOOKUP_POLL_S = 0.02
 _MONITORED = (
     zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CONNECTED
@@ -91,6 +94,7 @@ class Connections:
         #: endpoints not usable now: index -> (why, whether a new connection is being tried)
         self.down: Dict[int, Tuple[str, bool]] = {}
         self.reopen_at: Dict[int, float] = {}  # endpoint -> when to open a new connection to it
+        self.resolver = Resolver()  # a new connection's address, looked up off libzmq's I/O thread
         # Per endpoint: the nonce of the last HELLO (its CHALLENGE must prove the token over it), how
         # far its handshake got, and its failed security handshakes in a row (count, first failure).
         self.nonces: List[bytes] = [b""] * len(ends)
@@ -133,7 +137,8 @@ class Connections:
             self._watch(e)
             self.hello(e)
 
-    def _open(self, e: int) -> Tuple[zmq.Socket, zmq.Socket]:
+    def _open(self, e: int, address: Optional[str] = None) -> Tuple[zmq.Socket, zmq.Socket]:
+        """A socket and its monitor, connecting to endpoint e (at `address`, its resolved form)."""
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)  # a BYE may still be queued at close
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per socket (above)
@@ -151,7 +156,7 @@ class Connections:
         # A closed connection (a reducer that died) is seen at once, not after the liveness timeout;
         # a failed security handshake (RS_ENCRYPT or RS_JOB_TOKEN differ) too, instead of retrying forever.
         monitor = sock.get_monitor_socket(_MONITORED)
-        sock.connect(f"tcp://{self.addresses[e]}")
+        sock.connect(f"tcp://{address or self.addresses[e]}")
         return sock, monitor
 
     def _watch(self, e: int) -> None:
@@ -225,16 +230,17 @@ class Connections:
             # the monitor reports that, and a new connection is opened, or the endpoint given up.
             log.debug("rank %d: %s not queued: its connection already failed", self.me.rank, mtype.name)
 
-    def reopen(self, e: int, rejoin: bool) -> None:
-        """A fresh connection to endpoint e's address and a new handshake: a restarted reducer
-        (it keeps no state between collectives) is used again once it admits this worker."""
+    def reopen(self, e: int, rejoin: bool, address: Optional[str] = None) -> None:
+        """A fresh connection to endpoint e's address (`address`, resolved) and a new handshake: a
+        restarted reducer (it keeps no state between collectives) is used again once it admits
+        this worker."""
         for old in (self.sockets[e], self.monitors[e]):
             self.poller.unregister(old)
             self.index.pop(old, None)
         self.sockets[e].disable_monitor()
         self.monitors[e].close(linger=0)
         self.sockets[e].close(linger=0)  # nothing queued for the old connection may reach the new one
-        self.sockets[e], self.monitors[e] = self._open(e)
+        self.sockets[e], self.monitors[e] = self._open(e, address)
         self._watch(e)
         self.hello(e, rejoin)
 
@@ -242,9 +248,19 @@ class Connections:
         """Open a new connection to every endpoint whose reopen_at time has come by `now`;
         `rejoin` marks their HELLOs as a rejoin."""
         for e, at in list(self.reopen_at.items()):
-            if now >= at:
-                del self.reopen_at[e]
-                self.reopen(e, rejoin)
+            if now < at:
+                continue
+            try:
+                address = self.resolver.address(self.addresses[e])
+            except OSError as exc:  # its name is gone (a container or pod removed): it may come back
+                self.event("reducer_unresolved", e, level=logging.DEBUG, reason=str(exc))
+                self.reopen_at[e] = now + REFUSED_RETRY_S
+                continue
+            if address is None:  # being looked up
+                self.reopen_at[e] = now + _LOOKUP_POLL_S
+                continue
+            del self.reopen_at[e]
+            self.reopen(e, rejoin, address)
 
     def monitor_events(self, e: int) -> Tuple[bool, Optional[str]]:
         """Drain endpoint e's monitor (watch.py): whether its connection closed, and why to give
@@ -409,5 +425,6 @@ class Connections:
                     pass  # nobody to say goodbye to
             # A failed handshake, or an endpoint that is gone, has nothing worth lingering for.
             sock.close(linger=None if bye and e not in self.down else 0)
+        self.resolver.close()
         if self.context is not None:
             self.context.term()
