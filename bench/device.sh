@@ -8,7 +8,7 @@
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
 #                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-reducer-encrypt,
 #                          bench-chunks, bench-kernels, bench-loopback, bench-netem-int8,
-#                          bench-ddp-int8), and leaves each log and table under $OUT
+#                          bench-ddp-int8, bench-failover), and leaves each log and table under $OUT
 #                          (bench/out/device here when OUT is unset)
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
@@ -115,6 +115,9 @@ run() {
     --rate-mbit 200 --reducer-rate-mbit 400 --mib 16 --compression none,int8,bf16 --rounds 5 --out "$OUT/int8"
   step bench-ddp-int8 240 env -C "$OUT/int8" python3 -m reduction_server bench ddp --workers 4 --compression int8 \
     --rounds 2 --out "$OUT/int8"
+  # issue 39's drain against a SIGKILL, on the emulated network
+  step bench-failover 200 env -C "$OUT" python3 -m reduction_server bench failover --workers 4 --reducers 3 \
+    --rate-mbit 400 --mib 4 --rounds 3 --out "$OUT"
 }
 
 case "${1:-}" in

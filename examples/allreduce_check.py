@@ -30,26 +30,37 @@ def expected(op: str, world: int, base: np.ndarray) -> np.ndarray:
     return base * value if op != "prod" else base**world * value
 
 
+def check_every_op(comm: rs.Communicator) -> int:
+    """All-reduce each dtype with each op and check the result; how many were wrong."""
+    rank, world, errors = comm.rank, comm.world_size, 0
+    for dtype in ("float32", "float64", "float16", "int32", "int64"):
+        for op in ("sum", "avg", "min", "max", "prod"):
+            if op == "avg" and dtype.startswith("int"):
+                continue  # integer averages truncate; the float ones are checked exactly
+            base = np.ones(100_003) if op == "prod" else np.arange(100_003) % 97
+            mine = (base * (rank + 1)).astype(dtype)
+            want = expected(op, world, base.astype(np.float64)).astype(dtype)
+            got = comm.all_reduce(mine, op=op)
+            if not np.array_equal(got, want):
+                errors += 1
+                print(f"WRONG: {op} of {dtype}: first values {got[:4]} != {want[:4]}", file=sys.stderr)
+    return errors
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=64, help="size of the timed float32 all-reduce")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations")
+    parser.add_argument("--rounds", type=int, default=1, help="times to run every check (a soak), each reported")
     args = parser.parse_args()
 
     with rs.Communicator.from_env() as comm:
         rank, world = comm.rank, comm.world_size
         errors = 0
-        for dtype in ("float32", "float64", "float16", "int32", "int64"):
-            for op in ("sum", "avg", "min", "max", "prod"):
-                if op == "avg" and dtype.startswith("int"):
-                    continue  # integer averages truncate; the float ones are checked exactly
-                base = np.ones(100_003) if op == "prod" else np.arange(100_003) % 97
-                mine = (base * (rank + 1)).astype(dtype)
-                want = expected(op, world, base.astype(np.float64)).astype(dtype)
-                got = comm.all_reduce(mine, op=op)
-                if not np.array_equal(got, want):
-                    errors += 1
-                    print(f"WRONG: {op} of {dtype}: first values {got[:4]} != {want[:4]}", file=sys.stderr)
+        for round_ in range(1, args.rounds + 1):
+            errors += check_every_op(comm)
+            if args.rounds > 1:
+                print(f"rank {rank}: round {round_} of {args.rounds} checked, {errors} wrong so far", flush=True)
         x = np.full(int(args.mib * (1 << 20)) // 4, rank + 1, dtype=np.float32)
         comm.all_reduce(x)  # warm-up: connections, buffers
         comm.barrier()

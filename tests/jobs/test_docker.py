@@ -1,7 +1,9 @@
 """The reducer image, for real: build the Dockerfile, run two reducer containers that find their
 place from a Vertex-style CLUSTER_SPEC (task type workerpool2) or a TF_CONFIG (task type ps), and
 all-reduce through them from two local worker processes whose CLUSTER_SPEC makes them workerpool0
-and workerpool1, checking every result against NumPy.
+and workerpool1, checking every result against NumPy; and examples/compose's job (reducer and
+worker containers on a network of their own, one reducer container killed mid-job) under Debian's
+docker-compose.
 
 Needs a Docker engine: the one `docker info` reaches, or, as root with dockerd installed, a
 private dockerd this module starts (own data root, exec root, pidfile, socket, no bridge, no
@@ -441,3 +443,57 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
         for name in names:
             engine.docker("rm", "-f", name, check=False)
             engine.containers.remove(name)
+
+
+COMPOSE = ROOT / "examples" / "compose" / "docker-compose.yml"
+
+
+def test_compose_job_on_its_own_network_survives_a_reducer_container_killed(image: Dict, engine: Engine) -> None:
+    """examples/compose: 2 reducer and 2 worker containers from the image on the project's own
+    network; the workers check every all-reduce against NumPy for 30 rounds, and reducer1's
+    container is killed after round 3: its chunks move to reducer0, every result stays right."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    started = time.monotonic()
+    project = f"{TAG}-compose"
+    env = dict(
+        engine.env,
+        IMAGE=image["tag"],
+        RS_JOB_TOKEN=TOKEN,
+        CHECK_ARGS="--rounds 30 --mib 4 --iters 2",
+        COMPOSE_PROJECT_NAME=project,
+    )
+    compose = ["docker-compose", "--ansi", "never", "-f", str(COMPOSE)]
+
+    def logs(service: str) -> str:
+        return _run([*compose, "logs", "--no-color", service], env).stdout
+
+    def state(service: str) -> Dict:
+        return json.loads(engine.docker("inspect", "--format", "{{json .State}}", f"{project}_{service}_1").stdout)
+
+    try:
+        _run([*compose, "up", "-d"], env, timeout=120)
+        deadline = time.monotonic() + 90
+        while "round 3 of 30 checked" not in logs("worker0"):
+            assert time.monotonic() < deadline, logs("worker0") + logs("reducer0") + logs("reducer1")
+            assert state("worker0")["Running"], logs("worker0")
+            time.sleep(0.3)
+        _run([*compose, "kill", "reducer1"], env)
+        deadline = time.monotonic() + 120
+        while any(state(w)["Running"] for w in ("worker0", "worker1")):
+            assert time.monotonic() < deadline, logs("worker0") + logs("worker1")
+            time.sleep(0.5)
+        for rank, worker in enumerate(("worker0", "worker1")):
+            text = logs(worker)
+            assert state(worker)["ExitCode"] == 0, f"{text}\n{logs('reducer0')}\n{state('reducer0')}"
+            assert f"rank {rank}: round 30 of 30 checked, 0 wrong so far" in text and f"rank {rank}: OK" in text, text
+            # it lost reducer 1 (both its shards) mid-job, and its chunks moved
+            lost = text.index("reducer_lost")
+            assert "address=reducer1:5555" in text and "failover=True" in text[lost:], text
+            assert lost < text.index(f"rank {rank}: round 30 of 30 checked"), text
+        assert "PASSED: every result of every rank was right" in logs("worker0")
+        assert state("reducer0")["Running"] and not state("reducer1")["Running"]
+        took = time.monotonic() - started
+        print(f"\ncompose rehearsal (2 reducer + 2 worker containers, one reducer killed): {took:.1f} s")
+    finally:
+        _run([*compose, "down", "--volumes", "--remove-orphans", "--timeout", "5"], env, timeout=120, check=False)
