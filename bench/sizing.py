@@ -196,10 +196,25 @@ def _netem_available() -> bool:
         return False
 
 
-def run(points: Optional[List[Point]] = None, rounds: int = 1, quick: bool = False) -> List[Dict]:
+def part_of(points: List[Point], part: str) -> List[Tuple[int, Point]]:
+    """The K-th of N near-equal parts of `points` ("K/N"), each with its index in the whole: a
+    grid run in several calls (a lent machine's calls are bounded) whose rows merge by index."""
+    k, sep, n = part.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n) <= len(points)):
+        raise ValueError(f"--part {part!r}: expected K/N with 1 <= K <= N <= {len(points)} (the grid's points)")
+    k, n = int(k), int(n)
+    first, last = (k - 1) * len(points) // n, k * len(points) // n
+    return list(enumerate(points))[first:last]
+
+
+def run(
+    points: Optional[List[Point]] = None, rounds: int = 1, quick: bool = False, part: Optional[str] = None
+) -> List[Dict]:
     """Calibrate, predict every point, then run them: two rows a point (pool, Gloo), each with
-    its prediction, measurement and error (predicted / measured - 1)."""
+    its prediction, measurement and error (predicted / measured - 1). `part` ("K/N"): only the
+    K-th of N parts of the points, calibrated on its own, each row keeping its point's index."""
     points = points or (QUICK if quick else grid())
+    chosen = part_of(points, part) if part else list(enumerate(points))
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     rows: List[Dict] = []
@@ -212,9 +227,9 @@ def run(points: Optional[List[Point]] = None, rounds: int = 1, quick: bool = Fal
             f"{shared.ring_s_per_gib:.3g} CPU-s a GiB",
             flush=True,
         )
-        predictions = [(point, *predict(point, shared)) for point in points]  # all before any run
-        delay = any(point.rtt_ms for point in points) and _netem_available()
-        for i, (point, pool, ring) in enumerate(tqdm(predictions, desc="sizing", unit="point")):
+        predictions = [(i, point, *predict(point, shared)) for i, point in chosen]  # all before any run
+        delay = any(point.rtt_ms for _, point in chosen) and _netem_available()
+        for i, point, pool, ring in tqdm(predictions, desc="sizing", unit="point"):
             base = {
                 "point": i,
                 "W": point.workers,

@@ -27,6 +27,7 @@ SWEEPS = {
     "chunks_kib": "--chunk-kib",
     "compressions": "--compression",
     "reducer_rates_mbit": "--reducer-rate-mbit",
+    "part": "--part",
 }
 _ACCEPTS = {
     "kernels": {"sizes_mib"},
@@ -47,7 +48,7 @@ _ACCEPTS = {
     "reducer": {"worlds", "sizes_mib", "shards", "compressions", "variants"},
     "chunks": {"worlds", "reducers", "sizes_mib", "chunks_kib", "rounds"},
     "failover": {"worlds", "reducers", "rates_mbit", "sizes_mib", "rounds"},
-    "sizing": {"rounds"},
+    "sizing": {"rounds", "part"},
     "numerics": set(),
 }
 
@@ -57,8 +58,8 @@ def _configure(suite: str, base: Dict[str, Any], sweep: Dict[str, Any]) -> Dict[
     for key in sweep:
         if key not in _ACCEPTS[suite]:
             takers = [name for name in SUITES if key in _ACCEPTS[name]]
-            names = takers[0] if len(takers) == 1 else f"{', '.join(takers[:-1])} and {takers[-1]}"
-            raise ValueError(f"{SWEEPS[key]} is for the {names} suites, not {suite}")
+            names = f"{takers[0]} suite" if len(takers) == 1 else f"{', '.join(takers[:-1])} and {takers[-1]} suites"
+            raise ValueError(f"{SWEEPS[key]} is for the {names}, not {suite}")
     return {**base, **sweep}
 
 

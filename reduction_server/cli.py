@@ -568,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"in the same turns (reducer: CPU per GiB; netem, ddp: time; a 16-bit format also through Gloo); {sweep}",
     )
     bench.add_argument(
+        "--part",
+        default=None,
+        metavar="K/N",
+        help="sizing: run only the K-th of N parts of the grid (calibrated on its own; rows keep their "
+        "point's index), so that a bounded machine runs the grid in N calls",
+    )
+    bench.add_argument(
         "--reducer-rate-mbit",
         type=_positive_list(float),
         default=None,

@@ -579,6 +579,8 @@ def test_chunk_cost_line_is_fitted_per_job_shape():
             ["collectives", "--reducer-rate-mbit", "400"],
             "--reducer-rate-mbit is for the netem and ddp suites, not collectives",
         ),
+        (["netem", "--part", "1/2"], "--part is for the sizing suite, not netem"),
+        (["sizing", "--part", "3/2"], "--part '3/2': expected K/N with 1 <= K <= N"),
     ],
 )
 def test_options_are_refused_where_they_mean_nothing(capsys, tmp_path, args, message):

@@ -3,6 +3,8 @@ from the model alone (nothing measured yet)."""
 
 from __future__ import annotations
 
+import pytest
+
 from reduction_server.bench import sizing
 
 
@@ -28,3 +30,15 @@ def test_a_point_is_predicted_with_the_emulations_facts():
     pool, ring = sizing.predict(point, None)
     assert pool.binds == "worker link" and pool.seconds > 16 * 2**20 / 25e6
     assert ring.seconds > 2 * 3 / 4 * 16 * 2**20 / 25e6
+
+
+def test_the_grid_in_parts_covers_every_point_once_with_its_index():
+    points = sizing.grid()
+    for n in (1, 2, 3, 7):
+        parts = [sizing.part_of(points, f"{k}/{n}") for k in range(1, n + 1)]
+        assert [i for part in parts for i, _ in part] == list(range(len(points)))
+        assert [p for part in parts for _, p in part] == points
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1  # near-equal calls
+    for bad in ("0/2", "3/2", "1", "a/b", f"1/{len(points) + 1}"):
+        with pytest.raises(ValueError, match=f"--part '{bad}': expected K/N"):
+            sizing.part_of(points, bad)
