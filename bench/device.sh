@@ -8,8 +8,9 @@
 #                          wheels, runs the CUDA tests and the scaling suites (or only the STEPs
 #                          named: cuda-tests, bench-reducer, bench-reducer-int8, bench-reducer-encrypt,
 #                          bench-chunks, bench-kernels, bench-loopback, bench-netem-int8,
-#                          bench-ddp-int8, bench-failover), and leaves each log and table under $OUT
-#                          (bench/out/device here when OUT is unset)
+#                          bench-ddp-int8, bench-failover, bench-netem-16, bench-sizing-1,
+#                          bench-sizing-2), and leaves each log and table under $OUT (bench/out/device
+#                          here when OUT is unset); name the steps: all of them exceed one call's 10 minutes
 #
 # The device's image holds Python, torch, numpy, pytest and psutil but not pyzmq: `pack` builds
 # this project's wheel for that Python (DEVICE_PYTHON, a 3.12 interpreter by default, as the
@@ -73,7 +74,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.log, a
 
 run() {
   OUT=${OUT:-bench/out/device}
-  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT" "$OUT/int8" "$OUT/encrypt"
+  OUT=$(realpath -m "$OUT") && mkdir -p "$OUT" "$OUT/int8" "$OUT/encrypt" "$OUT/netem16" "$OUT/sizing1" "$OUT/sizing2"
   local site=/tmp/rs-site
   export PYTHONUNBUFFERED=1
   python3 -V && nproc && (nvidia-smi -L || true)
@@ -118,6 +119,13 @@ run() {
   # issue 39's drain against a SIGKILL, on the emulated network
   step bench-failover 200 env -C "$OUT" python3 -m reduction_server bench failover --workers 4 --reducers 3 \
     --rate-mbit 400 --mib 4 --rounds 3 --out "$OUT"
+  # issue 40's largest emulated job: W=16 R=16 at 100 Mbit/s beside Gloo's ring
+  step bench-netem-16 400 env -C "$OUT/netem16" python3 -m reduction_server bench netem --workers 16 --reducers 16 \
+    --rate-mbit 100 --mib 16 --rounds 3 --out "$OUT/netem16"
+  # issue 42's validation grid, a half per call (the round-trip points need the kernel's netem delay; the
+  # suite says so per point where it has none)
+  step bench-sizing-1 540 env -C "$OUT/sizing1" python3 -m reduction_server bench sizing --part 1/2 --out "$OUT/sizing1"
+  step bench-sizing-2 540 env -C "$OUT/sizing2" python3 -m reduction_server bench sizing --part 2/2 --out "$OUT/sizing2"
 }
 
 case "${1:-}" in
