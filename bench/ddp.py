@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from tqdm import tqdm
 
 from .emulated_network import cleanup_on_sigterm
-from .netem import Links, compressed_runs, medians, plan_runs, run_gloo, run_reduction_server
+from .netem import compressed_runs, labelled, medians, networks, plan_runs, run_gloo, run_reduction_server
 
 COLUMNS = [
     "peer",
@@ -65,17 +65,11 @@ def run(
     formats = compressed_runs(compressions)
     args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     gloo_runs = [(("gloo", name), [*args, "--hook", name]) for name in formats if name in _GLOO_HOOKS]
-    our_runs = [
-        ((label if name == "none" else f"{label} {name}", name), settings, [*args, "--hook", name])
-        for label, settings in ours
-        for name in formats
-    ]
+    our_runs = [(key, settings, [*args, "--hook", key[1]]) for key, settings in labelled(ours, formats)]
     rows: List[Dict] = []
     with cleanup_on_sigterm():
-        for (world, rate, r), reducer_rate in tqdm(
-            [(job, rr) for job in jobs for rr in (reducer_rates_mbit or [job[1]])], desc="ddp", unit="job"
-        ):
-            links = Links(world, rate, r, reducer_rate)
+        for links in tqdm(networks(jobs, reducer_rates_mbit), desc="ddp", unit="job"):
+            world, rate, r, reducer_rate = links
             runs: Dict[Tuple[str, str], List[Dict]] = {key: [] for key, *_ in (*gloo_runs, *our_runs)}
             with links.network(delay_ms) as net:
                 for _ in range(rounds):  # in turns: the peers meet the same quiet and busy moments

@@ -257,16 +257,30 @@ def run(
         raise ValueError(f"a ring needs at least 2 workers, got W={min(worlds)}")
     jobs, ours = plan_runs(worlds, rates_mbit, reducers, rounds, delay_ms, variants)
     formats = compressed_runs(compressions)
-    if reducer_rates_mbit is not None and not all(rate > 0 for rate in reducer_rates_mbit):
-        raise ValueError(f"reducer link rates must be positive, got {list(reducer_rates_mbit)}")
     rows: List[Dict] = []
     with cleanup_on_sigterm():
-        for (world, rate, r), reducer_rate in tqdm(
-            [(job, rr) for job in jobs for rr in (reducer_rates_mbit or [job[1]])], desc="netem", unit="job"
-        ):
-            links = Links(world, rate, r, reducer_rate)
+        for links in tqdm(networks(jobs, reducer_rates_mbit), desc="netem", unit="job"):
             rows += _measure(links, sizes_mib, iters, rounds, delay_ms, ours, formats)
     return rows
+
+
+def networks(jobs: Sequence[Tuple[int, float, int]], reducer_rates_mbit: Optional[Sequence[float]]) -> List["Links"]:
+    """Each (W, rate, R) of plan_runs with each reducer link rate (default: the workers')."""
+    if reducer_rates_mbit is not None and not all(rate > 0 for rate in reducer_rates_mbit):
+        raise ValueError(f"reducer link rates must be positive, got {list(reducer_rates_mbit)}")
+    return [Links(w, rate, r, rr) for w, rate, r in jobs for rr in (reducer_rates_mbit or [rate])]
+
+
+def labelled(
+    variants: Sequence[Tuple[str, Dict[str, str]]], formats: Sequence[str]
+) -> List[Tuple[Tuple[str, str], Dict[str, str]]]:
+    """((row label, format), settings) of this project's runs: each variant in each format, the
+    defaults' float32 first (the row the others are measured against)."""
+    return [
+        ((label if name == "none" else f"{label} {name}", name), settings)
+        for label, settings in variants
+        for name in formats
+    ]
 
 
 def _job_args(sizes_mib: Sequence[float], iters: int, dtype: str = "float32") -> List[str]:
@@ -331,26 +345,22 @@ def _measure(
     gloo_runs = [("gloo", "none", args)] + [
         ("gloo", name, _job_args(sizes_mib, iters, GLOO_DTYPES[name])) for name in formats if name in GLOO_DTYPES
     ]
-    our_runs = [
-        (label if name == "none" else f"{label} {name}", name, settings)
-        for label, settings in variants
-        for name in formats
-    ]
+    our_runs = labelled(variants, formats)
     times: Dict[Tuple[str, str], List[List[Dict]]] = {
         **{(peer, name): [] for peer, name, _ in gloo_runs},
-        **{(label, name): [] for label, name, _ in our_runs},
+        **{key: [] for key, _ in our_runs},
     }
     with links.network(delay_ms) as net:
         for _ in range(rounds):  # in turns, so that the peers meet the same quiet and busy moments
             for peer, name, gloo_args in gloo_runs:
                 times[peer, name].append(run_gloo(net, world, _ALLREDUCE_JOB, gloo_args, '{"bytes"'))
-            for label, name, settings in our_runs:
+            for (label, name), settings in our_runs:
                 job_args = args if name == "none" else [*args, "--compression", name]
                 times[label, name].append(
                     run_reduction_server(net, world, r, _ALLREDUCE_JOB, job_args, '{"bytes"', settings=settings)
                 )
     ours_bound, ring_bound = links.bounds()
-    float32 = our_runs[0][:2]  # this project's defaults, float32
+    float32 = our_runs[0][0]  # this project's defaults, float32
     rows = []
     for i, mib in enumerate(sizes_mib):
         nbytes = times["gloo", "none"][0][i]["bytes"]  # the float32 buffer's, whatever travels

@@ -385,7 +385,8 @@ def agreed_run_id(store: Any, rank: int, generation: int) -> Optional[str]:
     if rank == 0:
         store.set(key, secrets.token_hex(8))
     nonce = store.get(key).decode()  # waits for rank 0's, within the store's timeout
-    return f"{run_id()}/{nonce}" if run_id() else nonce
+    launcher = run_id()
+    return f"{launcher}/{nonce}" if launcher else nonce
 
 
 def create_backend(options: Any, backend_options: Any = None) -> ReductionServerProcessGroup:

@@ -186,12 +186,37 @@ def huge_zmtp_frame(address: str) -> None:
     zmtp.close()
 
 
+def fuzz_beside_a_job(comms, batch, before, after=lambda: None, min_iterations: int = 20):
+    """Two ranks all-reduce, every result checked, while batch() runs for FUZZ_SECONDS once they
+    have started (`before()` just ahead of it, `after()` just after it, while the job still runs);
+    the checked all-reduces each rank ran, and what before() returned."""
+    started, keep_going = threading.Event(), threading.Event()
+    keep_going.set()
+
+    def fuzz():
+        try:
+            assert started.wait(30), "the job did not start"
+            measured = before()
+            stop = time.monotonic() + FUZZ_SECONDS
+            while time.monotonic() < stop:
+                batch()
+            after()
+            return measured
+        finally:
+            keep_going.clear()  # the job stops after its next collective
+
+    loop = [
+        lambda c=c: job_loop(c, started, keep_going, min_iterations=min_iterations, max_iterations=10**7) for c in comms
+    ]
+    (n0, failures0), (n1, failures1), measured = ok(parallel(*loop, fuzz, timeout=90 + 2 * FUZZ_SECONDS))
+    assert n0 == n1 >= min_iterations and failures0 == [] and failures1 == []
+    return n0, measured
+
+
 def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
     env = {"RS_MAX_CHUNK_BYTES": str(MAX_CHUNK), "RS_TIMEOUT": "10"}
     with reducers(1, workers=2, extra_env=env) as group:
         comms = [communicator(group, r, 2) for r in range(2)]
-        started, keep_going = threading.Event(), threading.Event()
-        keep_going.set()
         rogues = Rogues(group.addresses[0])
 
         @BATCH
@@ -201,28 +226,15 @@ def test_a_live_reducer_survives_strangers_fuzzing_while_a_job_runs_beside_it():
                 rogues.act(slot, action)
             rogues.drain()
 
-        def fuzz() -> int:
-            """Fuzz for FUZZ_SECONDS once the job runs; its RSS before."""
-            try:
-                assert started.wait(30), "the job did not start"
-                base = rss(group.procs[0].pid)
-                huge_zmtp_frame(group.addresses[0])
-                stop = time.monotonic() + FUZZ_SECONDS
-                while time.monotonic() < stop:
-                    batch()
-                huge_zmtp_frame(group.addresses[0])
-                return base
-            finally:
-                keep_going.clear()  # the job stops after its next collective
+        def rss_then_a_huge_frame() -> int:
+            """The reducer's RSS before fuzzing, then a first 1 TiB frame."""
+            measured = rss(group.procs[0].pid)
+            huge_zmtp_frame(group.addresses[0])
+            return measured
 
-        (n0, failures0), (n1, failures1), base = ok(
-            parallel(
-                *[lambda c=c: job_loop(c, started, keep_going, min_iterations=50, max_iterations=10**7) for c in comms],
-                fuzz,
-                timeout=90 + 2 * FUZZ_SECONDS,
-            )
+        n0, base = fuzz_beside_a_job(
+            comms, batch, rss_then_a_huge_frame, after=lambda: huge_zmtp_frame(group.addresses[0]), min_iterations=50
         )
-        assert n0 == n1 >= 50 and failures0 == [] and failures1 == []
         time.sleep(0.5)
         rogues.drain()
         print(f"{rogues.sent} fuzz messages beside {n0} checked all-reduces; answers: {rogues.answers}")
@@ -321,8 +333,6 @@ def test_zmtp_streams_from_strangers_leave_a_live_reducer_bounded_while_a_job_ru
     env = {"RS_MAX_CHUNK_BYTES": str(MAX_CHUNK), "RS_TIMEOUT": "10"}
     with reducers(1, workers=2, extra_env=env) as group:
         comms = [communicator(group, r, 2) for r in range(2)]
-        started, keep_going = threading.Event(), threading.Event()
-        keep_going.set()
         pid, sent = group.procs[0].pid, [0]
 
         @BATCH
@@ -332,26 +342,7 @@ def test_zmtp_streams_from_strangers_leave_a_live_reducer_bounded_while_a_job_ru
                 send_zmtp(group.addresses[0], stream)
                 sent[0] += 1
 
-        def fuzz():
-            """Fuzz for FUZZ_SECONDS once the job runs; the reducer's RSS and descriptors before."""
-            try:
-                assert started.wait(30), "the job did not start"
-                before = rss(pid), open_fds(pid)
-                stop = time.monotonic() + FUZZ_SECONDS
-                while time.monotonic() < stop:
-                    batch()
-                return before
-            finally:
-                keep_going.clear()  # the job stops after its next collective
-
-        (n0, failures0), (n1, failures1), (base, fds) = ok(
-            parallel(
-                *[lambda c=c: job_loop(c, started, keep_going, min_iterations=20, max_iterations=10**7) for c in comms],
-                fuzz,
-                timeout=90 + 2 * FUZZ_SECONDS,
-            )
-        )
-        assert n0 == n1 >= 20 and failures0 == [] and failures1 == []
+        n0, (base, fds) = fuzz_beside_a_job(comms, batch, lambda: (rss(pid), open_fds(pid)))
         print(f"{sent[0]} fuzzed ZMTP connections beside {n0} checked all-reduces")
         assert sent[0] > 50
         wait_until_idle(group)
