@@ -89,6 +89,7 @@ def main():
     faulthandler.dump_traceback_later(float(os.environ.get("RS_TEST_DEADLINE", "60")), exit=True)
     torch.set_num_threads(1)  # ranks and reducers share this machine's cores
     out = {"rank": rank}
+    groups = []  # every group lives until os._exit: see below
     for task, port in zip(spec["tasks"], spec["master_ports"]):  # a fresh store for every group
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend, _, hook = task.partition(":")
@@ -97,10 +98,15 @@ def main():
         # DDP's reference cycles hold the group: collected here, not by a collection that runs on
         # one of gloo's threads, whose group would then join that very thread and abort
         gc.collect()
+        # ...and the group itself is held here: a gloo work item that one of gloo's threads lets
+        # go of last would otherwise destroy its group there, which joins that very thread and
+        # aborts ("Resource deadlock avoided", seen once in CI while the next group started)
+        groups.append(dist.group.WORLD)
         dist.destroy_process_group()
         print(f"rank {rank}: {task} done", file=sys.stderr, flush=True)
     faulthandler.cancel_dump_traceback_later()
     report(out)
+    os._exit(0)  # no group is torn down at all, on any thread
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
+from rank_end import end_rank
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +86,9 @@ def main() -> None:
             }
         )
     )
-    accelerator.end_training()
+    backend = dist.get_backend()
+    accelerator.end_training()  # which destroys the group
+    end_rank(backend)
 
 
 if __name__ == "__main__":

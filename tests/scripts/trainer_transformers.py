@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_end import end_rank
 from torch.utils.data import Dataset
 from transformers import BertConfig, BertForSequenceClassification, HfArgumentParser, Trainer, TrainingArguments
 
@@ -140,6 +141,7 @@ def main() -> None:
             }
         )
     )
+    end_rank(dist.get_backend())
 
 
 if __name__ == "__main__":
