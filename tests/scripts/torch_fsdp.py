@@ -1,15 +1,19 @@
-"""One rank of an FSDP2 job (torch.distributed.fsdp.fully_shard) on a backend: a small MLP
-trained on this rank's slice of a fixed batch, every layer sharded, then the full weights
-(gathered) and a single process's weights trained on the whole batch, printed as one JSON line.
+"""One rank of an FSDP2 job (torch.distributed.fsdp.fully_shard) on a backend: for each setup in
+turn, on a process group of its own, a small MLP trained on this rank's slice of a fixed batch,
+every layer sharded, then the full weights (gathered) and a single process's weights trained on
+the whole batch; all setups' results printed as one JSON line, by setup.
 
-argv: backend ("reduction_server" or "gloo"), mesh ("fsdp": 1-D over all ranks; "hsdp": 2-D,
-replicate x shard, 2 x W/2; "hsdp-hook": FSDP over the shard dimension only, the replicas
-averaged by this project's all-reduce hook), precision ("fp32"; "bf16": bf16 parameters, fp32
-reduce; "int8": this project's int8 reduce-scatter, and int8 replicas' hook for hsdp-hook, with
-error feedback). With int8 it also reports how much the residuals hold and what a MAX
-reduce-scatter is told.
+argv: one JSON object: "backend" ("reduction_server" or "gloo"), "setups" ("<mesh>:<precision>"
+each) and "master_ports" (one per setup, a fresh store for each group). mesh: "fsdp" (1-D over
+all ranks), "hsdp" (2-D, replicate x shard, 2 x W/2), "hsdp-hook" (FSDP over the shard dimension
+only, the replicas averaged by this project's all-reduce hook). precision: "fp32"; "bf16" (bf16
+parameters, fp32 reduce); "int8" (this project's int8 reduce-scatter, and int8 replicas' hook
+for hsdp-hook, with error feedback), which also reports how much the residuals hold and what a
+MAX reduce-scatter is told. Setups share the processes because starting W ranks that import
+torch costs more than the training.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rank_end import end_rank  # noqa: E402
 from report import report  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -55,13 +60,21 @@ def flat(params) -> list:
 
 
 def main() -> None:
-    backend, mesh_kind, precision = sys.argv[1:4]
-    if backend == "reduction_server":
-        os.environ.pop("MASTER_ADDR", None)  # the discovery-only rendezvous
-    else:  # the peer: torch's own env:// rendezvous, at the test's MASTER_PORT
-        os.environ.update(RANK=os.environ["RS_RANK"], WORLD_SIZE=os.environ["RS_WORLD_SIZE"])
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RS_RANK"]), int(os.environ["RS_WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group(backend)
+    out = {"rank": rank}
+    for setup, port in zip(spec["setups"], spec["master_ports"]):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(spec["backend"])
+        out[setup] = run(*setup.split(":"))
+        dist.destroy_process_group()
+    report(out)
+    end_rank(spec["backend"])
+
+
+def run(mesh_kind: str, precision: str) -> dict:
+    """One setup on the default group: its weights, the single process's, the initial ones."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if mesh_kind.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -92,16 +105,12 @@ def main() -> None:
         extra.update(residual=sum(float(r.abs().sum()) for r in residuals), compressed=len(residuals))
     reference = make_model()
     train(reference, data)
-    dist.destroy_process_group()
-    report(
-        {
-            "rank": rank,
-            "weights": sharded,
-            "reference": flat(reference.parameters()),
-            "initial": flat(make_model().parameters()),
-            **extra,
-        }
-    )
+    return {
+        "weights": sharded,
+        "reference": flat(reference.parameters()),
+        "initial": flat(make_model().parameters()),
+        **extra,
+    }
 
 
 def compress(model: nn.Module, mesh) -> dict:
