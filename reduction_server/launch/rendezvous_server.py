@@ -126,7 +126,11 @@ class _Handler(BaseHTTPRequestHandler):
             proof, body = self._proved()
         except Refused as refusal:
             return self._refuse(refusal)
-        self.server.proved(self.request)
+        if not self.server.proved(self.request):
+            # shut while it proved (past the cap or its deadline): its worker, cut off, asks again,
+            # so nothing is done for this one (a join answered here would count twice)
+            self.close_connection = True
+            return
         status, document = self.server.membership.answer(self.path, body)
         answer = _json(document)
         self._send(
@@ -229,10 +233,11 @@ class Server(ThreadingHTTPServer):
             self.note("rendezvous_refused", "connections", peer=client_address[0], cap=self.max_unproved)
         return True
 
-    def proved(self, request: Any) -> None:
-        """The connection's request proved the token: it no longer counts against the bounds."""
+    def proved(self, request: Any) -> bool:
+        """The connection's request proved the token: it no longer counts against the bounds. False
+        when it was shut first (closed as the oldest past the cap, or at its read deadline)."""
         with self.lock:
-            self.unproved.pop(request, None)
+            return self.unproved.pop(request, None) is not None
 
     def shutdown_request(self, request: Any) -> None:
         self.proved(request)  # taken out before it is closed: _reap never shuts down a closed socket
