@@ -73,6 +73,7 @@ setup(
             "pytest>=7",
             "build",
             "pytest-timeout",
+            "pytest-xdist",  # the suite runs on two workers (pyproject.toml)
             "hypothesis",
             "atheris",
             "psutil",

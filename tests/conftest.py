@@ -15,9 +15,15 @@ from typing import Iterator
 
 import pytest
 
+from helpers import ports
 from helpers.source_tree import ROOT  # imports nothing of reduction_server
 
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+# pytest-xdist tells a worker who it is in its environment; the processes tests start are no
+# workers (pytest-benchmark times nothing in a process that says it is one). The worker's share
+# of the ports is fixed here and the variables go.
+_WORKER = os.environ.pop("PYTEST_XDIST_WORKER", "")
+ports.share_out(int(_WORKER.removeprefix("gw") or 0), int(os.environ.pop("PYTEST_XDIST_WORKER_COUNT", "1")))
 # One process per reducer unless a test asks for shards (test_shards.py, test_failover.py); a test
 # of one reducer process itself pins it (helpers.cluster.ONE_PROCESS), and one that stops or kills
 # a reducer signals its shards too (Reducers.signal). RS_SHARDS=2 python -m pytest runs every
@@ -34,8 +40,12 @@ collect_ignore_glob = ["fixtures/*"]  # third-party test files, run by the test 
 
 
 def pytest_collection_finish(session) -> None:
-    """The Docker tests' base file system is made while the other tests run (helpers/base_rootfs.py)."""
-    if not session.config.option.collectonly and any(item.path.name == "test_docker.py" for item in session.items):
+    """The Docker tests' base file system is made while the other tests run (helpers/base_rootfs.py).
+    Under pytest-xdist every worker collects every test but only one runs the Docker tests: that
+    one makes it when they start."""
+    if _WORKER or session.config.option.collectonly:
+        return
+    if any(item.path.name == "test_docker.py" for item in session.items):
         base_rootfs.start()
 
 

@@ -237,6 +237,8 @@ def _rank_command(tests: List[str], report: Path) -> List[str]:
         "-v",
         "-p",
         "no:cacheprovider",
+        "-o",
+        "addopts=",  # not this project's options (its workers): each rank runs its tests in order
         *plugins,
         f"--rootdir={SUITE_DIR}",
         f"--confcutdir={SUITE_DIR}",

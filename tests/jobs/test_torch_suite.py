@@ -153,7 +153,18 @@ def _run(world: int, tests: List[str], tmp_path: Path, spec: str) -> Dict[str, t
     env.pop("MASTER_PORT", None)
     targets = [f"torch_suite.py::TestBackend::{name}" for name in tests] or ["torch_suite.py"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *targets],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",  # not this project's options (its workers): the suite's ranks are torch's
+            f"--junitxml={report}",
+            *targets,
+        ],
         cwd=SCRIPTS,
         env=env,
         capture_output=True,
