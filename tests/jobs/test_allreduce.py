@@ -40,16 +40,18 @@ def test_every_dtype_and_op(world, num_reducers):
 
 @pytest.mark.parametrize("world,num_reducers", [(4, 2), (2, 3)])
 def test_64_mib_buffers(world, num_reducers):
-    count = 16 * 1024 * 1024 + 3  # 64 MiB of float32 and a tail: not a multiple of the chunk size
+    """64 MiB of float32 and a tail (not a multiple of the chunk size); at W=2 also float16 and
+    int32 of as many elements (each rank's NumPy reference of W such buffers is most of the cost)."""
+    count = 16 * 1024 * 1024 + 3
     spec = {
         "sequential": [
             {"dtype": "float32", "op": "sum", "count": count, "seed": 7},
             {"dtype": "float16", "op": "avg", "count": count, "seed": 8},
             {"dtype": "int32", "op": "max", "count": count, "seed": 9},
-        ]
+        ][: 3 if world == 2 else 1]
     }
     with reducers(num_reducers, workers=world) as group:
         results = run_workers(world, group, "allreduce_worker.py", [json.dumps(spec)])
     for result in results:
         assert result["failures"] == []
-        assert result["done"] == 3
+        assert result["done"] == len(spec["sequential"])
