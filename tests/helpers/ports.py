@@ -21,6 +21,8 @@ REDUCER_PORTS, TEST_PORTS, PICKED_PORTS, EPHEMERAL = 11000, 21000, 26500, 32000
 
 _worker, _workers = 0, 1  # this pytest-xdist worker's index and their number (share_out)
 _next = itertools.count()  # free_ports moves on at each call: a port just handed out may not be bound yet
+#: between two ports free_ports hands out: a sharded reducer also listens on the ports after its own
+_SPACING = 8
 
 
 def share_out(worker: int, workers: int) -> None:
@@ -46,8 +48,8 @@ def _bindable(port: int, reuse: bool = False, host: str = "127.0.0.1") -> bool:
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
-    """`count` distinct ports free on `host` now, each for a listener of its own."""
-    share = _share(PICKED_PORTS, EPHEMERAL)
+    """`count` distinct ports free on `host` now, each for a listener of its own, _SPACING apart."""
+    share = _share(PICKED_PORTS, EPHEMERAL)[::_SPACING]
     found: List[int] = []
     for _ in range(len(share)):
         port = share[next(_next) % len(share)]

@@ -15,7 +15,7 @@ import pytest
 
 import reduction_server.client as rs
 from helpers.cluster import ONE_PROCESS, TOKEN, child_env, reducers
-from helpers.jobs import run_job
+from helpers.jobs import run_job, until
 from helpers.metrics import Samples, scrape, value
 from helpers.ports import free_port_range
 from reduction_server.client.chunking import plan_chunks
@@ -27,12 +27,15 @@ WORLD = 2
 BUDGET = 256 << 20
 # (dtype, element count) of each all-reduce the job runs: one chunk, several chunks, 16-bit floats
 # (the larger one in chunks of 256 KiB, read by both ranks from a result slot), a last small one.
+SENT = "reduction_server_sent_bytes_total"
 CASES = [(np.float32, 1000), (np.float32, 300_000), (np.float16, 5000), (np.float16, 1 << 22), (np.int64, 7)]
 
 
 def test_metrics_show_what_the_job_did():
     port = free_port_range(1)
     env = {"RS_METRICS_PORT": str(port), "RS_MAX_ACCUMULATOR_BYTES": str(BUDGET), **ONE_PROCESS}
+    payload = sum(np.dtype(dtype).itemsize * count for dtype, count in CASES)
+    barrier = np.dtype(np.int32).itemsize  # a barrier all-reduces one int32
     with reducers(1, workers=WORLD, token=TOKEN, extra_env=env) as group:
         before = scrape(port)
         assert value(before, "reduction_server_received_bytes_total") == 0
@@ -48,7 +51,12 @@ def test_metrics_show_what_the_job_did():
             comm.barrier()
             live = {}
             if rank == 0:  # both ranks connected, rank 1 holding back its next collective
-                live = scrape(port)
+
+                def settled() -> bool:  # the barrier's results count once both are out, maybe after rank 0 has its
+                    live.update(scrape(port))
+                    return value(live, SENT) == WORLD * (payload + barrier)
+
+                until(settled, "the reducer to count both barrier results as sent", 10)
                 scraped.set()
             assert scraped.wait(30)
             comm.barrier()
@@ -58,12 +66,10 @@ def test_metrics_show_what_the_job_did():
         after = scrape(port)
         assert group.alive()
 
-    payload = sum(np.dtype(dtype).itemsize * count for dtype, count in CASES)
-    barrier = np.dtype(np.int32).itemsize  # a barrier all-reduces one int32
     rounds = sum(len(plan_chunks(count, np.dtype(dtype).itemsize, 1, 4 << 20)) for dtype, count in CASES) + 1
     mismatched = 10 * 4 + 20 * 4  # both ranks' payloads arrived; neither made a result
     assert value(live, "reduction_server_received_bytes_total") == WORLD * (payload + barrier) + mismatched
-    assert value(live, "reduction_server_sent_bytes_total") == WORLD * (payload + barrier)
+    assert value(live, SENT) == WORLD * (payload + barrier)
     # the ranks share the reducer's host: every chunk went both ways through shared memory
     assert value(live, "reduction_server_shared_memory_bytes_total") == 2 * WORLD * (payload + barrier) + mismatched
     assert value(live, "reduction_server_shared_results_total") == WORLD * len(plan_chunks(1 << 22, 2, 1, 4 << 20))
