@@ -448,10 +448,15 @@ def test_reducer_containers_allreduce_with_cluster_spec_and_tf_config(image: Dic
 COMPOSE = ROOT / "examples" / "compose" / "docker-compose.yml"
 
 
+ROUNDS = 80  # of the compose job's checks
+
+
 def test_compose_job_on_its_own_network_survives_a_reducer_container_killed(image: Dict, engine: Engine) -> None:
     """examples/compose: 2 reducer and 2 worker containers from the image on the project's own
-    network; the workers check every all-reduce against NumPy for 30 rounds, and reducer1's
-    container is killed after round 3: its chunks move to reducer0, every result stays right."""
+    network; the workers check every all-reduce against NumPy for 80 rounds, and reducer1's
+    container is killed after round 2: its chunks move to reducer0, every result stays right.
+    (Killed by the engine's own CLI: `docker-compose kill`, a Python program, once took longer to
+    start than the workers took for 27 rounds on a loaded machine.)"""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     started = time.monotonic()
@@ -460,7 +465,7 @@ def test_compose_job_on_its_own_network_survives_a_reducer_container_killed(imag
         engine.env,
         IMAGE=image["tag"],
         RS_JOB_TOKEN=TOKEN,
-        CHECK_ARGS="--rounds 30 --mib 4 --iters 2",
+        CHECK_ARGS=f"--rounds {ROUNDS} --mib 4 --iters 2",
         COMPOSE_PROJECT_NAME=project,
     )
     compose = ["docker-compose", "--ansi", "never", "-f", str(COMPOSE)]
@@ -474,11 +479,11 @@ def test_compose_job_on_its_own_network_survives_a_reducer_container_killed(imag
     try:
         _run([*compose, "up", "-d"], env, timeout=120)
         deadline = time.monotonic() + 90
-        while "round 3 of 30 checked" not in logs("worker0"):
+        while f"round 2 of {ROUNDS} checked" not in logs("worker0"):
             assert time.monotonic() < deadline, logs("worker0") + logs("reducer0") + logs("reducer1")
             assert state("worker0")["Running"], logs("worker0")
             time.sleep(0.3)
-        _run([*compose, "kill", "reducer1"], env)
+        engine.docker("kill", f"{project}_reducer1_1")
         deadline = time.monotonic() + 120
         while any(state(w)["Running"] for w in ("worker0", "worker1")):
             assert time.monotonic() < deadline, logs("worker0") + logs("worker1")
@@ -486,11 +491,12 @@ def test_compose_job_on_its_own_network_survives_a_reducer_container_killed(imag
         for rank, worker in enumerate(("worker0", "worker1")):
             text = logs(worker)
             assert state(worker)["ExitCode"] == 0, f"{text}\n{logs('reducer0')}\n{state('reducer0')}"
-            assert f"rank {rank}: round 30 of 30 checked, 0 wrong so far" in text and f"rank {rank}: OK" in text, text
+            assert f"rank {rank}: round {ROUNDS} of {ROUNDS} checked, 0 wrong so far" in text, text
+            assert f"rank {rank}: OK" in text, text
             # it lost reducer 1 (both its shards) mid-job, and its chunks moved
             lost = text.index("reducer_lost")
             assert "address=reducer1:5555" in text and "failover=True" in text[lost:], text
-            assert lost < text.index(f"rank {rank}: round 30 of 30 checked"), text
+            assert lost < text.index(f"rank {rank}: round {ROUNDS} of {ROUNDS} checked"), text
         assert "PASSED: every result of every rank was right" in logs("worker0")
         assert state("reducer0")["Running"] and not state("reducer1")["Running"]
         took = time.monotonic() - started
