@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rank_end import leave  # noqa: E402
 from report import report  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -89,7 +90,7 @@ def main():
     faulthandler.dump_traceback_later(float(os.environ.get("RS_TEST_DEADLINE", "60")), exit=True)
     torch.set_num_threads(1)  # ranks and reducers share this machine's cores
     out = {"rank": rank}
-    groups = []  # every group lives until os._exit: see below
+    groups = []  # every group lives until leave(): see below
     for task, port in zip(spec["tasks"], spec["master_ports"]):  # a fresh store for every group
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend, _, hook = task.partition(":")
@@ -106,7 +107,7 @@ def main():
         print(f"rank {rank}: {task} done", file=sys.stderr, flush=True)
     faulthandler.cancel_dump_traceback_later()
     report(out)
-    os._exit(0)  # no group is torn down at all, on any thread
+    leave()
 
 
 if __name__ == "__main__":
